@@ -1,0 +1,110 @@
+"""Public entry points: validate, prepare, run the kernel, convert the outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .blas import single_threaded_blas
+from .config import setup_config
+from .dtypes import to_bf16_array
+from .kernels.backward import clamp_packing_bounds, flash_attn_bwd
+from .validation import validate_bwd_inputs
+
+__all__ = ["attention_bwd"]
+
+
+def _to_dtype(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Kernel float32 output -> the caller's dtype (bf16 values are already rounded)."""
+    return x if dtype == np.float32 else to_bf16_array(x)
+
+
+def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
+                  bound_max=None, use_causal_mask=False, mixed_precision=False, softmax_scale=None,
+                  sliding_window=None):
+    """Flash-attention backward, the CPU twin of Neuron's NKI ``attention_bwd``.
+
+    Computes dQ, dK, dV (and dsinks) from the forward's output ``o`` and its
+    log-sum-exp ``lse`` without materialising the score matrix: P is
+    recomputed tile by tile as ``exp(S - lse)`` and the softmax-backward row
+    sum is ``D = rowsum(o * dy)``.
+
+    Parameters
+    ----------
+    q_ref : ndarray ``[bs, nheads, d_head, seqlen_q]``, float32 or ``ml_dtypes.bfloat16``
+        Queries, head_dim before seq (the Neuron layout).
+    k_ref, v_ref : ndarray ``[bs, nheads_kv, d_head, seqlen_k]``, same dtype
+        Keys and values; ``nheads % nheads_kv == 0`` (GQA / MQA).
+    o_ref : ndarray ``[bs, nheads, d_head, seqlen_q]``, same dtype
+        Forward output; used for ``D = rowsum(o * dy)``.
+    dy_ref : ndarray ``[bs, nheads, d_head, seqlen_q]``, same dtype
+        Upstream gradient dL/do.
+    lse_ref : float32 ndarray ``[bs, nheads, 128, seqlen_q // 128]`` or ``[bs, nheads, seqlen_q]``
+        Log-sum-exp of each query row, from the forward. The 4-D Neuron
+        packing has ``lse[b, h, p, t]`` = LSE of row ``t * 128 + p``; the 3-D
+        natural layout works for any seqlen_q. ``+inf`` marks a row that
+        attends to nothing (its gradient is zero); NaN and ``-inf`` are errors.
+    sinks_ref : ndarray ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``, float32 or bf16, optional
+        Attention-sink logits: extra softmax columns without a value.
+    bound_min, bound_max : float32 ndarray ``[seqlen_q]``, optional (both or neither)
+        Sequence packing: query ``i`` attends keys ``bound_min[i] <= j < bound_max[i]``.
+        With ``use_causal_mask`` the bounds are clamped to ``j <= i`` (and to
+        the window).
+    use_causal_mask : bool
+        Key ``j`` is visible to query ``i`` only if ``j <= i``; needs
+        ``seqlen_q == seqlen_k``.
+    mixed_precision : bool
+        bf16 inputs: accumulate dQ/dK/dV and the softmax statistics in
+        float32 (True) or in bf16 as the hardware does without it (False).
+        No effect on float32 inputs.
+    softmax_scale : float, optional
+        Score scale, default ``1 / sqrt(d_head)``; folded into Q at load.
+    sliding_window : int, optional
+        Causal only: query ``i`` sees keys ``i - w + 1 .. i`` with
+        ``w = min(sliding_window, seqlen_k)``; ``None`` or 0 for no window.
+
+    Returns
+    -------
+    dq : ``[bs, nheads, d_head, seqlen_q]``
+    dk, dv : ``[bs, nheads_kv, d_head, seqlen_k]``, summed over the q-heads of each KV head
+    dsinks : shape and dtype of ``sinks_ref`` (only when sinks are given)
+        ``dsinks = -sum_q p_sink * D``.
+
+    Gradients come back in the inputs' dtype. Inputs are never modified.
+
+    Raises
+    ------
+    TypeError
+        A non-array input, a dtype other than float32/bf16, mixed dtypes, a
+        non-bool flag, a non-real scale or a non-integer window.
+    ValueError
+        Inconsistent shapes, causal with ``seqlen_q != seqlen_k``, a window
+        without causal, bounds given alone, non-finite inputs, NaN or
+        ``-inf`` in ``lse_ref``, a non-finite ``softmax_scale``.
+    """
+    prob = validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min,
+                               bound_max, use_causal_mask, mixed_precision, softmax_scale,
+                               sliding_window)
+    bs, nheads, d_head, seqlen_q = prob.q.shape
+    nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
+    # Zero-length sequences run the same kernel with empty loops.
+    cfg = setup_config(max(seqlen_q, 1), max(seqlen_k, 1), d_head)
+    bound_min32, bound_max32 = clamp_packing_bounds(prob.bound_min, prob.bound_max,
+                                                    prob.use_causal_mask, prob.window)
+    round_kernel = prob.is_bf16
+    round_mixed = prob.is_bf16 and not prob.mixed_precision
+
+    dq = np.empty((bs, nheads, d_head, seqlen_q), dtype=np.float32)
+    dk = np.empty((bs, nheads_kv, d_head, seqlen_k), dtype=np.float32)
+    dv = np.empty_like(dk)
+    dsinks = np.empty(prob.sinks.shape, dtype=np.float32)
+    with single_threaded_blas():
+        flash_attn_bwd(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks,
+                       bound_min32, bound_max32, prob.use_packing, prob.use_causal_mask,
+                       prob.window, np.float32(prob.softmax_scale), round_kernel, round_mixed,
+                       cfg.q_tile, cfg.k_tile, cfg.k_sub_tile, cfg.q_tile_group, cfg.d_tile,
+                       cfg.section_len, dq, dk, dv, dsinks)
+
+    grads = (_to_dtype(dq, prob.dtype), _to_dtype(dk, prob.dtype), _to_dtype(dv, prob.dtype))
+    if prob.sinks_shape is None:
+        return grads
+    return grads + (_to_dtype(dsinks, prob.sinks_dtype).reshape(prob.sinks_shape),)

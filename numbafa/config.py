@@ -1,0 +1,168 @@
+"""The one place for numbafa's tunables: JIT flags and the Neuron tiling constants.
+
+Every ``@njit`` in the package is created through :func:`jit`, so its flags
+(``fastmath``, ``cache``, ``error_model``, ...) come from :data:`JIT_FLAGS` and
+nowhere else. ``tests/test_config.py`` greps the sources for hard-coded flags.
+
+Flags are read when a module defining kernels is first imported. To change them,
+set the environment variables below *before* ``import numbafa``:
+
+``NUMBAFA_CACHE=1``
+    Compile kernels with ``cache=True`` (on-disk cache next to the sources or in
+    ``NUMBA_CACHE_DIR``). Off by default: a cached kernel is keyed on this
+    file's source, and stale caches after an in-place edit of the package are
+    the classic Numba foot-gun.
+
+``fastmath`` is deliberately off and not configurable: the kernel emulates the
+Neuron kernel's rounding points, and reassociation or flush-to-zero would make
+the results depend on the compiler rather than on the algorithm.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numba
+
+__all__ = [
+    "JIT_FLAGS",
+    "jit",
+    "Q_TILE",
+    "K_TILE",
+    "K_SUB_TILE",
+    "Q_TILE_GROUP",
+    "SECTION_BUDGET",
+    "D_TILE_MAX",
+    "FLOAT32_MIN",
+    "TileConfig",
+    "setup_config",
+]
+
+
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name, "0").strip().lower()
+    return value not in ("", "0", "false", "no", "off")
+
+
+#: Flags shared by every jitted function of the package.
+JIT_FLAGS: dict = {
+    "fastmath": False,
+    "cache": _env_flag("NUMBAFA_CACHE"),
+    # 'numpy' error model: float division by zero gives inf/nan instead of
+    # raising, as in NumPy, and lets LLVM vectorise divisions.
+    "error_model": "numpy",
+    "nogil": True,
+}
+
+
+def jit(*, parallel: bool = False):
+    """Return ``numba.njit`` configured with :data:`JIT_FLAGS`.
+
+    Parameters
+    ----------
+    parallel : bool
+        Only the top-level kernels that ``prange`` over work units set this.
+    """
+    return numba.njit(parallel=parallel, **JIT_FLAGS)
+
+
+# --------------------------------------------------------------------------
+# Tiling constants of the Neuron kernel (seed: "Tile sizes", NUMERICS.md).
+# --------------------------------------------------------------------------
+
+#: Query rows per Q tile (the partition dimension, ``pmax``).
+Q_TILE = 128
+#: Keys per K tile (``k_seq_tile_size``), capped by seqlen_k.
+K_TILE = 512
+#: Width of the transposed K sub-tiles of the dQ matmul (``k_seq_tile_size_backward``).
+K_SUB_TILE = 128
+#: Q tiles processed together (``q_tile_group_size``).
+Q_TILE_GROUP = 4
+#: Key budget of one KV section before dividing by power_of_2(head-dim tiles).
+SECTION_BUDGET = 8192
+#: Largest head-dim tile (the partition count).
+D_TILE_MAX = 128
+#: The finite float32 minimum the kernel writes into masked scores.
+FLOAT32_MIN = -3.4028234663852886e38
+
+
+def power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (the seed's ``power_of_2``)."""
+    if n < 1:
+        raise ValueError(f"power_of_2 expects n >= 1, got {n}")
+    return 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Every tile count of one call, derived by :func:`setup_config`.
+
+    Attributes
+    ----------
+    seqlen_q, seqlen_k, d_head : int
+        Problem sizes.
+    q_tile : int
+        Rows per Q tile (128; the last tile may be shorter).
+    k_tile : int
+        Keys per K tile, ``min(512, seqlen_k)`` (the last tile may be shorter).
+    k_sub_tile : int
+        Transposed K sub-tile width of the dQ matmul.
+    q_tile_group : int
+        Q tiles per group (4).
+    d_tile : int
+        Head-dim tile, ``ceil(d_head / ceil(d_head / 128))``.
+    d_n_tiles : int
+        Number of head-dim tiles.
+    section_len : int
+        Keys per KV section, ``8192 // power_of_2(d_n_tiles)``.
+    """
+
+    seqlen_q: int
+    seqlen_k: int
+    d_head: int
+    q_tile: int
+    k_tile: int
+    k_sub_tile: int
+    q_tile_group: int
+    d_tile: int
+    d_n_tiles: int
+    section_len: int
+
+    @property
+    def q_n_tiles(self) -> int:
+        return -(-self.seqlen_q // self.q_tile)
+
+    @property
+    def n_sections(self) -> int:
+        return -(-self.seqlen_k // self.section_len)
+
+
+def setup_config(seqlen_q: int, seqlen_k: int, d_head: int) -> TileConfig:
+    """Derive the tiling of one call (the seed's ``setup_config``).
+
+    Unlike the hardware kernel, any positive sizes are accepted: the last Q, K
+    and section tiles are simply shorter.
+    """
+    for name, value in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k), ("d_head", d_head)):
+        if value < 1:
+            raise ValueError(f"{name} should be >= 1, got {value}")
+    d_n_tiles = math.ceil(d_head / D_TILE_MAX)
+    d_tile = math.ceil(d_head / d_n_tiles)
+    k_tile = min(K_TILE, seqlen_k)
+    section_len = SECTION_BUDGET // power_of_2(d_n_tiles)
+    # A section always holds whole K tiles.
+    section_len = max(K_TILE, (section_len // K_TILE) * K_TILE)
+    return TileConfig(
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        d_head=d_head,
+        q_tile=Q_TILE,
+        k_tile=k_tile,
+        k_sub_tile=K_SUB_TILE,
+        q_tile_group=Q_TILE_GROUP,
+        d_tile=d_tile,
+        d_n_tiles=d_n_tiles,
+        section_len=section_len,
+    )

@@ -1,0 +1,103 @@
+"""bf16 <-> float32 conversion and rounding, usable inside ``@njit`` code.
+
+NumPy has no bf16; numbafa takes ``ml_dtypes.bfloat16`` arrays at the API and
+hands the kernels their ``uint16`` bit patterns. Inside the kernels every
+bf16-valued quantity lives in a float32 buffer holding an exactly
+representable bf16 value, so a float32 BLAS ``sgemm`` of two such buffers is
+exactly "bf16 products, fp32 accumulation" (a bf16 x bf16 product has at most
+16 significant bits and is exact in float32).
+
+Rounding float32 -> bf16 is round-to-nearest-even on the bit pattern, the
+same rule as ``ml_dtypes`` (NaN stays NaN and becomes quiet, +-inf stay
++-inf, finite values above the bf16 range round to +-inf).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+from numba.extending import overload
+
+from .config import jit
+
+__all__ = [
+    "BFLOAT16",
+    "is_bf16",
+    "bf16_bits_to_f32",
+    "f32_to_bf16_bits",
+    "round_to_bf16",
+    "round_to_bf16_inplace",
+    "widen",
+    "to_bf16_array",
+]
+
+#: The NumPy dtype of bf16 arrays at the API.
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def is_bf16(dtype) -> bool:
+    """True if ``dtype`` is ``ml_dtypes.bfloat16``."""
+    return np.dtype(dtype) == BFLOAT16
+
+
+@jit()
+def bf16_bits_to_f32(bits):
+    """Widen one bf16 bit pattern (uint16) to its exact float32 value."""
+    return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
+
+
+@jit()
+def f32_to_bf16_bits(x):
+    """Round one float32 to bf16 (nearest, ties to even); return the uint16 bits."""
+    u = np.float32(x).view(np.uint32)
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN: keep sign, make quiet
+        return np.uint16((u >> np.uint32(16)) | np.uint32(0x0040))
+    lsb = (u >> np.uint32(16)) & np.uint32(1)
+    u = u + np.uint32(0x7FFF) + lsb
+    return np.uint16(u >> np.uint32(16))
+
+
+@jit()
+def round_to_bf16(x):
+    """Round one float32 to the nearest bf16 value, returned as float32."""
+    return bf16_bits_to_f32(f32_to_bf16_bits(x))
+
+
+@jit()
+def round_to_bf16_inplace(buf):
+    """Round every element of a contiguous float32 array to bf16, in place."""
+    flat = buf.reshape(-1)
+    for i in range(flat.size):
+        flat[i] = round_to_bf16(flat[i])
+
+
+def widen(x):  # pragma: no cover - replaced by the overload inside njit code
+    """Element as float32: identity for float32, bf16 widening for uint16 bits."""
+    raise NotImplementedError("widen is only callable from @njit code")
+
+
+@overload(widen)
+def _widen_overload(x):
+    from numba import types
+
+    if x == types.uint16:
+        return lambda x: bf16_bits_to_f32(x)
+    if x == types.float32:
+        return lambda x: x
+    return None
+
+
+@jit(parallel=False)
+def _f32_to_bf16_bits_array(src, dst):
+    s = src.reshape(-1)
+    d = dst.reshape(-1)
+    for i in range(s.size):
+        d[i] = f32_to_bf16_bits(s[i])
+
+
+def to_bf16_array(x: np.ndarray) -> np.ndarray:
+    """Round a float32 array to a new ``ml_dtypes.bfloat16`` array (RNE)."""
+    src = np.ascontiguousarray(x, dtype=np.float32)
+    bits = np.empty(src.shape, dtype=np.uint16)
+    _f32_to_bf16_bits_array(src, bits)
+    return bits.view(BFLOAT16)

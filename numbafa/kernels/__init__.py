@@ -1,0 +1,1 @@
+"""The ``@njit`` kernels. They assume validated, normalised inputs."""

@@ -1,0 +1,370 @@
+"""The flash-attention backward kernel: a CPU twin of Neuron's ``attention_bwd``.
+
+Pseudocode of the Neuron kernel (seed, ``attention_bwd.py:113-139``), which
+the helpers below cite by step number::
+
+    D      = rowsum(dO * O)                  # Step 1
+    S      = Q_scaled^T K                    # Step 2.1-2.2 (scale folded into Q)
+    S      = mask(S)                         # Step 2.3
+    P      = exp(S - LSE)                    # Step 2.4
+    dV    += P^T dO                          # Step 3.1
+    dP     = dO^T V                          # Step 3.2
+    dS     = (dP - D) * P                    # Step 4
+    dQ    += (dS K) * softmax_scale          # Step 5.1
+    dK    += Q_scaled^T dS                   # Step 5.2
+
+Loop nest (seed, ``flash_attn_bwd``): ``prange`` over ``bs * nheads_kv`` work
+units; per unit, KV sections outer (dK/dV section accumulators summed over
+every q-head of the GQA group), q-heads, Q-tile groups of 4 x 128 rows (dQ
+zeroed on the first section, reloaded from the output on later ones, D
+computed on the first section only), then the K tiles of the section.
+
+CPU layout. The Neuron tensors are ``[d_head, seq]``; every tile is loaded
+here *transposed*, as a C-contiguous ``[seq, d_head]`` block (K^T, V^T,
+Q_scaled^T, dO^T, dQ^T). The score-shaped tiles of one (Q group, K tile)
+pair are kept as ``[keys, queries]`` (S^T, P^T, dP^T, dS^T), so every matmul
+is one BLAS call on contiguous operands and no tile is ever transposed by
+copying:
+
+* ``S^T  = K^T (Q_scaled^T)^T``   ``dP^T = V^T (dO^T)^T``
+* ``dV  += P^T dO^T``             ``dK  += dS^T Q_scaled^T``
+* ``dQ  += sum_kb (dS^T[kb])^T K^T[kb] * scale`` over 128-key sub-tiles kb.
+
+Numerics (``shared/NUMERICS.md``). All arithmetic is float32. Two flags say
+where a written tile is rounded to bf16: ``round_kernel`` (inputs are bf16:
+tiles written in ``kernel_dtype``) and ``round_mixed`` (bf16 inputs and
+``mixed_precision=False``: tiles written in ``mixed_dtype``). Matmul
+products of bf16-valued float32 operands are exact, so BLAS sgemm is "bf16
+in, fp32 accumulate". The kernel writes float32 outputs whose values are
+already rounded to the output dtype; the API converts them.
+
+The kernel never validates; :mod:`numbafa.validation` does, before it runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import prange
+
+from ..config import FLOAT32_MIN, jit
+from ..dtypes import round_to_bf16, widen
+
+__all__ = ["flash_attn_bwd", "clamp_packing_bounds"]
+
+_F32_MIN = np.float32(FLOAT32_MIN)
+
+
+@jit()
+def _round_if(x, flag):
+    """Round a float32 to bf16 when ``flag`` (a tile written in bf16)."""
+    if flag:
+        return round_to_bf16(x)
+    return x
+
+
+@jit()
+def clamp_packing_bounds(bound_min, bound_max, use_causal_mask, window):
+    """Clamp packing bounds per query row (seed ``flash_attn_bwd:1120-1131``).
+
+    Causal: ``bound_max[q] = min(bound_max[q], q + 1)``; window ``w > 0``:
+    ``bound_min[q] = max(bound_min[q], q - w + 1)``. Returns new arrays.
+    """
+    lo = bound_min.copy()
+    hi = bound_max.copy()
+    if use_causal_mask:
+        for i in range(hi.size):
+            hi[i] = min(hi[i], np.float32(i + 1))
+            if window > 0:
+                lo[i] = max(lo[i], np.float32(i - window + 1))
+    return lo, hi
+
+
+@jit()
+def load_transposed(src, start, count, out, scale, round_kernel):
+    """Load ``src[:, start:start+count]`` (``[d, seq]``) into ``out[:count]`` as ``[seq, d]``.
+
+    Elements are widened to float32 (bf16 bit patterns included), multiplied
+    by ``scale`` and, for ``round_kernel``, rounded to bf16 -- ``load_q_dy``'s
+    "scale folded into Q at load" when ``scale != 1``.
+    """
+    d_head = src.shape[0]
+    for i_d in range(d_head):
+        row = src[i_d]
+        for i in range(count):
+            x = widen(row[start + i])
+            if scale != np.float32(1.0):
+                x = _round_if(x * scale, round_kernel)
+            out[i, i_d] = x
+
+
+@jit()
+def store_transposed(src, count, dst, start, round_out):
+    """Store ``src[:count]`` (``[seq, d]``) into ``dst[:, start:start+count]`` (``[d, seq]``)."""
+    d_head = dst.shape[0]
+    for i_d in range(d_head):
+        for i in range(count):
+            dst[i_d, start + i] = _round_if(src[i, i_d], round_out)
+
+
+@jit()
+def compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum, round_kernel, round_mixed):
+    """Step 1: ``D = rowsum(O * dO)`` for rows ``start:start+count`` of one q-head.
+
+    Each product is rounded to kernel_dtype, each head-dim tile's partial sum
+    to mixed_dtype, and so is their total (seed ``compute_rowsum_single_tile``
+    and ``flash_attn_bwd:1264-1270``). Writes ``d_sum[start:start+count]``.
+    """
+    d_head = o_h.shape[0]
+    total = np.zeros(count, dtype=np.float32)
+    partial = np.empty(count, dtype=np.float32)
+    for d0 in range(0, d_head, d_tile):
+        partial[:] = np.float32(0.0)
+        for i_d in range(d0, min(d0 + d_tile, d_head)):
+            o_row = o_h[i_d]
+            dy_row = dy_h[i_d]
+            for i in range(count):
+                prod = _round_if(widen(o_row[start + i]) * widen(dy_row[start + i]), round_kernel)
+                partial[i] += prod
+        for i in range(count):
+            total[i] += _round_if(partial[i], round_mixed)
+    for i in range(count):
+        d_sum[start + i] = _round_if(total[i], round_mixed)
+
+
+@jit()
+def recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, neg_lse, d_sum, use_packing,
+                               bound_min, bound_max, use_causal_mask, window, round_kernel):
+    """Steps 2.3, 2.4 and 4 on one ``[keys, queries]`` tile, in place.
+
+    On entry ``s_t = S^T`` and ``dp_t = dP^T``; on exit ``s_t = P^T`` and
+    ``dp_t = dS^T``, both rounded to kernel_dtype:
+
+    * mask: packing keeps ``bound_min[q] <= k < bound_max[q]`` (one
+      ``range_select``), else causal keeps ``k <= q`` and a window ``w``
+      keeps ``k >= q - w + 1`` (two ``affine_select``). Masked scores become
+      the float32 minimum, not -inf;
+    * ``P = exp(S + (-LSE))``: one exp, no max subtraction, no division;
+    * ``dS = (dP - D) * P``: the fused op, in this operand order.
+    """
+    n_k, n_q = s_t.shape
+    for j in range(n_k):
+        k_abs = k_abs0 + j
+        kf = np.float32(k_abs)
+        for i in range(n_q):
+            q_abs = q_abs0 + i
+            s = s_t[j, i]
+            if use_packing:
+                if kf < bound_min[q_abs] or kf >= bound_max[q_abs]:
+                    s = _F32_MIN
+            elif use_causal_mask:
+                if k_abs > q_abs or (window > 0 and k_abs < q_abs - window + 1):
+                    s = _F32_MIN
+            p = _round_if(np.float32(math.exp(s + neg_lse[q_abs])), round_kernel)
+            s_t[j, i] = p
+            dp_t[j, i] = _round_if((dp_t[j, i] - d_sum[q_abs]) * p, round_kernel)
+
+
+@jit()
+def accumulate(acc, psum, scale, round_mixed):
+    """``acc = psum * scale + acc`` written in mixed_dtype (one fused op)."""
+    a = acc.reshape(-1)
+    p = psum.reshape(-1)
+    if scale == np.float32(1.0):
+        for i in range(a.size):
+            a[i] = _round_if(a[i] + p[i], round_mixed)
+    else:
+        for i in range(a.size):
+            a[i] = _round_if(p[i] * scale + a[i], round_mixed)
+
+
+@jit()
+def required_q_tiles(q_grp0, rows, q_tile, k_min, k_max, use_causal_mask, window):
+    """Range ``[g_lo, g_hi)`` of Q tiles of a group that see keys ``k_min..k_max``.
+
+    ``get_required_tiles_mask``: causal skips a Q tile whose last row is
+    before the first key; a window also skips one whose first row is more
+    than ``w - 1`` past the last key. The required tiles are contiguous.
+    """
+    n_tiles = (rows + q_tile - 1) // q_tile
+    g_lo = n_tiles
+    g_hi = 0
+    for g in range(n_tiles):
+        q_min = q_grp0 + g * q_tile
+        q_max = q_grp0 + min((g + 1) * q_tile, rows) - 1
+        required = True
+        if use_causal_mask:
+            if q_max < k_min:
+                required = False
+            if window > 0 and k_max < q_min - window + 1:
+                required = False
+        if required:
+            g_lo = min(g_lo, g)
+            g_hi = g + 1
+    return g_lo, g_hi
+
+
+@jit()
+def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, round_mixed):
+    """``dsinks = -sum_q p_sink * D`` for one q-head (seed ``flash_attn_bwd:1355-1405``).
+
+    ``p_sink = exp(sink + (-LSE))`` in mixed_dtype; the per-partition
+    accumulator (one per row of a Q tile) does ``acc = acc - p_sink * D`` in
+    mixed_dtype over the Q tiles, then the partitions are summed in float32.
+    """
+    seqlen_q = neg_lse.size
+    out = np.zeros(sinks_h.size, dtype=np.float32)
+    acc = np.empty(q_tile, dtype=np.float32)
+    for i_sink in range(sinks_h.size):
+        acc[:] = np.float32(0.0)
+        for q0 in range(0, seqlen_q, q_tile):
+            for p in range(min(q_tile, seqlen_q - q0)):
+                p_sink = _round_if(np.float32(math.exp(sinks_h[i_sink] + neg_lse[q0 + p])), round_mixed)
+                acc[p] = _round_if(acc[p] - p_sink * d_sum[q0 + p], round_mixed)
+        total = np.float32(0.0)
+        for p in range(q_tile):
+            total += acc[p]
+        out[i_sink] = total
+    return out
+
+
+@jit(parallel=True)
+def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing,
+                   use_causal_mask, window, softmax_scale, round_kernel, round_mixed,
+                   q_tile, k_tile, k_sub_tile, q_tile_group, d_tile, section_len,
+                   out_dq, out_dk, out_dv, out_dsinks):
+    """Flash-attention backward over all ``bs * nheads_kv`` work units.
+
+    Parameters
+    ----------
+    q, o, dy : float32 or uint16 (bf16 bits) ``[bs, nheads, d_head, seqlen_q]``
+    k, v : same dtype ``[bs, nheads_kv, d_head, seqlen_k]``
+    lse : float32 ``[bs, nheads, seqlen_q]`` (natural layout)
+    sinks : float32 ``[bs, nheads, num_sinks]`` (``num_sinks`` may be 0)
+    bound_min, bound_max : float32 ``[seqlen_q]``, already clamped
+        (:func:`clamp_packing_bounds`), read only when ``use_packing``
+    use_causal_mask : bool
+    window : int
+        Sliding window, already ``min(window, seqlen_k)``; 0 for none.
+    softmax_scale : float32
+    round_kernel, round_mixed : bool
+        Round kernel_dtype / mixed_dtype tiles to bf16 (see module docstring).
+    q_tile, k_tile, k_sub_tile, q_tile_group, d_tile, section_len : int
+        The tiling of :func:`numbafa.config.setup_config`.
+    out_dq : float32 ``[bs, nheads, d_head, seqlen_q]``
+    out_dk, out_dv : float32 ``[bs, nheads_kv, d_head, seqlen_k]``
+    out_dsinks : float32 ``[bs, nheads, num_sinks]``
+        Written in full by the kernel.
+    """
+    bs, nheads, d_head, seqlen_q = q.shape
+    nheads_kv, seqlen_k = k.shape[1], k.shape[3]
+    n_rep = nheads // nheads_kv
+    num_sinks = sinks.shape[2]
+    q_grp_rows = q_tile * q_tile_group
+    one = np.float32(1.0)
+    # A zero-length key sequence still runs one (empty) section, so that D,
+    # dQ = 0 and dsinks are produced by the same code path.
+    n_sections = max(1, (seqlen_k + section_len - 1) // section_len)
+
+    for unit in prange(bs * nheads_kv):
+        b = unit // nheads_kv
+        h_kv = unit % nheads_kv
+
+        # -LSE bias, loaded once per (batch, head), written in mixed_dtype.
+        neg_lse = np.empty((n_rep, seqlen_q), dtype=np.float32)
+        for r in range(n_rep):
+            for i in range(seqlen_q):
+                neg_lse[r, i] = _round_if(-lse[b, h_kv * n_rep + r, i], round_mixed)
+        d_sum = np.empty((n_rep, seqlen_q), dtype=np.float32)
+
+        # Per-unit scratch, sized for the largest tiles.
+        sec_cap = min(section_len, seqlen_k)
+        k_t = np.empty((sec_cap, d_head), dtype=np.float32)
+        v_t = np.empty((sec_cap, d_head), dtype=np.float32)
+        dk_acc = np.empty((sec_cap, d_head), dtype=np.float32)
+        dv_acc = np.empty((sec_cap, d_head), dtype=np.float32)
+        q_t = np.empty((q_grp_rows, d_head), dtype=np.float32)
+        dy_t = np.empty((q_grp_rows, d_head), dtype=np.float32)
+        dq_t = np.empty((q_grp_rows, d_head), dtype=np.float32)
+        st_flat = np.empty(k_tile * q_grp_rows, dtype=np.float32)
+        dpt_flat = np.empty(k_tile * q_grp_rows, dtype=np.float32)
+        kd_flat = np.empty(k_tile * d_head, dtype=np.float32)
+        qd_flat = np.empty(q_grp_rows * d_head, dtype=np.float32)
+        sub_flat = np.empty(q_grp_rows * d_head, dtype=np.float32)
+
+        for i_section in range(n_sections):
+            k_sec0 = i_section * section_len
+            sec_len = max(0, min(section_len, seqlen_k - k_sec0))
+            load_transposed(k[b, h_kv], k_sec0, sec_len, k_t, one, False)
+            load_transposed(v[b, h_kv], k_sec0, sec_len, v_t, one, False)
+            dk_acc[:] = np.float32(0.0)
+            dv_acc[:] = np.float32(0.0)
+
+            for r in range(n_rep):
+                h = h_kv * n_rep + r
+                for q_grp0 in range(0, seqlen_q, q_grp_rows):
+                    rows = min(q_grp_rows, seqlen_q - q_grp0)
+                    if i_section == 0:
+                        dq_t[:rows] = np.float32(0.0)
+                    else:
+                        load_transposed(out_dq[b, h], q_grp0, rows, dq_t, one, False)
+                    load_transposed(q[b, h], q_grp0, rows, q_t, softmax_scale, round_kernel)
+                    load_transposed(dy[b, h], q_grp0, rows, dy_t, one, False)
+                    if i_section == 0:
+                        compute_rowsum(o[b, h], dy[b, h], q_grp0, rows, d_tile, d_sum[r],
+                                       round_kernel, round_mixed)
+
+                    for k_tile0 in range(0, sec_len, k_tile):
+                        n_k = min(k_tile, sec_len - k_tile0)
+                        k_abs0 = k_sec0 + k_tile0
+                        g_lo, g_hi = required_q_tiles(q_grp0, rows, q_tile, k_abs0,
+                                                      k_abs0 + n_k - 1, use_causal_mask, window)
+                        if g_lo >= g_hi:
+                            continue
+                        r0 = g_lo * q_tile
+                        r1 = min(g_hi * q_tile, rows)
+                        n_q = r1 - r0
+                        kt_tile = k_t[k_tile0:k_tile0 + n_k]
+                        q_rows = q_t[r0:r1]
+                        dy_rows = dy_t[r0:r1]
+
+                        # Step 2.1 S^T = K^T Q_s and Step 3.2 dP^T = V^T dO (fp32 PSUM).
+                        s_t = st_flat[:n_k * n_q].reshape(n_k, n_q)
+                        dp_t = dpt_flat[:n_k * n_q].reshape(n_k, n_q)
+                        np.dot(kt_tile, q_rows.T, s_t)
+                        np.dot(v_t[k_tile0:k_tile0 + n_k], dy_rows.T, dp_t)
+                        # Steps 2.3, 2.4, 4: s_t <- P^T, dp_t <- dS^T.
+                        recompute_softmax_backward(s_t, dp_t, k_abs0, q_grp0 + r0, neg_lse[r],
+                                                   d_sum[r], use_packing, bound_min, bound_max,
+                                                   use_causal_mask, window, round_kernel)
+
+                        # Step 5.1: dQ += (sum over transposed 128-key sub-tiles of dS K) * scale.
+                        dq_psum = qd_flat[:n_q * d_head].reshape(n_q, d_head)
+                        dq_psum[:] = np.float32(0.0)
+                        sub = sub_flat[:n_q * d_head].reshape(n_q, d_head)
+                        for kb0 in range(0, n_k, k_sub_tile):
+                            kb1 = min(kb0 + k_sub_tile, n_k)
+                            np.dot(dp_t[kb0:kb1].T, kt_tile[kb0:kb1], sub)
+                            dq_psum += sub
+                        accumulate(dq_t[r0:r1], dq_psum, softmax_scale, round_mixed)
+
+                        # Step 3.1: dV += P^T dO (section accumulator, GQA-reduced).
+                        kd_psum = kd_flat[:n_k * d_head].reshape(n_k, d_head)
+                        np.dot(s_t, dy_rows, kd_psum)
+                        accumulate(dv_acc[k_tile0:k_tile0 + n_k], kd_psum, one, round_mixed)
+                        # Step 5.2: dK += Q_s^T dS.
+                        np.dot(dp_t, q_rows, kd_psum)
+                        accumulate(dk_acc[k_tile0:k_tile0 + n_k], kd_psum, one, round_mixed)
+
+                    # dQ round-trips through the output between sections.
+                    store_transposed(dq_t, rows, out_dq[b, h], q_grp0, round_kernel)
+
+            store_transposed(dk_acc, sec_len, out_dk[b, h_kv], k_sec0, round_kernel)
+            store_transposed(dv_acc, sec_len, out_dv[b, h_kv], k_sec0, round_kernel)
+
+        if num_sinks > 0:
+            for r in range(n_rep):
+                h = h_kv * n_rep + r
+                out_dsinks[b, h] = compute_dsinks(sinks[b, h], neg_lse[r], d_sum[r], q_tile,
+                                                  round_mixed)

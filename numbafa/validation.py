@@ -1,0 +1,249 @@
+"""User-facing input checks (the seed's ``validate_inputs``, and more).
+
+Every contract is checked here, before any kernel runs, and reported as a
+``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape or value)
+that names the argument and gives the expected and the actual value. The
+kernels themselves never validate.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .config import Q_TILE, jit
+from .dtypes import BFLOAT16, widen
+
+__all__ = ["BwdProblem", "validate_bwd_inputs"]
+
+_ALLOWED_DTYPES = (np.dtype(np.float32), BFLOAT16)
+
+
+@dataclass(frozen=True)
+class BwdProblem:
+    """Validated, normalised inputs of one backward call.
+
+    Arrays are C-contiguous; bf16 arrays are given as their uint16 bit
+    patterns. Nothing here aliases a caller's array in a writable way.
+    """
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    o: np.ndarray
+    dy: np.ndarray
+    lse: np.ndarray            # float32 [bs, nheads, seqlen_q]
+    sinks: np.ndarray          # float32 [bs, nheads, num_sinks]; num_sinks may be 0
+    sinks_shape: Optional[tuple]
+    sinks_dtype: Optional[np.dtype]
+    bound_min: np.ndarray      # float32 [seqlen_q] or [0]
+    bound_max: np.ndarray
+    use_packing: bool
+    use_causal_mask: bool
+    window: int                # min(sliding_window, seqlen_k), 0 for none
+    softmax_scale: float
+    dtype: np.dtype            # the shared input dtype
+    mixed_precision: bool
+
+    @property
+    def is_bf16(self) -> bool:
+        return self.dtype == BFLOAT16
+
+
+@jit()
+def _count_nonfinite(flat):
+    n = 0
+    for i in range(flat.size):
+        if not math.isfinite(widen(flat[i])):
+            n += 1
+    return n
+
+
+@jit()
+def _count_nan_or_neg_inf(flat):
+    n = 0
+    for i in range(flat.size):
+        x = flat[i]
+        if math.isnan(x) or x == -math.inf:
+            n += 1
+    return n
+
+
+def _as_kernel_array(x: np.ndarray) -> np.ndarray:
+    """C-contiguous copy-if-needed; bf16 as uint16 bits, float32 as is."""
+    x = np.ascontiguousarray(x)
+    return x.view(np.uint16) if x.dtype == BFLOAT16 else x
+
+
+def _require_array(name: str, x) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
+    return x
+
+
+def _require_bool(name: str, x) -> bool:
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}")
+    return bool(x)
+
+
+def _require_ndim(name: str, x: np.ndarray, ndim: int, layout: str) -> None:
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {x.shape}")
+
+
+def _require_shape(name: str, x: np.ndarray, expected: tuple, why: str = "") -> None:
+    if tuple(x.shape) != tuple(expected):
+        suffix = f" ({why})" if why else ""
+        raise ValueError(f"{name} must have shape {tuple(expected)}{suffix}, got {tuple(x.shape)}")
+
+
+def _require_finite(name: str, arr: np.ndarray) -> None:
+    bad = _count_nonfinite(arr.reshape(-1))
+    if bad:
+        raise ValueError(f"{name} must be finite, got {bad} NaN/inf element(s) of {arr.size}")
+
+
+def _validate_scale(softmax_scale, d_head: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(d_head)
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be finite, got {scale}")
+    return scale
+
+
+def _validate_window(sliding_window, use_causal_mask: bool, seqlen_k: int) -> int:
+    if sliding_window is None:
+        return 0
+    if isinstance(sliding_window, (bool, np.bool_)) or not isinstance(sliding_window, numbers.Integral):
+        raise TypeError(f"sliding_window must be an int or None, got {type(sliding_window).__name__}")
+    window = int(sliding_window)
+    if window < 0:
+        raise ValueError(f"sliding_window must be >= 0 (0 or None: no window), got {window}")
+    if window > 0 and not use_causal_mask:
+        raise ValueError(f"sliding_window={window} requires use_causal_mask=True, got use_causal_mask=False")
+    return min(window, seqlen_k)
+
+
+def _validate_lse(lse_ref, bs: int, nheads: int, seqlen_q: int) -> np.ndarray:
+    lse = _require_array("lse_ref", lse_ref)
+    if lse.dtype != np.float32:
+        raise TypeError(f"lse_ref must be float32, got {lse.dtype}")
+    natural = (bs, nheads, seqlen_q)
+    if lse.ndim == 3:
+        _require_shape("lse_ref", lse, natural, "natural layout [bs, nheads, seqlen_q]")
+        out = np.ascontiguousarray(lse)
+    elif lse.ndim == 4:
+        if seqlen_q % Q_TILE:
+            raise ValueError(
+                f"lse_ref in the Neuron layout [bs, nheads, {Q_TILE}, seqlen_q // {Q_TILE}] needs seqlen_q "
+                f"divisible by {Q_TILE}, got seqlen_q={seqlen_q}; pass lse as [bs, nheads, seqlen_q] instead")
+        _require_shape("lse_ref", lse, (bs, nheads, Q_TILE, seqlen_q // Q_TILE),
+                       f"Neuron layout [bs, nheads, {Q_TILE}, seqlen_q // {Q_TILE}]")
+        # lse[b, h, p, t] is row t * 128 + p.
+        out = np.ascontiguousarray(lse.transpose(0, 1, 3, 2)).reshape(natural)
+    else:
+        raise ValueError(f"lse_ref must be 4-D [bs, nheads, {Q_TILE}, seqlen_q // {Q_TILE}] or 3-D "
+                         f"[bs, nheads, seqlen_q], got shape {lse.shape}")
+    bad = _count_nan_or_neg_inf(out.reshape(-1))
+    if bad:
+        raise ValueError(f"lse_ref must not contain NaN or -inf, got {bad} such element(s)")
+    return out
+
+
+def _validate_bounds(bound_min, bound_max, seqlen_q: int):
+    if (bound_min is None) != (bound_max is None):
+        given = "bound_min" if bound_max is None else "bound_max"
+        raise ValueError(f"bound_min and bound_max must be given together, got only {given}")
+    if bound_min is None:
+        empty = np.zeros(0, dtype=np.float32)
+        return empty, empty, False
+    out = []
+    for name, b in (("bound_min", bound_min), ("bound_max", bound_max)):
+        b = _require_array(name, b)
+        if b.dtype != np.float32:
+            raise TypeError(f"{name} must be float32, got {b.dtype}")
+        _require_shape(name, b, (seqlen_q,), "one bound per query row")
+        if np.isnan(b).any():
+            raise ValueError(f"{name} must not contain NaN")
+        out.append(np.ascontiguousarray(b))
+    return out[0], out[1], True
+
+
+def _validate_sinks(sinks_ref, bs: int, nheads: int):
+    if sinks_ref is None:
+        return np.zeros((bs, nheads, 0), dtype=np.float32), None, None
+    s = _require_array("sinks_ref", sinks_ref)
+    if s.dtype not in _ALLOWED_DTYPES:
+        raise TypeError(f"sinks_ref must be float32 or bfloat16, got {s.dtype}")
+    if s.ndim == 2:
+        _require_shape("sinks_ref", s, (bs, nheads), "[bs, nheads] or [bs, nheads, num_sinks]")
+    elif s.ndim == 3:
+        if s.shape[:2] != (bs, nheads) or s.shape[2] < 1:
+            raise ValueError(f"sinks_ref must have shape ({bs}, {nheads}, num_sinks >= 1), got {s.shape}")
+    else:
+        raise ValueError(f"sinks_ref must be [bs, nheads] or [bs, nheads, num_sinks], got shape {s.shape}")
+    s32 = np.ascontiguousarray(s.astype(np.float32)).reshape(bs, nheads, -1)
+    _require_finite("sinks_ref", s32)
+    return s32, tuple(s.shape), s.dtype
+
+
+def validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
+                        bound_max=None, use_causal_mask=False, mixed_precision=False,
+                        softmax_scale=None, sliding_window=None) -> BwdProblem:
+    """Check every argument of :func:`numbafa.attention_bwd`; return them normalised."""
+    names = ("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref")
+    arrays = [_require_array(n, x) for n, x in zip(names, (q_ref, k_ref, v_ref, o_ref, dy_ref))]
+    use_causal_mask = _require_bool("use_causal_mask", use_causal_mask)
+    mixed_precision = _require_bool("mixed_precision", mixed_precision)
+
+    for name, x in zip(names, arrays):
+        layout = "[bs, nheads, d_head, seqlen_q]" if name in ("q_ref", "o_ref", "dy_ref") \
+            else "[bs, nheads_kv, d_head, seqlen_k]"
+        _require_ndim(name, x, 4, layout)
+    q, k, v, o, dy = arrays
+    dtype = q.dtype
+    if dtype not in _ALLOWED_DTYPES:
+        raise TypeError(f"q_ref must be float32 or bfloat16 (ml_dtypes.bfloat16), got {dtype}")
+    for name, x in zip(names[1:], arrays[1:]):
+        if x.dtype != dtype:
+            raise TypeError(f"{name} must have the dtype of q_ref ({dtype}), got {x.dtype}")
+
+    bs, nheads, d_head, seqlen_q = q.shape
+    if d_head < 1:
+        raise ValueError(f"d_head (q_ref.shape[2]) must be >= 1, got {d_head}")
+    if nheads < 1:
+        raise ValueError(f"nheads (q_ref.shape[1]) must be >= 1, got {nheads}")
+    nheads_kv, seqlen_k = k.shape[1], k.shape[3]
+    if k.shape[0] != bs or k.shape[2] != d_head:
+        raise ValueError(f"k_ref must have shape ({bs}, nheads_kv, {d_head}, seqlen_k) to match q_ref, "
+                         f"got {k.shape}")
+    if nheads_kv < 1 or nheads % nheads_kv:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv (k_ref.shape[1]), got "
+                         f"nheads_kv={nheads_kv}")
+    _require_shape("v_ref", v, k.shape, "same as k_ref")
+    _require_shape("o_ref", o, q.shape, "same as q_ref")
+    _require_shape("dy_ref", dy, q.shape, "same as q_ref")
+    if use_causal_mask and seqlen_q != seqlen_k:
+        raise ValueError(f"use_causal_mask=True requires seqlen_q == seqlen_k, got seqlen_q={seqlen_q}, "
+                         f"seqlen_k={seqlen_k}")
+    window = _validate_window(sliding_window, use_causal_mask, seqlen_k)
+    scale = _validate_scale(softmax_scale, d_head)
+    lse = _validate_lse(lse_ref, bs, nheads, seqlen_q)
+    bmin, bmax, use_packing = _validate_bounds(bound_min, bound_max, seqlen_q)
+    sinks, sinks_shape, sinks_dtype = _validate_sinks(sinks_ref, bs, nheads)
+
+    kernel_arrays = [_as_kernel_array(x) for x in arrays]
+    for name, x in zip(names, kernel_arrays):
+        _require_finite(name, x)
+    return BwdProblem(*kernel_arrays, lse=lse, sinks=sinks, sinks_shape=sinks_shape,
+                      sinks_dtype=sinks_dtype, bound_min=bmin, bound_max=bmax,
+                      use_packing=use_packing, use_causal_mask=use_causal_mask, window=window,
+                      softmax_scale=scale, dtype=np.dtype(dtype), mixed_precision=mixed_precision)
