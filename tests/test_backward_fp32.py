@@ -1,0 +1,213 @@
+"""attention_bwd on float32 inputs against the float64 golden."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import numbafa
+from numbafa import golden
+from numbafa.config import setup_config
+
+from _problems import Case, make_inputs
+from _tolerances import FLOAT32, assert_close
+
+CASES = [
+    # --- attention variants -------------------------------------------------
+    ("mha", Case()),
+    ("mha-causal", Case(causal=True)),
+    ("batch2-causal", Case(bs=2, nheads=2, nheads_kv=1, causal=True, seqlen_q=384, seqlen_k=384)),
+    ("gqa2", Case(nheads=4, nheads_kv=2)),
+    ("gqa4-causal", Case(nheads=8, nheads_kv=2, causal=True)),
+    ("gqa8", Case(nheads=16, nheads_kv=2, seqlen_q=128, seqlen_k=256)),   # e.g. llama-70b TP=8 ratio
+    ("mqa-causal", Case(nheads=4, nheads_kv=1, causal=True)),
+    # --- sliding window (causal only) -----------------------------------------
+    ("window64", Case(causal=True, window=64, seqlen_q=640, seqlen_k=640)),
+    ("window128-gqa", Case(nheads=4, nheads_kv=1, causal=True, window=128, seqlen_q=1024,
+                           seqlen_k=1024)),
+    ("window-longer-than-seq", Case(causal=True, window=5000, seqlen_q=300, seqlen_k=300)),
+    # --- sequence packing -----------------------------------------------------
+    ("packing", Case(packing=(127, 129, 255, 513), seqlen_q=1024, seqlen_k=1024)),
+    ("packing-causal", Case(packing=(127, 129, 255, 513), seqlen_q=1024, seqlen_k=1024, causal=True)),
+    ("packing-causal-window", Case(packing=(127, 129, 255, 513), seqlen_q=1024, seqlen_k=1024,
+                                   causal=True, window=100)),
+    # --- attention sinks ------------------------------------------------------
+    ("sinks1", Case(num_sinks=1)),
+    ("sinks2-causal", Case(num_sinks=2, causal=True)),
+    ("sinks1-gqa-packing", Case(nheads=4, nheads_kv=1, num_sinks=1, packing=(129, 255),
+                                seqlen_q=384, seqlen_k=384, causal=True)),
+    ("sinks2-window", Case(num_sinks=2, causal=True, window=64, seqlen_q=512, seqlen_k=512)),
+    # --- head dims (d > 128 is split into equal tiles) -----------------------
+    ("d64", Case(d_head=64)),
+    ("d96", Case(d_head=96, causal=True)),
+    ("d128", Case(d_head=128)),
+    ("d256", Case(d_head=256, causal=True)),
+    ("d512", Case(d_head=512, nheads=1, nheads_kv=1)),
+    ("d40-odd", Case(d_head=40, causal=True)),
+    # --- lengths --------------------------------------------------------------
+    ("sq<sk", Case(seqlen_q=200, seqlen_k=700)),
+    ("sq>sk", Case(seqlen_q=700, seqlen_k=200)),
+    ("ragged97", Case(seqlen_q=97, seqlen_k=97, causal=True)),
+    ("ragged200", Case(seqlen_q=200, seqlen_k=200, causal=True)),
+    ("ragged1025", Case(nheads=1, nheads_kv=1, seqlen_q=1025, seqlen_k=1025, causal=True)),
+    ("tiny", Case(nheads=1, nheads_kv=1, d_head=1, seqlen_q=1, seqlen_k=1)),
+    # --- several KV sections: d 256 -> 2 head-dim tiles -> 4096-key sections --
+    ("2-sections", Case(nheads=2, nheads_kv=1, d_head=256, seqlen_q=200, seqlen_k=5120)),
+    ("2-sections-causal", Case(nheads=1, nheads_kv=1, d_head=256, seqlen_q=5120, seqlen_k=5120,
+                               causal=True, window=1500)),
+    # --- scale ----------------------------------------------------------------
+    ("scale", Case(softmax_scale=0.3)),
+    ("scale-causal-sinks", Case(softmax_scale=1.7, causal=True, num_sinks=1)),
+]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
+def case_and_results(request):
+    _, case = request.param
+    inputs = make_inputs(case)
+    got = numbafa.attention_bwd(**inputs)
+    expected = golden.attention_bwd(**inputs)
+    return case, inputs, got, expected
+
+
+def test_matches_golden(case_and_results):
+    case, inputs, got, expected = case_and_results
+    names = ("dq", "dk", "dv", "dsinks")
+    assert len(got) == len(expected) == (4 if case.num_sinks else 3)
+    for name, g, e in zip(names, got, expected):
+        assert g.dtype == np.float32, name
+        assert_close(g, e, FLOAT32, name)
+
+
+def test_output_shapes(case_and_results):
+    case, inputs, got, _ = case_and_results
+    assert got[0].shape == inputs["q_ref"].shape
+    assert got[1].shape == got[2].shape == inputs["k_ref"].shape
+    if case.num_sinks:
+        assert got[3].shape == inputs["sinks_ref"].shape
+
+
+def test_two_sections_case_really_has_two_sections():
+    cfg = setup_config(5120, 5120, 256)
+    assert (cfg.d_n_tiles, cfg.section_len, cfg.n_sections) == (2, 4096, 2)
+
+
+def test_p_comes_from_given_lse():
+    """Shifting lse by ln 2 halves P, hence every gradient (D comes from o)."""
+    inputs = make_inputs(Case(causal=True, num_sinks=1, seqlen_q=300, seqlen_k=300))
+    base = numbafa.attention_bwd(**inputs)
+    shifted = numbafa.attention_bwd(**{**inputs, "lse_ref": inputs["lse_ref"] + np.float32(math.log(2))})
+    for name, b, s in zip(("dq", "dk", "dv", "dsinks"), base, shifted):
+        assert_close(s, b / 2, FLOAT32, name)
+
+
+def test_d_comes_from_given_o():
+    """D = rowsum(o * dy) uses o_ref: changing o changes dQ by exactly -dD * (P K) * scale.
+
+    ``P K^T`` is the attention output with the keys as values, i.e. the golden
+    forward with ``v = k``. dV does not involve D and must not change.
+    """
+    case = Case(causal=True, seqlen_q=300, seqlen_k=300)
+    inputs = make_inputs(case)
+    o2 = (inputs["o_ref"] * np.float32(1.5) + np.float32(0.1)).astype(np.float32)
+    base = numbafa.attention_bwd(**inputs)
+    moved = numbafa.attention_bwd(**{**inputs, "o_ref": o2})
+    d_shift = ((o2.astype(np.float64) - inputs["o_ref"]) * inputs["dy_ref"]).sum(axis=2)  # [bs, h, sq]
+    p_k, _ = golden.attention_fwd(inputs["q_ref"], inputs["k_ref"], inputs["k_ref"], use_causal_mask=True)
+    scale = 1 / math.sqrt(case.d_head)
+    expected_dq = base[0] - d_shift[:, :, None, :] * p_k * scale
+    assert_close(moved[0], expected_dq, FLOAT32, "dq")
+    np.testing.assert_array_equal(moved[2], base[2])
+    assert np.abs(moved[1] - base[1]).max() > 1e-2
+
+
+def test_neuron_and_natural_lse_layouts_agree():
+    inputs = make_inputs(Case(seqlen_q=512, seqlen_k=512, causal=True))
+    lse = inputs["lse_ref"]
+    bs, h, sq = lse.shape
+    neuron = np.ascontiguousarray(lse.reshape(bs, h, sq // 128, 128).transpose(0, 1, 3, 2))
+    assert neuron[0, 1, 5, 2] == lse[0, 1, 2 * 128 + 5]
+    a = numbafa.attention_bwd(**inputs)
+    b = numbafa.attention_bwd(**{**inputs, "lse_ref": neuron})
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_rows_attending_nothing_get_zero_gradient():
+    """Inconsistent packing bounds (min >= max) leave rows empty: lse = +inf, gradient 0."""
+    case = Case(seqlen_q=256, seqlen_k=256, num_sinks=0)
+    inputs = make_inputs(case)
+    bmin = np.zeros(256, np.float32)
+    bmax = np.full(256, 256, np.float32)
+    bmin[10:20] = 50
+    bmax[10:20] = 40
+    o, lse = golden.attention_fwd(inputs["q_ref"], inputs["k_ref"], inputs["v_ref"], bound_min=bmin,
+                                  bound_max=bmax)
+    assert np.isinf(lse[:, :, 10:20]).all()
+    inputs.update(o_ref=o.astype(np.float32), lse_ref=lse.astype(np.float32), bound_min=bmin,
+                  bound_max=bmax)
+    got = numbafa.attention_bwd(**inputs)
+    expected = golden.attention_bwd(**inputs)
+    assert (got[0][:, :, :, 10:20] == 0).all()
+    for name, g, e in zip(("dq", "dk", "dv"), got, expected):
+        assert_close(g, e, FLOAT32, name)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(0, 128), (128, 0), (0, 0)])
+def test_zero_length_sequences(seqlen_q, seqlen_k):
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 2, 64, seqlen_q)).astype(np.float32)
+    k = rng.standard_normal((1, 1, 64, seqlen_k)).astype(np.float32)
+    lse = np.zeros((1, 2, seqlen_q), np.float32)
+    sinks = np.ones((1, 2), np.float32)
+    dq, dk, dv, ds = numbafa.attention_bwd(q, k, k, q, q, lse, sinks_ref=sinks)
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape and ds.shape == sinks.shape
+    assert not dq.any() and not dk.any() and not dv.any()
+    if seqlen_q == 0:
+        assert not ds.any()
+
+
+def test_zero_keys_with_sinks_gives_sink_gradient():
+    """With no keys the softmax runs over the sinks alone: dsinks = -sum_q p_sink * D."""
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, 1, 8, 130)).astype(np.float32)
+    k = np.zeros((1, 1, 8, 0), np.float32)
+    o = rng.standard_normal(q.shape).astype(np.float32)
+    dy = rng.standard_normal(q.shape).astype(np.float32)
+    sinks = np.array([[0.5]], np.float32)
+    lse = np.full((1, 1, 130), 0.5, np.float32)          # log(exp(sink))
+    *_, ds = numbafa.attention_bwd(q, k, k, o, dy, lse, sinks_ref=sinks)
+    d = (o.astype(np.float64) * dy).sum(axis=2)
+    assert_close(ds, -d.sum(axis=-1), FLOAT32, "dsinks")
+
+
+def test_inputs_are_not_modified_and_views_work():
+    case = Case(nheads=4, nheads_kv=2, causal=True, num_sinks=2, packing=(100, 156))
+    inputs = make_inputs(case)
+    copies = {k: v.copy() for k, v in inputs.items() if isinstance(v, np.ndarray)}
+    contiguous = numbafa.attention_bwd(**inputs)
+    for name, arr in copies.items():
+        np.testing.assert_array_equal(inputs[name], arr, err_msg=name)
+    # Same values through non-contiguous views (Fortran order, strided slices).
+    views = {}
+    for name, arr in inputs.items():
+        if isinstance(arr, np.ndarray) and arr.ndim == 4:
+            big = np.zeros(arr.shape[:3] + (2 * arr.shape[3],), arr.dtype)
+            big[..., ::2] = arr
+            views[name] = big[..., ::2]
+            assert not views[name].flags.c_contiguous
+        elif isinstance(arr, np.ndarray):
+            views[name] = np.asfortranarray(arr) if arr.ndim > 1 else arr[::-1].copy()[::-1]
+    strided = numbafa.attention_bwd(**{**inputs, **views})
+    for a, b in zip(contiguous, strided):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_repeated_calls_are_bitwise_identical():
+    inputs = make_inputs(Case(nheads=4, nheads_kv=1, causal=True, num_sinks=1))
+    first = numbafa.attention_bwd(**inputs)
+    for _ in range(2):
+        for a, b in zip(first, numbafa.attention_bwd(**inputs)):
+            np.testing.assert_array_equal(a, b)

@@ -1,0 +1,123 @@
+"""The golden itself: forward against plain loops, backward against finite differences."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from numbafa import golden
+
+from _problems import bounds_from_lengths
+
+
+def loop_forward(q, k, v, sinks, allowed, scale):
+    """Per-row softmax with Python loops: the most literal attention there is."""
+    bs, nh, d, sq = q.shape
+    n_rep = nh // k.shape[1]
+    o = np.zeros(q.shape)
+    lse = np.zeros((bs, nh, sq))
+    for b in range(bs):
+        for h in range(nh):
+            for i in range(sq):
+                logits = [sum(q[b, h, x, i] * scale * k[b, h // n_rep, x, j] for x in range(d))
+                          for j in range(k.shape[3]) if allowed[i, j]]
+                keys = [j for j in range(k.shape[3]) if allowed[i, j]]
+                extra = [] if sinks is None else list(np.atleast_1d(sinks[b, h]))
+                every = logits + extra
+                if not every:
+                    lse[b, h, i] = math.inf
+                    continue
+                m = max(every)
+                z = sum(math.exp(x - m) for x in every)
+                lse[b, h, i] = m + math.log(z)
+                for x in range(d):
+                    o[b, h, x, i] = sum(math.exp(s - lse[b, h, i]) * v[b, h // n_rep, x, j]
+                                        for s, j in zip(logits, keys))
+    return o, lse
+
+
+SMALL = [
+    ("plain", dict()),
+    ("causal-window", dict(use_causal_mask=True, sliding_window=3)),
+    ("packing-causal", dict(use_causal_mask=True, packing=(3, 4))),
+    ("packing-empty-row", dict(bounds=([0, 0, 5, 0, 0, 0, 0], [7, 7, 2, 7, 7, 7, 7]))),
+    ("sinks2", dict(num_sinks=2, use_causal_mask=True)),
+    ("sinks1-packing", dict(num_sinks=1, packing=(2, 5))),
+]
+
+
+def small_problem(opts, seed=0):
+    rng = np.random.default_rng(seed)
+    bs, nh, nkv, d, s = 1, 4, 2, 3, 7
+    q = rng.standard_normal((bs, nh, d, s))
+    k = rng.standard_normal((bs, nkv, d, s))
+    v = rng.standard_normal((bs, nkv, d, s))
+    dy = rng.standard_normal((bs, nh, d, s))
+    kw = dict(use_causal_mask=opts.get("use_causal_mask", False),
+              sliding_window=opts.get("sliding_window"), softmax_scale=0.8)
+    if "packing" in opts:
+        kw["bound_min"], kw["bound_max"] = bounds_from_lengths(opts["packing"])
+    if "bounds" in opts:
+        kw["bound_min"], kw["bound_max"] = (np.array(b, np.float32) for b in opts["bounds"])
+    sinks = None
+    if opts.get("num_sinks"):
+        sinks = rng.standard_normal((bs, nh, opts["num_sinks"])) if opts["num_sinks"] > 1 \
+            else rng.standard_normal((bs, nh))
+    return q, k, v, dy, sinks, kw
+
+
+@pytest.mark.parametrize("opts", [s[1] for s in SMALL], ids=[s[0] for s in SMALL])
+def test_forward_matches_python_loops(opts):
+    q, k, v, dy, sinks, kw = small_problem(opts)
+    allowed = golden.allowed_mask(7, 7, kw["use_causal_mask"], kw["sliding_window"],
+                                  kw.get("bound_min"), kw.get("bound_max"))
+    o, lse = golden.attention_fwd(q, k, v, sinks=sinks, **kw)
+    o_loop, lse_loop = loop_forward(q, k, v, sinks, allowed, 0.8)
+    np.testing.assert_allclose(o, o_loop, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, lse_loop, rtol=1e-12)
+
+
+@pytest.mark.parametrize("opts", [s[1] for s in SMALL], ids=[s[0] for s in SMALL])
+def test_backward_matches_finite_differences(opts):
+    """Every gradient element against a central difference of L = sum(o * dy), in float64."""
+    q, k, v, dy, sinks, kw = small_problem(opts)
+
+    def loss(q_, k_, v_, sinks_):
+        o, _ = golden.attention_fwd(q_, k_, v_, sinks=sinks_, **kw)
+        return float((o * dy).sum())
+
+    grads = golden.attention_bwd(q, k, v, None, dy, None, sinks_ref=sinks, **kw)
+    inputs = [q, k, v] + ([sinks] if sinks is not None else [])
+    eps = 1e-6
+    for idx, (x, g) in enumerate(zip(inputs, grads)):
+        numeric = np.zeros_like(x)
+        for pos in np.ndindex(x.shape):
+            args = [a.copy() for a in inputs] + ([None] if sinks is None else [])
+            args[idx][pos] += eps
+            up = loss(*args)
+            args[idx][pos] -= 2 * eps
+            numeric[pos] = (up - loss(*args)) / (2 * eps)
+        np.testing.assert_allclose(g, numeric, rtol=1e-6, atol=1e-8, err_msg=f"input {idx}")
+
+
+def test_allowed_mask_examples():
+    m = golden.allowed_mask(4, 4, use_causal_mask=True, sliding_window=2)
+    np.testing.assert_array_equal(m.astype(int), [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]])
+    bmin, bmax = bounds_from_lengths((1, 3))
+    m = golden.allowed_mask(4, 4, use_causal_mask=True, bound_min=bmin, bound_max=bmax)
+    np.testing.assert_array_equal(m.astype(int), [[1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 1, 0], [0, 1, 1, 1]])
+
+
+def test_lse_layouts():
+    q, k, v, _, _, _ = small_problem({})
+    q = np.repeat(q, 40, axis=3)[..., :256]
+    k = np.repeat(k, 40, axis=3)[..., :256]
+    v = np.repeat(v, 40, axis=3)[..., :256]
+    _, natural = golden.attention_fwd(q, k, v)
+    _, neuron = golden.attention_fwd(q, k, v, lse_layout="neuron")
+    assert neuron.shape == (1, 4, 128, 2)
+    assert neuron[0, 3, 7, 1] == natural[0, 3, 128 + 7]
+    with pytest.raises(ValueError, match="lse_layout"):
+        golden.attention_fwd(q, k, v, lse_layout="nki")

@@ -1,0 +1,136 @@
+"""Every input contract raises a clear TypeError/ValueError before any kernel runs."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import numbafa
+
+BS, H, HKV, D, S = 1, 4, 2, 16, 256
+
+
+def good_inputs(dtype=np.float32):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((BS, H, D, S)).astype(dtype)
+    k = rng.standard_normal((BS, HKV, D, S)).astype(dtype)
+    return dict(q_ref=q, k_ref=k, v_ref=k.copy(), o_ref=q.copy(), dy_ref=q.copy(),
+                lse_ref=np.zeros((BS, H, 128, S // 128), np.float32))
+
+
+def with_nan(x, value=np.nan):
+    x = x.copy()
+    x.flat[min(5, x.size - 1)] = value
+    return x
+
+
+def test_good_inputs_pass():
+    assert len(numbafa.attention_bwd(**good_inputs())) == 3
+
+
+F = good_inputs()
+BAD = [
+    # (changes, exception, message fragment)
+    ({"q_ref": F["q_ref"].tolist()}, TypeError, "q_ref must be a numpy.ndarray, got list"),
+    ({"v_ref": None}, TypeError, "v_ref must be a numpy.ndarray, got NoneType"),
+    ({"lse_ref": 0.0}, TypeError, "lse_ref must be a numpy.ndarray, got float"),
+    ({"use_causal_mask": 1}, TypeError, "use_causal_mask must be a bool, got int"),
+    ({"mixed_precision": "yes"}, TypeError, "mixed_precision must be a bool, got str"),
+    ({"q_ref": F["q_ref"][0]}, ValueError, "q_ref must be 4-D [bs, nheads, d_head, seqlen_q], got shape (4, 16, 256)"),
+    ({"k_ref": F["k_ref"][0]}, ValueError, "k_ref must be 4-D [bs, nheads_kv, d_head, seqlen_k]"),
+    ({k: F[k].astype(np.float64) for k in ("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref")},
+     TypeError, "q_ref must be float32 or bfloat16 (ml_dtypes.bfloat16), got float64"),
+    ({k: F[k].astype(np.float16) for k in ("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref")},
+     TypeError, "got float16"),
+    ({"dy_ref": F["dy_ref"].astype(ml_dtypes.bfloat16)}, TypeError,
+     "dy_ref must have the dtype of q_ref (float32), got bfloat16"),
+    ({"q_ref": np.zeros((1, 4, 0, 256), np.float32)}, ValueError, "d_head (q_ref.shape[2]) must be >= 1, got 0"),
+    ({"k_ref": np.zeros((1, 2, 8, 256), np.float32)}, ValueError,
+     "k_ref must have shape (1, nheads_kv, 16, seqlen_k) to match q_ref, got (1, 2, 8, 256)"),
+    ({"k_ref": np.zeros((1, 3, 16, 256), np.float32), "v_ref": np.zeros((1, 3, 16, 256), np.float32)},
+     ValueError, "nheads (4) must be a multiple of nheads_kv (k_ref.shape[1]), got nheads_kv=3"),
+    ({"v_ref": np.zeros((1, 2, 16, 255), np.float32)}, ValueError,
+     "v_ref must have shape (1, 2, 16, 256) (same as k_ref), got (1, 2, 16, 255)"),
+    ({"o_ref": np.zeros((1, 4, 16, 128), np.float32)}, ValueError, "o_ref must have shape (1, 4, 16, 256)"),
+    ({"dy_ref": np.zeros((1, 2, 16, 256), np.float32)}, ValueError, "dy_ref must have shape (1, 4, 16, 256)"),
+    ({"k_ref": np.zeros((1, 2, 16, 128), np.float32), "v_ref": np.zeros((1, 2, 16, 128), np.float32),
+      "use_causal_mask": True}, ValueError,
+     "use_causal_mask=True requires seqlen_q == seqlen_k, got seqlen_q=256, seqlen_k=128"),
+    ({"sliding_window": 64}, ValueError, "sliding_window=64 requires use_causal_mask=True"),
+    ({"sliding_window": -1, "use_causal_mask": True}, ValueError, "sliding_window must be >= 0"),
+    ({"sliding_window": 64.0, "use_causal_mask": True}, TypeError, "sliding_window must be an int or None, got float"),
+    ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be finite, got nan"),
+    ({"softmax_scale": float("inf")}, ValueError, "softmax_scale must be finite, got inf"),
+    ({"softmax_scale": "0.1"}, TypeError, "softmax_scale must be a real number or None, got str"),
+    ({"lse_ref": np.zeros((1, 4, 128, 2), np.float64)}, TypeError, "lse_ref must be float32, got float64"),
+    ({"lse_ref": np.zeros((1, 4, 2, 128), np.float32)}, ValueError,
+     "lse_ref must have shape (1, 4, 128, 2) (Neuron layout [bs, nheads, 128, seqlen_q // 128]), got (1, 4, 2, 128)"),
+    ({"lse_ref": np.zeros((1, 4, 255), np.float32)}, ValueError,
+     "lse_ref must have shape (1, 4, 256) (natural layout [bs, nheads, seqlen_q]), got (1, 4, 255)"),
+    ({"lse_ref": np.zeros((4, 256), np.float32)}, ValueError, "lse_ref must be 4-D"),
+    ({"lse_ref": with_nan(F["lse_ref"])}, ValueError, "lse_ref must not contain NaN or -inf, got 1 such element(s)"),
+    ({"lse_ref": with_nan(F["lse_ref"], -np.inf)}, ValueError, "lse_ref must not contain NaN or -inf"),
+    ({"bound_min": np.zeros(256, np.float32)}, ValueError,
+     "bound_min and bound_max must be given together, got only bound_min"),
+    ({"bound_max": np.zeros(256, np.float32)}, ValueError, "got only bound_max"),
+    ({"bound_min": np.zeros(256, np.float64), "bound_max": np.zeros(256, np.float32)}, TypeError,
+     "bound_min must be float32, got float64"),
+    ({"bound_min": np.zeros(256, np.float32), "bound_max": np.zeros(255, np.float32)}, ValueError,
+     "bound_max must have shape (256,) (one bound per query row), got (255,)"),
+    ({"bound_min": np.zeros(256, np.float32), "bound_max": with_nan(np.zeros(256, np.float32))}, ValueError,
+     "bound_max must not contain NaN"),
+    ({"bound_min": [0] * 256, "bound_max": np.zeros(256, np.float32)}, TypeError,
+     "bound_min must be a numpy.ndarray, got list"),
+    ({"sinks_ref": np.zeros((1, 3), np.float32)}, ValueError,
+     "sinks_ref must have shape (1, 4) ([bs, nheads] or [bs, nheads, num_sinks]), got (1, 3)"),
+    ({"sinks_ref": np.zeros((1, 4, 0), np.float32)}, ValueError,
+     "sinks_ref must have shape (1, 4, num_sinks >= 1), got (1, 4, 0)"),
+    ({"sinks_ref": np.zeros((4,), np.float32)}, ValueError, "sinks_ref must be [bs, nheads] or [bs, nheads, num_sinks]"),
+    ({"sinks_ref": np.zeros((1, 4), np.int32)}, TypeError, "sinks_ref must be float32 or bfloat16, got int32"),
+    ({"sinks_ref": with_nan(np.zeros((1, 4), np.float32), np.inf)}, ValueError,
+     "sinks_ref must be finite, got 1 NaN/inf element(s) of 4"),
+    ({"q_ref": with_nan(F["q_ref"])}, ValueError, "q_ref must be finite, got 1 NaN/inf element(s)"),
+    ({"k_ref": with_nan(F["k_ref"], np.inf)}, ValueError, "k_ref must be finite"),
+    ({"v_ref": with_nan(F["v_ref"], -np.inf)}, ValueError, "v_ref must be finite"),
+    ({"o_ref": with_nan(F["o_ref"])}, ValueError, "o_ref must be finite"),
+    ({"dy_ref": with_nan(F["dy_ref"])}, ValueError, "dy_ref must be finite"),
+]
+
+
+@pytest.mark.parametrize("changes,exc,message", BAD, ids=[b[2][:60] for b in BAD])
+def test_bad_input_raises(changes, exc, message):
+    inputs = {**good_inputs(), **changes}
+    with pytest.raises(exc) as info:
+        numbafa.attention_bwd(**inputs)
+    assert message in str(info.value)
+
+
+def test_neuron_lse_layout_needs_divisible_seqlen():
+    inputs = good_inputs()
+    q = inputs["q_ref"][..., :200]
+    inputs.update(q_ref=q, o_ref=q, dy_ref=q, lse_ref=np.zeros((1, 4, 128, 1), np.float32))
+    with pytest.raises(ValueError, match=r"needs seqlen_q divisible by 128, got seqlen_q=200; pass lse as "
+                                         r"\[bs, nheads, seqlen_q\] instead"):
+        numbafa.attention_bwd(**inputs)
+
+
+def test_bf16_nonfinite_is_detected():
+    inputs = good_inputs(ml_dtypes.bfloat16)
+    inputs["k_ref"] = with_nan(inputs["k_ref"], np.inf)
+    with pytest.raises(ValueError, match="k_ref must be finite, got 1 NaN/inf"):
+        numbafa.attention_bwd(**inputs)
+
+
+def test_window_zero_means_no_window():
+    inputs = good_inputs()
+    a = numbafa.attention_bwd(**inputs, use_causal_mask=True)
+    b = numbafa.attention_bwd(**inputs, use_causal_mask=True, sliding_window=0)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_numpy_bool_flags_accepted():
+    inputs = good_inputs()
+    a = numbafa.attention_bwd(**inputs, use_causal_mask=np.bool_(True))
+    assert a[0].shape == inputs["q_ref"].shape
