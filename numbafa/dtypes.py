@@ -29,6 +29,7 @@ __all__ = [
     "round_to_bf16_inplace",
     "widen",
     "to_bf16_array",
+    "from_bf16_array",
 ]
 
 #: The NumPy dtype of bf16 arrays at the API.
@@ -87,12 +88,28 @@ def _widen_overload(x):
     return None
 
 
-@jit(parallel=False)
+@jit()
 def _f32_to_bf16_bits_array(src, dst):
     s = src.reshape(-1)
     d = dst.reshape(-1)
     for i in range(s.size):
         d[i] = f32_to_bf16_bits(s[i])
+
+
+@jit()
+def _bf16_bits_to_f32_array(src, dst):
+    s = src.reshape(-1)
+    d = dst.reshape(-1)
+    for i in range(s.size):
+        d[i] = bf16_bits_to_f32(s[i])
+
+
+def from_bf16_array(x: np.ndarray) -> np.ndarray:
+    """Widen a ``ml_dtypes.bfloat16`` array to a new float32 array, bit-exactly (NaN payloads kept)."""
+    bits = np.ascontiguousarray(x).view(np.uint16)
+    out = np.empty(bits.shape, dtype=np.float32)
+    _bf16_bits_to_f32_array(bits, out)
+    return out
 
 
 def to_bf16_array(x: np.ndarray) -> np.ndarray:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["attention_fwd", "attention_bwd", "allowed_mask"]
+__all__ = ["attention_fwd", "attention_bwd", "attention_bwd_rounded", "allowed_mask", "ROUNDING_POINTS"]
 
 
 def _f64(x):
@@ -178,4 +178,150 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
             dsinks[b, h] = ds_sink.sum(axis=0)
     if sinks_ref is None:
         return dq, dk, dv
+    return dq, dk, dv, dsinks.reshape(np.shape(sinks_ref))
+
+
+# ---------------------------------------------------------------------------
+# The numerics golden: the kernel's rounding points, in plain NumPy.
+# ---------------------------------------------------------------------------
+
+#: Rounding points of the numerics golden (``shared/NUMERICS.md``), by name.
+ROUNDING_POINTS = (
+    "q_load",      # Q * softmax_scale written in kernel_dtype
+    "neg_lse",     # -LSE bias written in mixed_dtype
+    "d_product",   # each O * dO product in kernel_dtype
+    "d_partial",   # per-head-dim-tile partial of D in mixed_dtype
+    "d_total",     # D in mixed_dtype
+    "p",           # P in kernel_dtype
+    "ds",          # dS in kernel_dtype
+    "acc",         # dQ/dK/dV accumulators in mixed_dtype after each addition
+    "dq_section",  # dQ written in kernel_dtype between KV sections
+    "sinks",       # p_sink and the dsinks accumulator in mixed_dtype
+)
+
+
+def _bf16_round(x):
+    """float32 -> nearest bf16 (ties to even) -> float32, by ml_dtypes' own cast."""
+    import ml_dtypes
+
+    return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _neuron_tiling(d_head):
+    """(d_tile, section_len) of the Neuron kernel: head-dim tiles of <= 128,
+    KV sections of ``8192 // power_of_2(#head-dim tiles)`` keys (>= 512)."""
+    n_d = -(-d_head // 128)
+    d_tile = -(-d_head // n_d)
+    pow2 = 1 << (n_d - 1).bit_length()
+    return d_tile, max(512, (8192 // pow2) // 512 * 512)
+
+
+def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
+                          bound_max=None, use_causal_mask=False, mixed_precision=False,
+                          softmax_scale=None, sliding_window=None, disable=()):
+    """The kernel's numerics in materialising NumPy: the numerics golden.
+
+    Unlike :func:`attention_bwd`, this uses ``o_ref`` and ``lse_ref`` (the
+    kernel does) and computes in float32, rounding to bf16 exactly where the
+    Neuron kernel writes a bf16 tile (``shared/NUMERICS.md``). Tiling
+    appears only where it sets the order of rounded additions: dQ is
+    accumulated K tile (512 keys) by K tile and rounded to the output dtype at
+    the end of each KV section; dK/dV are accumulated Q group (512 rows) by Q
+    group, q-head by q-head; the sink accumulator has one lane per row of a
+    128-row Q tile. Matmuls are float32 (bf16-valued operands: exact products,
+    float32 accumulation). Full score matrices are materialised per head.
+
+    Parameters
+    ----------
+    q_ref ... sliding_window
+        As :func:`numbafa.attention_bwd`; ``lse_ref`` natural or Neuron layout.
+    disable : iterable of str
+        Names from :data:`ROUNDING_POINTS` to skip (test-only: proves each
+        rounding point changes the result).
+
+    Returns
+    -------
+    dq, dk, dv[, dsinks] : float32 arrays holding values of the output dtype
+        (bf16 values for bf16 inputs; dsinks in the dtype of ``sinks_ref``).
+    """
+    import ml_dtypes
+
+    unknown = set(disable) - set(ROUNDING_POINTS)
+    if unknown:
+        raise ValueError(f"disable must name rounding points from {ROUNDING_POINTS}, got {sorted(unknown)}")
+    is_bf16 = np.asarray(q_ref).dtype == ml_dtypes.bfloat16
+
+    def rk(x, point):  # a tile written in kernel_dtype
+        return _bf16_round(x) if is_bf16 and point not in disable else np.asarray(x, np.float32)
+
+    def rm(x, point):  # a tile written in mixed_dtype
+        return _bf16_round(x) if is_bf16 and not mixed_precision and point not in disable \
+            else np.asarray(x, np.float32)
+
+    f32 = np.float32
+    q, k, v = (np.asarray(a).astype(f32) for a in (q_ref, k_ref, v_ref))
+    o, dy = np.asarray(o_ref).astype(f32), np.asarray(dy_ref).astype(f32)
+    bs, nheads, d_head, seqlen_q = q.shape
+    nheads_kv, seqlen_k = k.shape[1], k.shape[3]
+    n_rep = nheads // nheads_kv
+    lse = np.asarray(lse_ref, dtype=f32)
+    if lse.ndim == 4:
+        lse = lse.transpose(0, 1, 3, 2).reshape(bs, nheads, seqlen_q)
+    scale = f32(1.0 / np.sqrt(d_head) if softmax_scale is None else softmax_scale)
+    d_tile, section_len = _neuron_tiling(d_head)
+    allowed = allowed_mask(seqlen_q, seqlen_k, use_causal_mask, sliding_window, bound_min, bound_max)
+    sink3 = np.zeros((bs, nheads, 0), f32) if sinks_ref is None else \
+        np.asarray(sinks_ref).astype(f32).reshape(bs, nheads, -1)
+
+    dq = np.zeros((bs, nheads, d_head, seqlen_q), f32)
+    dk = np.zeros((bs, nheads_kv, d_head, seqlen_k), f32)
+    dv = np.zeros_like(dk)
+    dsinks = np.zeros(sink3.shape, f32)
+    for b in range(bs):
+        for hk in range(nheads_kv):
+            kt, vt = k[b, hk].T, v[b, hk].T                     # [seqlen_k, d]
+            dk_acc = np.zeros((seqlen_k, d_head), f32)
+            dv_acc = np.zeros((seqlen_k, d_head), f32)
+            for h in range(hk * n_rep, (hk + 1) * n_rep):
+                qs = rk(q[b, h].T * scale, "q_load")            # [seqlen_q, d]
+                dyt = dy[b, h].T
+                neg_lse = rm(-lse[b, h], "neg_lse")
+                prod = rk(o[b, h].T * dyt, "d_product")
+                parts = [rm(prod[:, i:i + d_tile].sum(axis=1, dtype=f32), "d_partial")
+                         for i in range(0, d_head, d_tile)]
+                d_sum = rm(np.sum(parts, axis=0, dtype=f32), "d_total")
+                scores = np.where(allowed, qs @ kt.T, f32(-3.4028234663852886e38))
+                p = rk(np.exp(scores + neg_lse[:, None]), "p")
+                ds = rk((dyt @ vt.T - d_sum[:, None]) * p, "ds")
+                # dQ: K tile by K tile within each section, rounded between sections.
+                dq_acc = np.zeros((seqlen_q, d_head), f32)
+                for s0 in range(0, seqlen_k, section_len):
+                    if s0 > 0:
+                        dq_acc = rk(dq_acc, "dq_section")
+                    for t0 in range(s0, min(s0 + section_len, seqlen_k), 512):
+                        t1 = min(t0 + 512, s0 + section_len, seqlen_k)
+                        dq_acc = rm((ds[:, t0:t1] @ kt[t0:t1]) * scale + dq_acc, "acc")
+                dq[b, h] = dq_acc.T
+                # dK/dV: one rounded addition per Q group of 512 rows (per K tile, which
+                # holds different keys, so all keys can be updated at once).
+                for g0 in range(0, seqlen_q, 512):
+                    g1 = min(g0 + 512, seqlen_q)
+                    dv_acc = rm(dv_acc + p[g0:g1].T @ dyt[g0:g1], "acc")
+                    dk_acc = rm(dk_acc + ds[g0:g1].T @ qs[g0:g1], "acc")
+                # Sinks: one accumulator lane per row of a 128-row Q tile.
+                for i_sink in range(sink3.shape[2]):
+                    lanes = np.zeros(128, f32)
+                    for t0 in range(0, seqlen_q, 128):
+                        n = min(128, seqlen_q - t0)
+                        p_sink = rm(np.exp(sink3[b, h, i_sink] + neg_lse[t0:t0 + n]), "sinks")
+                        lanes[:n] = rm(lanes[:n] - p_sink * d_sum[t0:t0 + n], "sinks")
+                    dsinks[b, h, i_sink] = lanes.sum(dtype=f32)
+            dk[b, hk] = dk_acc.T
+            dv[b, hk] = dv_acc.T
+    if is_bf16:  # outputs are written in the kernel dtype (not a point one can disable)
+        dq, dk, dv = _bf16_round(dq), _bf16_round(dk), _bf16_round(dv)
+    if sinks_ref is None:
+        return dq, dk, dv
+    if np.asarray(sinks_ref).dtype == ml_dtypes.bfloat16:
+        dsinks = _bf16_round(dsinks)
     return dq, dk, dv, dsinks.reshape(np.shape(sinks_ref))

@@ -70,3 +70,54 @@ def make_inputs(case: Case, dtype=np.float32):
                                   softmax_scale=case.softmax_scale, sliding_window=case.window)
     return dict(q_ref=q, k_ref=k, v_ref=v, o_ref=o.astype(dtype), dy_ref=dy,
                 lse_ref=lse.astype(np.float32), **kw)
+
+
+#: Shape families shared by the float32 and bf16 tests: (id, Case).
+CASES = [
+    # --- attention variants -------------------------------------------------
+    ("mha", Case()),
+    ("mha-causal", Case(causal=True)),
+    ("batch2-causal", Case(bs=2, nheads=2, nheads_kv=1, causal=True, seqlen_q=384, seqlen_k=384)),
+    ("gqa2", Case(nheads=4, nheads_kv=2)),
+    ("gqa4-causal", Case(nheads=8, nheads_kv=2, causal=True)),
+    ("gqa8", Case(nheads=16, nheads_kv=2, seqlen_q=128, seqlen_k=256)),   # e.g. llama-70b TP=8 ratio
+    ("mqa-causal", Case(nheads=4, nheads_kv=1, causal=True)),
+    # --- sliding window (causal only) -----------------------------------------
+    ("window64", Case(causal=True, window=64, seqlen_q=640, seqlen_k=640)),
+    ("window128-gqa", Case(nheads=4, nheads_kv=1, causal=True, window=128, seqlen_q=1024,
+                           seqlen_k=1024)),
+    ("window-longer-than-seq", Case(causal=True, window=5000, seqlen_q=300, seqlen_k=300)),
+    # --- sequence packing -----------------------------------------------------
+    ("packing", Case(packing=(127, 129, 255, 513), seqlen_q=1024, seqlen_k=1024)),
+    ("packing-causal", Case(packing=(127, 129, 255, 513), seqlen_q=1024, seqlen_k=1024, causal=True)),
+    ("packing-causal-window", Case(packing=(127, 129, 255, 513), seqlen_q=1024, seqlen_k=1024,
+                                   causal=True, window=100)),
+    # --- attention sinks ------------------------------------------------------
+    ("sinks1", Case(num_sinks=1)),
+    ("sinks2-causal", Case(num_sinks=2, causal=True)),
+    ("sinks1-gqa-packing", Case(nheads=4, nheads_kv=1, num_sinks=1, packing=(129, 255),
+                                seqlen_q=384, seqlen_k=384, causal=True)),
+    ("sinks2-window", Case(num_sinks=2, causal=True, window=64, seqlen_q=512, seqlen_k=512)),
+    # --- head dims (d > 128 is split into equal tiles) -----------------------
+    ("d64", Case(d_head=64)),
+    ("d96", Case(d_head=96, causal=True)),
+    ("d128", Case(d_head=128)),
+    ("d256", Case(d_head=256, causal=True)),
+    ("d512", Case(d_head=512, nheads=1, nheads_kv=1)),
+    ("d40-odd", Case(d_head=40, causal=True)),
+    # --- lengths --------------------------------------------------------------
+    ("sq<sk", Case(seqlen_q=200, seqlen_k=700)),
+    ("sq>sk", Case(seqlen_q=700, seqlen_k=200)),
+    ("ragged97", Case(seqlen_q=97, seqlen_k=97, causal=True)),
+    ("ragged200", Case(seqlen_q=200, seqlen_k=200, causal=True)),
+    ("ragged1025", Case(nheads=1, nheads_kv=1, seqlen_q=1025, seqlen_k=1025, causal=True)),
+    ("tiny", Case(nheads=1, nheads_kv=1, d_head=1, seqlen_q=2, seqlen_k=3)),
+    # --- several KV sections: d 256 -> 2 head-dim tiles -> 4096-key sections --
+    ("2-sections", Case(nheads=2, nheads_kv=1, d_head=256, seqlen_q=200, seqlen_k=5120)),
+    ("2-sections-causal", Case(nheads=1, nheads_kv=1, d_head=256, seqlen_q=5120, seqlen_k=5120,
+                               causal=True, window=1500)),
+    # --- scale ----------------------------------------------------------------
+    ("scale", Case(softmax_scale=0.3)),
+    ("scale-causal-sinks", Case(softmax_scale=0.2, causal=True, num_sinks=1)),
+]
+

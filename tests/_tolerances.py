@@ -43,3 +43,23 @@ def assert_close(actual, expected, tol, name=""):
     bound = tol["atol"] + tol["rtol"] * np.abs(e).max()
     assert err <= bound, (f"{name}: max|a-e| = {err:.3e} > {bound:.3e} "
                           f"(atol {tol['atol']}, rtol {tol['rtol']}, max|e| = {np.abs(e).max():.3e})")
+
+# * bf16 inputs, mixed_precision=True, against the float64 golden of the
+#   same bf16 inputs: the upstream rule for the hardware kernel. P and dS are
+#   rounded to bf16 (relative 2^-9) before the matmuls, so errors of a few
+#   1e-3 relative to max|e| are expected.
+BF16_MIXED = {"rtol": 2e-2, "atol": 1e-5}
+
+# * Faithfulness of the bf16 kernel to the numerics golden (same rounding
+#   points, float32 in between). The two differ only in float32 summation
+#   order and in the last bit of exp, which flips a bf16 rounding now and
+#   then. At least MIN_IDENTICAL of all elements must be bit-identical, and
+#   elements with |e| >= max|e| / 16 may differ by at most MAX_ULPS bf16 ulps.
+#   (Near-zero elements are excluded from the ulp bound: there the absolute
+#   float32 noise of a long cancelling sum exceeds their own bf16 spacing.)
+MIN_IDENTICAL = 0.99
+MAX_ULPS = 2
+
+# * A float32 output of the bf16 kernel (dsinks of float32 sinks) against the
+#   numerics golden: the same float32 terms summed in another order.
+FLOAT32_SUM_ORDER = {"rtol": 1e-5, "atol": 1e-7}
