@@ -2,15 +2,20 @@
 
 Public API
 ----------
+attention_fwd
+    o and lse by an online-softmax kernel, in the backward's convention.
 attention_bwd
     dQ, dK, dV (and dsinks) in the Neuron kernel's contract and numerics.
+layout
+    Conversions between the Neuron layout and bshd / bhsd, lse layouts,
+    cu_seqlens -> packing bounds, CTE checkpoint -> lse.
 golden
     Textbook float64 NumPy references (slow, O(S^2) memory) used by the tests.
 """
 
-from . import golden
-from .api import attention_bwd
+from . import golden, layout
+from .api import attention_bwd, attention_fwd
 
 __version__ = "0.1.0"
 
-__all__ = ["attention_bwd", "golden", "__version__"]
+__all__ = ["attention_fwd", "attention_bwd", "golden", "layout", "__version__"]

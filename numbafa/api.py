@@ -7,15 +7,81 @@ import numpy as np
 from .blas import single_threaded_blas
 from .config import setup_config
 from .dtypes import to_bf16_array
-from .kernels.backward import clamp_packing_bounds, flash_attn_bwd
-from .validation import validate_bwd_inputs
+from .config import Q_TILE
+from .kernels.backward import flash_attn_bwd
+from .kernels.common import clamp_packing_bounds
+from .kernels.forward import flash_attn_fwd
+from .layout import lse_to_neuron
+from .validation import validate_bwd_inputs, validate_fwd_inputs
 
-__all__ = ["attention_bwd"]
+__all__ = ["attention_fwd", "attention_bwd"]
+
+_LSE_LAYOUTS = ("neuron", "natural")
 
 
 def _to_dtype(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Kernel float32 output -> the caller's dtype (bf16 values are already rounded)."""
     return x if dtype == np.float32 else to_bf16_array(x)
+
+
+def _clamped_bounds(prob):
+    return clamp_packing_bounds(prob.bound_min, prob.bound_max, prob.use_causal_mask, prob.window)
+
+
+def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None,
+                  use_causal_mask=False, mixed_precision=False, softmax_scale=None,
+                  sliding_window=None, lse_layout="neuron"):
+    """Flash-attention forward producing ``o`` and the ``lse`` the backward consumes.
+
+    An online-softmax kernel over K tiles of 512 keys: the score matrix is
+    never materialised. Arguments are those of :func:`attention_bwd` (same
+    layout, dtypes, masks, packing bounds, sinks, scale and window).
+
+    Parameters
+    ----------
+    q_ref : ndarray ``[bs, nheads, d_head, seqlen_q]``, float32 or ``ml_dtypes.bfloat16``
+    k_ref, v_ref : ndarray ``[bs, nheads_kv, d_head, seqlen_k]``, same dtype
+    sinks_ref : ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``, optional
+        Sink logits: extra softmax columns in the denominator, no value.
+    bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale, sliding_window
+        As in :func:`attention_bwd`.
+    lse_layout : {"neuron", "natural"}
+        ``"neuron"`` (default): lse ``[bs, nheads, 128, seqlen_q // 128]``
+        with ``lse[b, h, p, t]`` the LSE of row ``t * 128 + p`` (needs
+        ``seqlen_q % 128 == 0``); ``"natural"``: ``[bs, nheads, seqlen_q]``.
+
+    Returns
+    -------
+    o : ``[bs, nheads, d_head, seqlen_q]`` in the inputs' dtype
+    lse : float32 in ``lse_layout``. A row that attends to nothing (no key
+        and no sink) has ``o = 0`` and ``lse = +inf``.
+
+    Notes
+    -----
+    bf16 inputs: Q*scale is rounded to bf16 at load, P is rounded to bf16
+    before the PV matmul, the running max/sum and the O accumulator are
+    float32 (``mixed_precision=True``) or bf16 (``False``), o is written in
+    bf16. See ``docs/numerics.md``.
+    """
+    if lse_layout not in _LSE_LAYOUTS:
+        raise ValueError(f"lse_layout must be one of {_LSE_LAYOUTS}, got {lse_layout!r}")
+    prob = validate_fwd_inputs(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max,
+                               use_causal_mask, mixed_precision, softmax_scale, sliding_window)
+    bs, nheads, d_head, seqlen_q = prob.q.shape
+    if lse_layout == "neuron" and seqlen_q % Q_TILE:
+        raise ValueError(f"lse_layout='neuron' needs seqlen_q divisible by {Q_TILE}, got "
+                         f"seqlen_q={seqlen_q}; use lse_layout='natural'")
+    cfg = setup_config(max(seqlen_q, 1), max(prob.k.shape[3], 1), d_head)
+    bound_min32, bound_max32 = _clamped_bounds(prob)
+    o = np.empty((bs, nheads, d_head, seqlen_q), dtype=np.float32)
+    lse = np.empty((bs, nheads, seqlen_q), dtype=np.float32)
+    with single_threaded_blas():
+        flash_attn_fwd(prob.q, prob.k, prob.v, prob.sinks, bound_min32, bound_max32,
+                       prob.use_packing, prob.use_causal_mask, prob.window,
+                       np.float32(prob.softmax_scale), prob.is_bf16,
+                       prob.is_bf16 and not prob.mixed_precision, cfg.q_tile, cfg.k_tile,
+                       cfg.q_tile_group, o, lse)
+    return _to_dtype(o, prob.dtype), (lse_to_neuron(lse) if lse_layout == "neuron" else lse)
 
 
 def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
@@ -88,8 +154,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
     # Zero-length sequences run the same kernel with empty loops.
     cfg = setup_config(max(seqlen_q, 1), max(seqlen_k, 1), d_head)
-    bound_min32, bound_max32 = clamp_packing_bounds(prob.bound_min, prob.bound_max,
-                                                    prob.use_causal_mask, prob.window)
+    bound_min32, bound_max32 = _clamped_bounds(prob)
     round_kernel = prob.is_bf16
     round_mixed = prob.is_bf16 and not prob.mixed_precision
 

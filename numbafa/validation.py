@@ -18,14 +18,14 @@ import numpy as np
 from .config import Q_TILE, jit
 from .dtypes import BFLOAT16, widen
 
-__all__ = ["BwdProblem", "validate_bwd_inputs"]
+__all__ = ["Problem", "validate_bwd_inputs", "validate_fwd_inputs"]
 
 _ALLOWED_DTYPES = (np.dtype(np.float32), BFLOAT16)
 
 
 @dataclass(frozen=True)
-class BwdProblem:
-    """Validated, normalised inputs of one backward call.
+class Problem:
+    """Validated, normalised inputs of one forward or backward call.
 
     Arrays are C-contiguous; bf16 arrays are given as their uint16 bit
     patterns. Nothing here aliases a caller's array in a writable way.
@@ -34,9 +34,9 @@ class BwdProblem:
     q: np.ndarray
     k: np.ndarray
     v: np.ndarray
-    o: np.ndarray
-    dy: np.ndarray
-    lse: np.ndarray            # float32 [bs, nheads, seqlen_q]
+    o: Optional[np.ndarray]    # backward only
+    dy: Optional[np.ndarray]   # backward only
+    lse: Optional[np.ndarray]  # backward only: float32 [bs, nheads, seqlen_q]
     sinks: np.ndarray          # float32 [bs, nheads, num_sinks]; num_sinks may be 0
     sinks_shape: Optional[tuple]
     sinks_dtype: Optional[np.dtype]
@@ -195,27 +195,22 @@ def _validate_sinks(sinks_ref, bs: int, nheads: int):
     return s32, tuple(s.shape), s.dtype
 
 
-def validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
-                        bound_max=None, use_causal_mask=False, mixed_precision=False,
-                        softmax_scale=None, sliding_window=None) -> BwdProblem:
-    """Check every argument of :func:`numbafa.attention_bwd`; return them normalised."""
-    names = ("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref")
-    arrays = [_require_array(n, x) for n, x in zip(names, (q_ref, k_ref, v_ref, o_ref, dy_ref))]
+def _validate_attention(names, arrays, sinks_ref, bound_min, bound_max, use_causal_mask,
+                        mixed_precision, softmax_scale, sliding_window):
+    """Checks shared by forward and backward; ``arrays`` starts with q, k, v."""
     use_causal_mask = _require_bool("use_causal_mask", use_causal_mask)
     mixed_precision = _require_bool("mixed_precision", mixed_precision)
-
     for name, x in zip(names, arrays):
-        layout = "[bs, nheads, d_head, seqlen_q]" if name in ("q_ref", "o_ref", "dy_ref") \
-            else "[bs, nheads_kv, d_head, seqlen_k]"
+        layout = "[bs, nheads_kv, d_head, seqlen_k]" if name in ("k_ref", "v_ref") \
+            else "[bs, nheads, d_head, seqlen_q]"
         _require_ndim(name, x, 4, layout)
-    q, k, v, o, dy = arrays
+    q, k, v = arrays[:3]
     dtype = q.dtype
     if dtype not in _ALLOWED_DTYPES:
         raise TypeError(f"q_ref must be float32 or bfloat16 (ml_dtypes.bfloat16), got {dtype}")
     for name, x in zip(names[1:], arrays[1:]):
         if x.dtype != dtype:
             raise TypeError(f"{name} must have the dtype of q_ref ({dtype}), got {x.dtype}")
-
     bs, nheads, d_head, seqlen_q = q.shape
     if d_head < 1:
         raise ValueError(f"d_head (q_ref.shape[2]) must be >= 1, got {d_head}")
@@ -229,21 +224,45 @@ def validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=N
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv (k_ref.shape[1]), got "
                          f"nheads_kv={nheads_kv}")
     _require_shape("v_ref", v, k.shape, "same as k_ref")
-    _require_shape("o_ref", o, q.shape, "same as q_ref")
-    _require_shape("dy_ref", dy, q.shape, "same as q_ref")
+    for name, x in zip(names[3:], arrays[3:]):
+        _require_shape(name, x, q.shape, "same as q_ref")
     if use_causal_mask and seqlen_q != seqlen_k:
         raise ValueError(f"use_causal_mask=True requires seqlen_q == seqlen_k, got seqlen_q={seqlen_q}, "
                          f"seqlen_k={seqlen_k}")
     window = _validate_window(sliding_window, use_causal_mask, seqlen_k)
     scale = _validate_scale(softmax_scale, d_head)
-    lse = _validate_lse(lse_ref, bs, nheads, seqlen_q)
     bmin, bmax, use_packing = _validate_bounds(bound_min, bound_max, seqlen_q)
     sinks, sinks_shape, sinks_dtype = _validate_sinks(sinks_ref, bs, nheads)
-
     kernel_arrays = [_as_kernel_array(x) for x in arrays]
     for name, x in zip(names, kernel_arrays):
         _require_finite(name, x)
-    return BwdProblem(*kernel_arrays, lse=lse, sinks=sinks, sinks_shape=sinks_shape,
-                      sinks_dtype=sinks_dtype, bound_min=bmin, bound_max=bmax,
-                      use_packing=use_packing, use_causal_mask=use_causal_mask, window=window,
-                      softmax_scale=scale, dtype=np.dtype(dtype), mixed_precision=mixed_precision)
+    return kernel_arrays, dict(sinks=sinks, sinks_shape=sinks_shape, sinks_dtype=sinks_dtype,
+                               bound_min=bmin, bound_max=bmax, use_packing=use_packing,
+                               use_causal_mask=use_causal_mask, window=window, softmax_scale=scale,
+                               dtype=np.dtype(dtype), mixed_precision=mixed_precision)
+
+
+def validate_fwd_inputs(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None,
+                        use_causal_mask=False, mixed_precision=False, softmax_scale=None,
+                        sliding_window=None) -> Problem:
+    """Check every argument of :func:`numbafa.attention_fwd`; return them normalised."""
+    names = ("q_ref", "k_ref", "v_ref")
+    arrays = [_require_array(n, x) for n, x in zip(names, (q_ref, k_ref, v_ref))]
+    (q, k, v), opts = _validate_attention(names, arrays, sinks_ref, bound_min, bound_max,
+                                          use_causal_mask, mixed_precision, softmax_scale,
+                                          sliding_window)
+    return Problem(q, k, v, None, None, None, **opts)
+
+
+def validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
+                        bound_max=None, use_causal_mask=False, mixed_precision=False,
+                        softmax_scale=None, sliding_window=None) -> Problem:
+    """Check every argument of :func:`numbafa.attention_bwd`; return them normalised."""
+    names = ("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref")
+    arrays = [_require_array(n, x) for n, x in zip(names, (q_ref, k_ref, v_ref, o_ref, dy_ref))]
+    kernel_arrays, opts = _validate_attention(names, arrays, sinks_ref, bound_min, bound_max,
+                                              use_causal_mask, mixed_precision, softmax_scale,
+                                              sliding_window)
+    bs, nheads, _, seqlen_q = arrays[0].shape
+    lse = _validate_lse(lse_ref, bs, nheads, seqlen_q)
+    return Problem(*kernel_arrays, lse=lse, **opts)

@@ -49,63 +49,12 @@ import numpy as np
 from numba import prange
 
 from ..config import FLOAT32_MIN, jit
-from ..dtypes import round_to_bf16, widen
+from ..dtypes import widen
+from .common import load_transposed, required_q_tiles, round_if, store_transposed
 
-__all__ = ["flash_attn_bwd", "clamp_packing_bounds"]
+__all__ = ["flash_attn_bwd"]
 
 _F32_MIN = np.float32(FLOAT32_MIN)
-
-
-@jit()
-def _round_if(x, flag):
-    """Round a float32 to bf16 when ``flag`` (a tile written in bf16)."""
-    if flag:
-        return round_to_bf16(x)
-    return x
-
-
-@jit()
-def clamp_packing_bounds(bound_min, bound_max, use_causal_mask, window):
-    """Clamp packing bounds per query row (seed ``flash_attn_bwd:1120-1131``).
-
-    Causal: ``bound_max[q] = min(bound_max[q], q + 1)``; window ``w > 0``:
-    ``bound_min[q] = max(bound_min[q], q - w + 1)``. Returns new arrays.
-    """
-    lo = bound_min.copy()
-    hi = bound_max.copy()
-    if use_causal_mask:
-        for i in range(hi.size):
-            hi[i] = min(hi[i], np.float32(i + 1))
-            if window > 0:
-                lo[i] = max(lo[i], np.float32(i - window + 1))
-    return lo, hi
-
-
-@jit()
-def load_transposed(src, start, count, out, scale, round_kernel):
-    """Load ``src[:, start:start+count]`` (``[d, seq]``) into ``out[:count]`` as ``[seq, d]``.
-
-    Elements are widened to float32 (bf16 bit patterns included), multiplied
-    by ``scale`` and, for ``round_kernel``, rounded to bf16 -- ``load_q_dy``'s
-    "scale folded into Q at load" when ``scale != 1``.
-    """
-    d_head = src.shape[0]
-    for i_d in range(d_head):
-        row = src[i_d]
-        for i in range(count):
-            x = widen(row[start + i])
-            if scale != np.float32(1.0):
-                x = _round_if(x * scale, round_kernel)
-            out[i, i_d] = x
-
-
-@jit()
-def store_transposed(src, count, dst, start, round_out):
-    """Store ``src[:count]`` (``[seq, d]``) into ``dst[:, start:start+count]`` (``[d, seq]``)."""
-    d_head = dst.shape[0]
-    for i_d in range(d_head):
-        for i in range(count):
-            dst[i_d, start + i] = _round_if(src[i, i_d], round_out)
 
 
 @jit()
@@ -125,12 +74,12 @@ def compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum, round_kernel, round_m
             o_row = o_h[i_d]
             dy_row = dy_h[i_d]
             for i in range(count):
-                prod = _round_if(widen(o_row[start + i]) * widen(dy_row[start + i]), round_kernel)
+                prod = round_if(widen(o_row[start + i]) * widen(dy_row[start + i]), round_kernel)
                 partial[i] += prod
         for i in range(count):
-            total[i] += _round_if(partial[i], round_mixed)
+            total[i] += round_if(partial[i], round_mixed)
     for i in range(count):
-        d_sum[start + i] = _round_if(total[i], round_mixed)
+        d_sum[start + i] = round_if(total[i], round_mixed)
 
 
 @jit()
@@ -161,9 +110,9 @@ def recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, neg_lse, d_sum, use_pa
             elif use_causal_mask:
                 if k_abs > q_abs or (window > 0 and k_abs < q_abs - window + 1):
                     s = _F32_MIN
-            p = _round_if(np.float32(math.exp(s + neg_lse[q_abs])), round_kernel)
+            p = round_if(np.float32(math.exp(s + neg_lse[q_abs])), round_kernel)
             s_t[j, i] = p
-            dp_t[j, i] = _round_if((dp_t[j, i] - d_sum[q_abs]) * p, round_kernel)
+            dp_t[j, i] = round_if((dp_t[j, i] - d_sum[q_abs]) * p, round_kernel)
 
 
 @jit()
@@ -173,36 +122,10 @@ def accumulate(acc, psum, scale, round_mixed):
     p = psum.reshape(-1)
     if scale == np.float32(1.0):
         for i in range(a.size):
-            a[i] = _round_if(a[i] + p[i], round_mixed)
+            a[i] = round_if(a[i] + p[i], round_mixed)
     else:
         for i in range(a.size):
-            a[i] = _round_if(p[i] * scale + a[i], round_mixed)
-
-
-@jit()
-def required_q_tiles(q_grp0, rows, q_tile, k_min, k_max, use_causal_mask, window):
-    """Range ``[g_lo, g_hi)`` of Q tiles of a group that see keys ``k_min..k_max``.
-
-    ``get_required_tiles_mask``: causal skips a Q tile whose last row is
-    before the first key; a window also skips one whose first row is more
-    than ``w - 1`` past the last key. The required tiles are contiguous.
-    """
-    n_tiles = (rows + q_tile - 1) // q_tile
-    g_lo = n_tiles
-    g_hi = 0
-    for g in range(n_tiles):
-        q_min = q_grp0 + g * q_tile
-        q_max = q_grp0 + min((g + 1) * q_tile, rows) - 1
-        required = True
-        if use_causal_mask:
-            if q_max < k_min:
-                required = False
-            if window > 0 and k_max < q_min - window + 1:
-                required = False
-        if required:
-            g_lo = min(g_lo, g)
-            g_hi = g + 1
-    return g_lo, g_hi
+            a[i] = round_if(p[i] * scale + a[i], round_mixed)
 
 
 @jit()
@@ -220,8 +143,8 @@ def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, round_mixed):
         acc[:] = np.float32(0.0)
         for q0 in range(0, seqlen_q, q_tile):
             for p in range(min(q_tile, seqlen_q - q0)):
-                p_sink = _round_if(np.float32(math.exp(sinks_h[i_sink] + neg_lse[q0 + p])), round_mixed)
-                acc[p] = _round_if(acc[p] - p_sink * d_sum[q0 + p], round_mixed)
+                p_sink = round_if(np.float32(math.exp(sinks_h[i_sink] + neg_lse[q0 + p])), round_mixed)
+                acc[p] = round_if(acc[p] - p_sink * d_sum[q0 + p], round_mixed)
         total = np.float32(0.0)
         for p in range(q_tile):
             total += acc[p]
@@ -275,7 +198,7 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
         neg_lse = np.empty((n_rep, seqlen_q), dtype=np.float32)
         for r in range(n_rep):
             for i in range(seqlen_q):
-                neg_lse[r, i] = _round_if(-lse[b, h_kv * n_rep + r, i], round_mixed)
+                neg_lse[r, i] = round_if(-lse[b, h_kv * n_rep + r, i], round_mixed)
         d_sum = np.empty((n_rep, seqlen_q), dtype=np.float32)
 
         # Per-unit scratch, sized for the largest tiles.

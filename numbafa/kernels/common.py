@@ -1,0 +1,95 @@
+"""Tile helpers shared by the forward and backward kernels.
+
+Tiles are loaded *transposed*: a Neuron-layout ``[d_head, seq]`` slice
+becomes a C-contiguous ``[seq, d_head]`` float32 block, widened from bf16
+bits where needed, so that every matmul is one BLAS call on contiguous
+operands.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import jit
+from ..dtypes import round_to_bf16, widen
+
+__all__ = ["round_if", "clamp_packing_bounds", "load_transposed", "store_transposed",
+           "required_q_tiles"]
+
+
+@jit()
+def round_if(x, flag):
+    """Round a float32 to bf16 when ``flag`` (a tile written in bf16)."""
+    if flag:
+        return round_to_bf16(x)
+    return x
+
+
+@jit()
+def clamp_packing_bounds(bound_min, bound_max, use_causal_mask, window):
+    """Clamp packing bounds per query row (seed ``flash_attn_bwd:1120-1131``).
+
+    Causal: ``bound_max[q] = min(bound_max[q], q + 1)``; window ``w > 0``:
+    ``bound_min[q] = max(bound_min[q], q - w + 1)``. Returns new arrays.
+    """
+    lo = bound_min.copy()
+    hi = bound_max.copy()
+    if use_causal_mask:
+        for i in range(hi.size):
+            hi[i] = min(hi[i], np.float32(i + 1))
+            if window > 0:
+                lo[i] = max(lo[i], np.float32(i - window + 1))
+    return lo, hi
+
+
+@jit()
+def load_transposed(src, start, count, out, scale, round_kernel):
+    """Load ``src[:, start:start+count]`` (``[d, seq]``) into ``out[:count]`` as ``[seq, d]``.
+
+    Elements are widened to float32 (bf16 bit patterns included), multiplied
+    by ``scale`` and, for ``round_kernel``, rounded to bf16 -- ``load_q_dy``'s
+    "scale folded into Q at load" when ``scale != 1``.
+    """
+    d_head = src.shape[0]
+    for i_d in range(d_head):
+        row = src[i_d]
+        for i in range(count):
+            x = widen(row[start + i])
+            if scale != np.float32(1.0):
+                x = round_if(x * scale, round_kernel)
+            out[i, i_d] = x
+
+
+@jit()
+def store_transposed(src, count, dst, start, round_out):
+    """Store ``src[:count]`` (``[seq, d]``) into ``dst[:, start:start+count]`` (``[d, seq]``)."""
+    d_head = dst.shape[0]
+    for i_d in range(d_head):
+        for i in range(count):
+            dst[i_d, start + i] = round_if(src[i, i_d], round_out)
+
+
+@jit()
+def required_q_tiles(q_grp0, rows, q_tile, k_min, k_max, use_causal_mask, window):
+    """Range ``[g_lo, g_hi)`` of Q tiles of a group that see keys ``k_min..k_max``.
+
+    ``get_required_tiles_mask``: causal skips a Q tile whose last row is
+    before the first key; a window also skips one whose first row is more
+    than ``w - 1`` past the last key. The required tiles are contiguous.
+    """
+    n_tiles = (rows + q_tile - 1) // q_tile
+    g_lo = n_tiles
+    g_hi = 0
+    for g in range(n_tiles):
+        q_min = q_grp0 + g * q_tile
+        q_max = q_grp0 + min((g + 1) * q_tile, rows) - 1
+        required = True
+        if use_causal_mask:
+            if q_max < k_min:
+                required = False
+            if window > 0 and k_max < q_min - window + 1:
+                required = False
+        if required:
+            g_lo = min(g_lo, g)
+            g_hi = g + 1
+    return g_lo, g_hi

@@ -1,0 +1,179 @@
+"""The flash-attention forward kernel: online softmax producing ``o`` and ``lse``.
+
+It produces exactly the statistic the backward consumes: ``lse = max +
+log(sum)`` per query row (sinks included in the sum), in float32.
+
+Loop nest: ``prange`` over ``bs * nheads_kv`` work units; per unit K^T and
+V^T are loaded once and serve every q-head of the GQA group; per q-head, Q
+groups of 4 x 128 rows; per group, K tiles of 512 keys with the online
+softmax (FlashAttention-2)::
+
+    m_new = max(m, rowmax(S))            # S = Q_scaled^T K, masked to -inf
+    P     = exp(S - m_new)               # written in kernel_dtype
+    alpha = exp(m - m_new)
+    l     = l * alpha + rowsum(P)        # mixed_dtype (sums the fp32 exp values)
+    O     = O * alpha + P V              # mixed_dtype, one rounding per K tile
+    ...
+    o     = O * (1 / l)                  # kernel_dtype;  lse = m + log(l)
+
+Sinks start the statistics: ``m = max(sinks)``, ``l = sum(exp(sinks - m))``.
+A row that attends to nothing (no key, no sink) gets ``o = 0`` and
+``lse = +inf``. Causal / window tile skipping and the masks are those of the
+backward (:mod:`numbafa.kernels.common`). Only the K tile order matters for
+the per-row numerics; the Q group size is a CPU blocking choice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import prange
+
+from ..config import jit
+from .common import load_transposed, required_q_tiles, round_if, store_transposed
+
+__all__ = ["flash_attn_fwd"]
+
+_NEG_INF = np.float32(-np.inf)
+
+
+@jit()
+def online_softmax_update(s, q_abs0, k_abs0, row_max, row_sum, alpha, use_packing, bound_min,
+                          bound_max, use_causal_mask, window, round_kernel, round_mixed):
+    """One K tile of the online softmax, in place on a ``[queries, keys]`` tile.
+
+    On exit ``s`` holds P (kernel_dtype), ``row_max``/``row_sum`` the new
+    statistics and ``alpha`` the factor the output accumulator must be scaled by.
+    """
+    n_q, n_k = s.shape
+    for i in range(n_q):
+        q_abs = q_abs0 + i
+        row = s[i]
+        tile_max = _NEG_INF
+        for j in range(n_k):
+            k_abs = k_abs0 + j
+            keep = True
+            if use_packing:
+                kf = np.float32(k_abs)
+                keep = bound_min[q_abs] <= kf < bound_max[q_abs]
+            elif use_causal_mask:
+                keep = k_abs <= q_abs and not (window > 0 and k_abs < q_abs - window + 1)
+            if not keep:
+                row[j] = _NEG_INF
+            elif row[j] > tile_max:
+                tile_max = row[j]
+        m_old = row_max[i]
+        m_new = max(m_old, tile_max)
+        if m_new == _NEG_INF:  # nothing visible yet
+            alpha[i] = np.float32(1.0)
+            row[:] = np.float32(0.0)
+            continue
+        a = np.float32(math.exp(m_old - m_new))
+        total = np.float32(0.0)
+        for j in range(n_k):
+            p = np.float32(math.exp(row[j] - m_new))
+            total += p
+            row[j] = round_if(p, round_kernel)
+        row_max[i] = m_new
+        row_sum[i] = round_if(row_sum[i] * a + total, round_mixed)
+        alpha[i] = a
+
+
+@jit()
+def rescale_accumulate(acc, pv, alpha, round_mixed):
+    """``acc = acc * alpha[row] + pv`` written in mixed_dtype."""
+    n_q, d = acc.shape
+    for i in range(n_q):
+        a = alpha[i]
+        for x in range(d):
+            acc[i, x] = round_if(acc[i, x] * a + pv[i, x], round_mixed)
+
+
+@jit(parallel=True)
+def flash_attn_fwd(q, k, v, sinks, bound_min, bound_max, use_packing, use_causal_mask, window,
+                   softmax_scale, round_kernel, round_mixed, q_tile, k_tile, q_tile_group,
+                   out_o, out_lse):
+    """Flash-attention forward over all ``bs * nheads_kv`` work units.
+
+    Parameters
+    ----------
+    q : float32 or uint16 (bf16 bits) ``[bs, nheads, d_head, seqlen_q]``
+    k, v : same dtype ``[bs, nheads_kv, d_head, seqlen_k]``
+    sinks : float32 ``[bs, nheads, num_sinks]`` (``num_sinks`` may be 0)
+    bound_min, bound_max : float32 ``[seqlen_q]``, clamped; read when ``use_packing``
+    use_causal_mask : bool
+    window : int, ``min(window, seqlen_k)`` or 0
+    softmax_scale : float32
+    round_kernel, round_mixed : bool
+        Round kernel_dtype / mixed_dtype tiles to bf16.
+    q_tile, k_tile, q_tile_group : int
+    out_o : float32 ``[bs, nheads, d_head, seqlen_q]`` (values of the output dtype)
+    out_lse : float32 ``[bs, nheads, seqlen_q]``
+    """
+    bs, nheads, d_head, seqlen_q = q.shape
+    nheads_kv, seqlen_k = k.shape[1], k.shape[3]
+    n_rep = nheads // nheads_kv
+    num_sinks = sinks.shape[2]
+    q_grp_rows = q_tile * q_tile_group
+    one = np.float32(1.0)
+
+    for unit in prange(bs * nheads_kv):
+        b = unit // nheads_kv
+        h_kv = unit % nheads_kv
+        k_t = np.empty((seqlen_k, d_head), dtype=np.float32)
+        v_t = np.empty((seqlen_k, d_head), dtype=np.float32)
+        load_transposed(k[b, h_kv], 0, seqlen_k, k_t, one, False)
+        load_transposed(v[b, h_kv], 0, seqlen_k, v_t, one, False)
+        q_t = np.empty((q_grp_rows, d_head), dtype=np.float32)
+        o_acc = np.empty((q_grp_rows, d_head), dtype=np.float32)
+        row_max = np.empty(q_grp_rows, dtype=np.float32)
+        row_sum = np.empty(q_grp_rows, dtype=np.float32)
+        alpha = np.empty(q_grp_rows, dtype=np.float32)
+        s_flat = np.empty(q_grp_rows * max(k_tile, 1), dtype=np.float32)
+        pv_flat = np.empty(q_grp_rows * d_head, dtype=np.float32)
+
+        for r in range(n_rep):
+            h = h_kv * n_rep + r
+            # Sinks open the statistics of every row.
+            sink_max = _NEG_INF
+            for i_sink in range(num_sinks):
+                sink_max = max(sink_max, sinks[b, h, i_sink])
+            sink_sum = np.float32(0.0)
+            for i_sink in range(num_sinks):
+                sink_sum += np.float32(math.exp(sinks[b, h, i_sink] - sink_max))
+            for q_grp0 in range(0, seqlen_q, q_grp_rows):
+                rows = min(q_grp_rows, seqlen_q - q_grp0)
+                load_transposed(q[b, h], q_grp0, rows, q_t, softmax_scale, round_kernel)
+                row_max[:rows] = sink_max
+                row_sum[:rows] = round_if(sink_sum, round_mixed)
+                o_acc[:rows] = np.float32(0.0)
+                for k0 in range(0, seqlen_k, k_tile):
+                    n_k = min(k_tile, seqlen_k - k0)
+                    g_lo, g_hi = required_q_tiles(q_grp0, rows, q_tile, k0, k0 + n_k - 1,
+                                                  use_causal_mask, window)
+                    if g_lo >= g_hi:
+                        continue
+                    r0 = g_lo * q_tile
+                    r1 = min(g_hi * q_tile, rows)
+                    n_q = r1 - r0
+                    s = s_flat[:n_q * n_k].reshape(n_q, n_k)
+                    np.dot(q_t[r0:r1], k_t[k0:k0 + n_k].T, s)
+                    online_softmax_update(s, q_grp0 + r0, k0, row_max[r0:r1], row_sum[r0:r1],
+                                          alpha[r0:r1], use_packing, bound_min, bound_max,
+                                          use_causal_mask, window, round_kernel, round_mixed)
+                    pv = pv_flat[:n_q * d_head].reshape(n_q, d_head)
+                    np.dot(s, v_t[k0:k0 + n_k], pv)
+                    rescale_accumulate(o_acc[r0:r1], pv, alpha[r0:r1], round_mixed)
+                # o = O / l; lse = m + log(l); empty rows: o = 0, lse = +inf.
+                for i in range(rows):
+                    l = row_sum[i]
+                    if l > np.float32(0.0):
+                        inv = one / l
+                        for x in range(d_head):
+                            o_acc[i, x] = o_acc[i, x] * inv
+                        out_lse[b, h, q_grp0 + i] = row_max[i] + np.float32(math.log(l))
+                    else:
+                        o_acc[i, :] = np.float32(0.0)
+                        out_lse[b, h, q_grp0 + i] = np.float32(np.inf)
+                store_transposed(o_acc, rows, out_o[b, h], q_grp0, round_kernel)

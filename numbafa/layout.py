@@ -1,0 +1,145 @@
+"""Layout helpers: between the Neuron layout and the layouts users hold.
+
+The kernels take ``[batch, heads, head_dim, seq]`` (the Neuron layout:
+head_dim on the partition axis). Users of flash-attn hold
+``[batch, seq, heads, head_dim]`` (``"bshd"``); users of PyTorch SDPA hold
+``[batch, heads, seq, head_dim]`` (``"bhsd"``). The conversions below return
+*views* (``np.transpose``), never copies: the kernels accept non-contiguous
+arrays and copy tile by tile as they load.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import Q_TILE
+
+__all__ = [
+    "LAYOUTS",
+    "to_neuron",
+    "from_neuron",
+    "lse_to_natural",
+    "lse_to_neuron",
+    "cu_seqlens_to_bounds",
+    "lse_from_cte",
+]
+
+#: Axis permutation from each layout to the Neuron layout [b, h, d, s].
+_TO_NEURON = {"neuron": (0, 1, 2, 3), "bshd": (0, 2, 3, 1), "bhsd": (0, 1, 3, 2)}
+LAYOUTS = tuple(_TO_NEURON)
+
+
+def _check_layout(layout) -> tuple:
+    if layout not in _TO_NEURON:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return _TO_NEURON[layout]
+
+
+def _check_4d(name: str, x) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
+    if x.ndim != 4:
+        raise ValueError(f"{name} must be 4-D, got shape {x.shape}")
+    return x
+
+
+def to_neuron(x: np.ndarray, layout: str) -> np.ndarray:
+    """View of ``x`` in the Neuron layout ``[batch, heads, head_dim, seq]``.
+
+    Parameters
+    ----------
+    x : ndarray
+        ``[batch, seq, heads, head_dim]`` for ``layout="bshd"``,
+        ``[batch, heads, seq, head_dim]`` for ``"bhsd"``, or already
+        ``[batch, heads, head_dim, seq]`` for ``"neuron"``.
+    layout : {"bshd", "bhsd", "neuron"}
+    """
+    perm = _check_layout(layout)
+    return np.transpose(_check_4d("x", x), perm)
+
+
+def from_neuron(x: np.ndarray, layout: str) -> np.ndarray:
+    """View of a Neuron-layout ``[batch, heads, head_dim, seq]`` array in ``layout``."""
+    perm = _check_layout(layout)
+    return np.transpose(_check_4d("x", x), np.argsort(perm))
+
+
+def lse_to_natural(lse: np.ndarray) -> np.ndarray:
+    """Neuron-packed ``[bs, heads, 128, seq // 128]`` -> natural ``[bs, heads, seq]`` (a copy).
+
+    ``lse[b, h, p, t]`` is the LSE of query row ``t * 128 + p``.
+    """
+    lse = np.asarray(lse)
+    if lse.ndim != 4 or lse.shape[2] != Q_TILE:
+        raise ValueError(f"lse must be [bs, heads, {Q_TILE}, seq // {Q_TILE}], got shape {lse.shape}")
+    bs, h, _, n_tiles = lse.shape
+    return np.ascontiguousarray(lse.transpose(0, 1, 3, 2)).reshape(bs, h, n_tiles * Q_TILE)
+
+
+def lse_to_neuron(lse: np.ndarray) -> np.ndarray:
+    """Natural ``[bs, heads, seq]`` -> Neuron-packed ``[bs, heads, 128, seq // 128]`` (a copy).
+
+    Raises ``ValueError`` unless ``seq`` is a multiple of 128 (keep the
+    natural layout then: every numbafa function accepts it).
+    """
+    lse = np.asarray(lse)
+    if lse.ndim != 3:
+        raise ValueError(f"lse must be [bs, heads, seq], got shape {lse.shape}")
+    bs, h, seq = lse.shape
+    if seq % Q_TILE:
+        raise ValueError(f"the Neuron lse layout needs seq divisible by {Q_TILE}, got seq={seq}; "
+                         f"use the natural layout [bs, heads, seq]")
+    return np.ascontiguousarray(lse.reshape(bs, h, seq // Q_TILE, Q_TILE).transpose(0, 1, 3, 2))
+
+
+def cu_seqlens_to_bounds(cu_seqlens, seqlen=None):
+    """Packing bounds from flash-attn style cumulative sequence lengths.
+
+    Parameters
+    ----------
+    cu_seqlens : 1-D integer array ``[num_seqs + 1]``
+        ``0 = cu[0] <= cu[1] <= ... <= cu[-1]``; sequence ``i`` occupies
+        rows ``cu[i] .. cu[i+1] - 1`` of the packed batch.
+    seqlen : int, optional
+        Total rows, default ``cu[-1]``. Rows ``cu[-1] .. seqlen - 1``
+        (padding) attend to nothing: zero output, zero gradient.
+
+    Returns
+    -------
+    bound_min, bound_max : float32 ``[seqlen]``
+        Query ``r`` attends keys ``bound_min[r] <= j < bound_max[r]``.
+    """
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.size < 1 or not np.issubdtype(cu.dtype, np.integer):
+        raise ValueError(f"cu_seqlens must be a 1-D integer array [num_seqs + 1], got "
+                         f"{cu.dtype} array of shape {cu.shape}")
+    if cu[0] != 0 or np.any(np.diff(cu) < 0):
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()[:8]}"
+                         f"{'...' if cu.size > 8 else ''}")
+    total = int(cu[-1])
+    seqlen = total if seqlen is None else int(seqlen)
+    if seqlen < total:
+        raise ValueError(f"seqlen must be >= cu_seqlens[-1] = {total}, got {seqlen}")
+    lengths = np.diff(cu)
+    bound_min = np.zeros(seqlen, dtype=np.float32)
+    bound_max = np.zeros(seqlen, dtype=np.float32)
+    bound_min[:total] = np.repeat(cu[:-1], lengths)
+    bound_max[:total] = np.repeat(cu[1:], lengths)
+    return bound_min, bound_max
+
+
+def lse_from_cte(neg_max, sum_recip):
+    """LSE from the forward CTE kernel's checkpoint pair.
+
+    The CTE kernel stores the negated row max ``neg_max = -max`` and the
+    reciprocal row sum ``sum_recip = 1 / sum(exp(s - max))``; then
+    ``lse = max + log(sum) = -(neg_max + log(sum_recip))`` (seed: the torch
+    golden's line 230). Shapes are kept; the result is float32.
+    """
+    neg_max = np.asarray(neg_max, dtype=np.float64)
+    sum_recip = np.asarray(sum_recip, dtype=np.float64)
+    if neg_max.shape != sum_recip.shape:
+        raise ValueError(f"neg_max and sum_recip must have the same shape, got {neg_max.shape} and "
+                         f"{sum_recip.shape}")
+    with np.errstate(divide="ignore"):
+        return (-(neg_max + np.log(sum_recip))).astype(np.float32)

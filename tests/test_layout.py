@@ -1,0 +1,103 @@
+"""Layout helpers: round trips, lse packing, cu_seqlens and the CTE checkpoint."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import numbafa
+from numbafa import golden, layout
+
+from _problems import bounds_from_lengths
+
+
+@pytest.mark.parametrize("name,shape", [("bshd", (2, 5, 3, 4)), ("bhsd", (2, 3, 5, 4)), ("neuron", (2, 3, 4, 5))])
+def test_to_and_from_neuron_round_trip(name, shape):
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    n = layout.to_neuron(x, name)
+    assert n.shape == (2, 3, 4, 5)                 # [b, h, d, s]
+    assert np.shares_memory(n, x)                   # a view, not a copy
+    np.testing.assert_array_equal(layout.from_neuron(n, name), x)
+
+
+def test_bshd_element_mapping():
+    x = np.random.default_rng(0).standard_normal((2, 7, 3, 5))   # [b, s, h, d]
+    n = layout.to_neuron(x, "bshd")
+    assert n[1, 2, 4, 6] == x[1, 6, 2, 4]
+
+
+def test_bad_layout_and_shapes():
+    with pytest.raises(ValueError, match="layout must be one of \\('neuron', 'bshd', 'bhsd'\\), got 'sbhd'"):
+        layout.to_neuron(np.zeros((1, 1, 1, 1)), "sbhd")
+    with pytest.raises(ValueError, match="x must be 4-D, got shape \\(1, 1, 1\\)"):
+        layout.from_neuron(np.zeros((1, 1, 1)), "bshd")
+    with pytest.raises(TypeError, match="x must be a numpy.ndarray, got list"):
+        layout.to_neuron([1, 2], "bshd")
+
+
+def test_lse_layout_round_trip():
+    natural = np.random.default_rng(1).standard_normal((2, 3, 384)).astype(np.float32)
+    neuron = layout.lse_to_neuron(natural)
+    assert neuron.shape == (2, 3, 128, 3)
+    assert neuron[1, 2, 5, 2] == natural[1, 2, 2 * 128 + 5]
+    np.testing.assert_array_equal(layout.lse_to_natural(neuron), natural)
+    with pytest.raises(ValueError, match="needs seq divisible by 128, got seq=100"):
+        layout.lse_to_neuron(natural[..., :100])
+    with pytest.raises(ValueError, match="lse must be \\[bs, heads, 128, seq // 128\\]"):
+        layout.lse_to_natural(natural)
+
+
+def test_cu_seqlens_to_bounds():
+    bmin, bmax = layout.cu_seqlens_to_bounds(np.array([0, 127, 256, 511, 1024]))
+    emin, emax = bounds_from_lengths((127, 129, 255, 513))
+    np.testing.assert_array_equal(bmin, emin)
+    np.testing.assert_array_equal(bmax, emax)
+    assert bmin.dtype == bmax.dtype == np.float32
+    # Padding rows after the last sequence attend to nothing.
+    bmin, bmax = layout.cu_seqlens_to_bounds(np.array([0, 3]), seqlen=5)
+    np.testing.assert_array_equal(bmin, [0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(bmax, [3, 3, 3, 0, 0])
+
+
+@pytest.mark.parametrize("cu,kw,message", [
+    (np.array([1, 3]), {}, "must start at 0 and be non-decreasing"),
+    (np.array([0, 5, 3]), {}, "must start at 0 and be non-decreasing"),
+    (np.array([0.0, 3.0]), {}, "must be a 1-D integer array"),
+    (np.array([0, 3]), {"seqlen": 2}, "seqlen must be >= cu_seqlens\\[-1\\] = 3, got 2"),
+])
+def test_cu_seqlens_errors(cu, kw, message):
+    with pytest.raises(ValueError, match=message):
+        layout.cu_seqlens_to_bounds(cu, **kw)
+
+
+def test_packed_attention_equals_separate_attention():
+    """cu_seqlens bounds make one packed call equal to per-sequence calls."""
+    rng = np.random.default_rng(2)
+    lengths = (100, 156)
+    q, k, v = (rng.standard_normal((1, 2, 16, 256)).astype(np.float32) for _ in range(3))
+    bmin, bmax = layout.cu_seqlens_to_bounds(np.cumsum((0,) + lengths))
+    o, lse = numbafa.attention_fwd(q, k, v, bound_min=bmin, bound_max=bmax, use_causal_mask=True)
+    o0, _ = numbafa.attention_fwd(q[..., :100], k[..., :100], v[..., :100], use_causal_mask=True,
+                                  lse_layout="natural")
+    np.testing.assert_allclose(o[..., :100], o0, rtol=1e-5, atol=1e-6)
+
+
+def test_lse_from_cte():
+    rng = np.random.default_rng(3)
+    s = rng.standard_normal((2, 40))
+    row_max = s.max(axis=1)
+    row_sum = np.exp(s - row_max[:, None]).sum(axis=1)
+    lse = layout.lse_from_cte(-row_max, 1 / row_sum)
+    expected = np.log(np.exp(s).sum(axis=1))
+    np.testing.assert_allclose(lse, expected, rtol=1e-6)
+    assert lse.dtype == np.float32
+    with pytest.raises(ValueError, match="same shape"):
+        layout.lse_from_cte(np.zeros(3), np.ones(4))
+
+
+def test_golden_forward_agrees_with_layout_helper():
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((1, 1, 8, 256)) for _ in range(3))
+    _, natural = golden.attention_fwd(q, k, v)
+    _, neuron = golden.attention_fwd(q, k, v, lse_layout="neuron")
+    np.testing.assert_array_equal(layout.lse_to_neuron(natural), neuron)
