@@ -6,6 +6,9 @@ attention_fwd
     o and lse by an online-softmax kernel, in the backward's convention.
 attention_bwd
     dQ, dK, dV (and dsinks) in the Neuron kernel's contract and numerics.
+attention
+    Functional forward for training loops: ``o, ctx = attention(...)``,
+    ``grads = ctx.backward(do)``.
 layout
     Conversions between the Neuron layout and bshd / bhsd, lse layouts,
     cu_seqlens -> packing bounds, CTE checkpoint -> lse.
@@ -15,7 +18,9 @@ golden
 
 from . import golden, layout
 from .api import attention_bwd, attention_fwd
+from .functional import AttentionContext, attention
 
 __version__ = "0.1.0"
 
-__all__ = ["attention_fwd", "attention_bwd", "golden", "layout", "__version__"]
+__all__ = ["attention", "AttentionContext", "attention_fwd", "attention_bwd", "golden", "layout",
+           "__version__"]
