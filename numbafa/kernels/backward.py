@@ -43,14 +43,14 @@ The kernel never validates; :mod:`numbafa.validation` does, before it runs.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 from numba import prange
 
 from ..config import FLOAT32_MIN, jit
-from ..dtypes import widen
+from ..dtypes import round_to_bf16_inplace, widen
 from .common import load_transposed, required_q_tiles, round_if, store_transposed
+from .fastexp import expf
 
 __all__ = ["flash_attn_bwd"]
 
@@ -83,6 +83,23 @@ def compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum, round_kernel, round_m
 
 
 @jit()
+def _softmax_backward_row(s, dp, neg_lse, d_sum, k_f, use_packing, bound_min, bound_max,
+                          round_kernel):
+    """One key row of Steps 2.3-4 over contiguous query slices (vectorised loops)."""
+    for i in range(s.size):
+        x = s[i]
+        if use_packing:
+            x = _F32_MIN if (k_f < bound_min[i]) | (k_f >= bound_max[i]) else x
+        s[i] = expf(x + neg_lse[i])
+    if round_kernel:
+        round_to_bf16_inplace(s)
+    for i in range(s.size):
+        dp[i] = (dp[i] - d_sum[i]) * s[i]
+    if round_kernel:
+        round_to_bf16_inplace(dp)
+
+
+@jit()
 def recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, neg_lse, d_sum, use_packing,
                                bound_min, bound_max, use_causal_mask, window, round_kernel):
     """Steps 2.3, 2.4 and 4 on one ``[keys, queries]`` tile, in place.
@@ -92,27 +109,35 @@ def recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, neg_lse, d_sum, use_pa
 
     * mask: packing keeps ``bound_min[q] <= k < bound_max[q]`` (one
       ``range_select``), else causal keeps ``k <= q`` and a window ``w``
-      keeps ``k >= q - w + 1`` (two ``affine_select``). Masked scores become
-      the float32 minimum, not -inf;
+      keeps ``k >= q - w + 1`` (two ``affine_select``). A masked score is
+      the float32 minimum, whose exp is exactly 0; for causal/window the
+      masked queries of a key row form a prefix and a suffix, written as 0
+      directly (the same P and dS) so the exp loop runs on the visible part;
     * ``P = exp(S + (-LSE))``: one exp, no max subtraction, no division;
-    * ``dS = (dP - D) * P``: the fused op, in this operand order.
+    * ``dS = (dP - D) * P``: the fused op, in this operand order, with the
+      rounded P.
     """
     n_k, n_q = s_t.shape
+    zero = np.float32(0.0)
     for j in range(n_k):
         k_abs = k_abs0 + j
-        kf = np.float32(k_abs)
-        for i in range(n_q):
-            q_abs = q_abs0 + i
-            s = s_t[j, i]
-            if use_packing:
-                if kf < bound_min[q_abs] or kf >= bound_max[q_abs]:
-                    s = _F32_MIN
-            elif use_causal_mask:
-                if k_abs > q_abs or (window > 0 and k_abs < q_abs - window + 1):
-                    s = _F32_MIN
-            p = round_if(np.float32(math.exp(s + neg_lse[q_abs])), round_kernel)
-            s_t[j, i] = p
-            dp_t[j, i] = round_if((dp_t[j, i] - d_sum[q_abs]) * p, round_kernel)
+        lo = 0
+        hi = n_q
+        if use_causal_mask and not use_packing:
+            lo = min(max(k_abs - q_abs0, 0), n_q)              # queries before the key
+            if window > 0:                                     # queries past k + w - 1
+                hi = min(max(k_abs + window - q_abs0, lo), n_q)
+        s_row = s_t[j]
+        dp_row = dp_t[j]
+        s_row[:lo] = zero
+        dp_row[:lo] = zero
+        s_row[hi:] = zero
+        dp_row[hi:] = zero
+        q0 = q_abs0 + lo
+        q1 = q_abs0 + hi
+        _softmax_backward_row(s_row[lo:hi], dp_row[lo:hi], neg_lse[q0:q1], d_sum[q0:q1],
+                              np.float32(k_abs), use_packing, bound_min[q0:q1],
+                              bound_max[q0:q1], round_kernel)
 
 
 @jit()
@@ -143,7 +168,7 @@ def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, round_mixed):
         acc[:] = np.float32(0.0)
         for q0 in range(0, seqlen_q, q_tile):
             for p in range(min(q_tile, seqlen_q - q0)):
-                p_sink = round_if(np.float32(math.exp(sinks_h[i_sink] + neg_lse[q0 + p])), round_mixed)
+                p_sink = round_if(expf(sinks_h[i_sink] + neg_lse[q0 + p]), round_mixed)
                 acc[p] = round_if(acc[p] - p_sink * d_sum[q0 + p], round_mixed)
         total = np.float32(0.0)
         for p in range(q_tile):

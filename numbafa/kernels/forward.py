@@ -31,7 +31,9 @@ import numpy as np
 from numba import prange
 
 from ..config import jit
+from ..dtypes import round_to_bf16_inplace
 from .common import load_transposed, required_q_tiles, round_if, store_transposed
+from .fastexp import expf
 
 __all__ = ["flash_attn_fwd"]
 
@@ -39,42 +41,73 @@ _NEG_INF = np.float32(-np.inf)
 
 
 @jit()
+def _visible_keys(q_abs, k_abs0, n_k, use_packing, bound_min, bound_max, use_causal_mask, window):
+    """Range ``[lo, hi)`` of the tile's keys visible to query ``q_abs``.
+
+    Every mask of the kernel keeps a contiguous key range per query row:
+    packing ``bound_min[q] <= k < bound_max[q]`` (bounds already clamped),
+    causal ``k <= q``, window ``k >= q - w + 1``.
+    """
+    if use_packing:
+        lo = int(math.ceil(bound_min[q_abs])) - k_abs0
+        hi = int(math.ceil(bound_max[q_abs])) - k_abs0
+    elif use_causal_mask:
+        hi = q_abs + 1 - k_abs0
+        lo = q_abs - window + 1 - k_abs0 if window > 0 else 0
+    else:
+        return 0, n_k
+    hi = min(max(hi, 0), n_k)
+    lo = min(max(lo, 0), hi)
+    return lo, hi
+
+
+@jit()
+def _row_max(x):
+    m = _NEG_INF
+    for j in range(x.size):
+        m = max(m, x[j])
+    return m
+
+
+@jit()
+def _exp_shifted_sum(x, shift):
+    """``x <- exp(x - shift)`` in place; returns the float32 sum of the exps."""
+    total = np.float32(0.0)
+    for j in range(x.size):
+        p = expf(x[j] - shift)
+        x[j] = p
+        total += p
+    return total
+
+
+@jit()
 def online_softmax_update(s, q_abs0, k_abs0, row_max, row_sum, alpha, use_packing, bound_min,
                           bound_max, use_causal_mask, window, round_kernel, round_mixed):
     """One K tile of the online softmax, in place on a ``[queries, keys]`` tile.
 
-    On exit ``s`` holds P (kernel_dtype), ``row_max``/``row_sum`` the new
-    statistics and ``alpha`` the factor the output accumulator must be scaled by.
+    On exit ``s`` holds P (kernel_dtype; 0 on masked keys), ``row_max`` and
+    ``row_sum`` the new statistics (the sum adds the float32 exps, before P
+    is rounded) and ``alpha`` the factor the output accumulator is scaled by.
     """
     n_q, n_k = s.shape
+    zero = np.float32(0.0)
     for i in range(n_q):
-        q_abs = q_abs0 + i
         row = s[i]
-        tile_max = _NEG_INF
-        for j in range(n_k):
-            k_abs = k_abs0 + j
-            keep = True
-            if use_packing:
-                kf = np.float32(k_abs)
-                keep = bound_min[q_abs] <= kf < bound_max[q_abs]
-            elif use_causal_mask:
-                keep = k_abs <= q_abs and not (window > 0 and k_abs < q_abs - window + 1)
-            if not keep:
-                row[j] = _NEG_INF
-            elif row[j] > tile_max:
-                tile_max = row[j]
+        lo, hi = _visible_keys(q_abs0 + i, k_abs0, n_k, use_packing, bound_min, bound_max,
+                               use_causal_mask, window)
+        row[:lo] = zero
+        row[hi:] = zero
+        seen = row[lo:hi]
         m_old = row_max[i]
-        m_new = max(m_old, tile_max)
+        m_new = max(m_old, _row_max(seen))
         if m_new == _NEG_INF:  # nothing visible yet
             alpha[i] = np.float32(1.0)
-            row[:] = np.float32(0.0)
+            seen[:] = zero
             continue
-        a = np.float32(math.exp(m_old - m_new))
-        total = np.float32(0.0)
-        for j in range(n_k):
-            p = np.float32(math.exp(row[j] - m_new))
-            total += p
-            row[j] = round_if(p, round_kernel)
+        a = expf(m_old - m_new)
+        total = _exp_shifted_sum(seen, m_new)
+        if round_kernel:
+            round_to_bf16_inplace(seen)
         row_max[i] = m_new
         row_sum[i] = round_if(row_sum[i] * a + total, round_mixed)
         alpha[i] = a
@@ -141,7 +174,7 @@ def flash_attn_fwd(q, k, v, sinks, bound_min, bound_max, use_packing, use_causal
                 sink_max = max(sink_max, sinks[b, h, i_sink])
             sink_sum = np.float32(0.0)
             for i_sink in range(num_sinks):
-                sink_sum += np.float32(math.exp(sinks[b, h, i_sink] - sink_max))
+                sink_sum += expf(sinks[b, h, i_sink] - sink_max)
             for q_grp0 in range(0, seqlen_q, q_grp_rows):
                 rows = min(q_grp_rows, seqlen_q - q_grp0)
                 load_transposed(q[b, h], q_grp0, rows, q_t, softmax_scale, round_kernel)
