@@ -1,0 +1,55 @@
+"""The main command: exit codes, the table, --json, bad options."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from numbafa import cli
+
+SMALL = ["--heads", "4", "--kv-heads", "2", "--seqlen", "256", "--head-dim", "32", "--repeats", "1"]
+
+
+def test_table_and_exit_code_zero(capsys):
+    assert cli.main(SMALL + ["--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "float32  forward" in out and "float32  backward" in out and "FAIL" not in out
+    assert out.count(" ok") == 2
+
+
+def test_json_output(capsys):
+    assert cli.main(SMALL + ["--json", "--dtype", "bf16", "--sinks", "2", "--packing", "100,156",
+                             "--window", "64"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    passes = {(r["dtype"], r["pass_"]) for r in doc["results"]}
+    assert passes == {("bf16", "forward"), ("bf16", "backward")}
+    back = next(r for r in doc["results"] if r["pass_"] == "backward")
+    assert set(back["max_abs_err"]) == {"dq", "dk", "dv", "dsinks"} and back["ok"] is True
+    assert back["gflops"] > 0 and back["packing"] == [100, 156]
+
+
+def test_no_check_skips_golden(capsys):
+    assert cli.main(SMALL + ["--no-check", "--dtype", "float32", "--mask", "full"]) == 0
+    assert "not checked" in capsys.readouterr().out
+
+
+def test_failed_check_gives_exit_code_one(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "RTOL", {"float32": -1.0, "bf16": -1.0})
+    assert cli.main(SMALL + ["--dtype", "float32"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--heads", "6", "--kv-heads", "4"], "--heads (6) must be a multiple of --kv-heads (4)"),
+    (["--seqlen", "0"], "expected a positive integer, got 0"),
+    (["--dtype", "float16"], "invalid choice: 'float16'"),
+    (["--mask", "full", "--window", "8"], "--window needs --mask causal"),
+    (["--seqlen", "256", "--packing", "100,100"], "--packing lengths sum to 200, expected --seqlen 256"),
+    (["--packing", "a,b"], "expected comma-separated lengths"),
+])
+def test_bad_options_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
