@@ -163,3 +163,26 @@ def test_repeated_calls_are_bitwise_identical():
     for _ in range(2):
         for a, b in zip(first, numbafa.attention_bwd(**inputs)):
             np.testing.assert_array_equal(a, b)
+
+
+def test_bitwise_identical_across_thread_counts():
+    """Each work unit is owned by one thread and reduced in a fixed order: the thread count
+    cannot change a bit (forward and backward, float32 and bf16)."""
+    import ml_dtypes
+    import numba
+
+    results = {}
+    for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+        numba.set_num_threads(threads)
+        try:
+            for dtype in (np.float32, ml_dtypes.bfloat16):
+                inputs = make_inputs(Case(nheads=4, nheads_kv=2, bs=2, causal=True, num_sinks=1,
+                                          seqlen_q=384, seqlen_k=384), dtype)
+                fwd = numbafa.attention_fwd(inputs["q_ref"], inputs["k_ref"], inputs["v_ref"],
+                                            sinks_ref=inputs["sinks_ref"], use_causal_mask=True)
+                results[threads, np.dtype(dtype).name] = fwd + numbafa.attention_bwd(**inputs)
+        finally:
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    for (threads, dtype), arrays in results.items():
+        for a, b in zip(arrays, results[1, dtype]):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=f"{threads} threads")
