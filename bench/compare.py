@@ -1,0 +1,195 @@
+"""numbafa against PyTorch's CPU SDPA and the NumPy golden, side by side in one process.
+
+    pip install ".[bench]" torch==2.13.0     # torch is optional; only that CPU wheel
+    python bench/compare.py --json bench/results.json --plot docs/performance.png
+
+For every shape (bench/shapes.py), dtype and pass, the implementations are
+warmed up, then run alternately ``--repeats`` times; the table gives median
+milliseconds, GFLOP/s (forward 4*B*Hq*S*S*D, halved when causal; backward
+2.5x) and numbafa's speed-up over torch. PyTorch gets the same values in
+``[batch, heads, seq, dim]`` (a transposed copy, made outside the timing);
+its backward is timed alone (the forward that builds the graph is not timed).
+Shapes with a sliding window or sinks have no SDPA equivalent and are
+skipped for torch. The golden (float64, materialising) runs once per shape
+up to ``--golden-max-seqlen``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import ml_dtypes
+import numpy as np
+
+import numbafa
+from numbafa import golden
+
+from shapes import SHAPES, forward_flops, make_inputs
+
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError:  # optional peer
+    torch = None
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class Numbafa:
+    name = "numbafa"
+
+    def __init__(self, q, k, v, dy, kw):
+        self.args, self.dy, self.kw = (q, k, v), dy, dict(kw, mixed_precision=True)
+        self.o, self.lse = numbafa.attention_fwd(*self.args, **self.kw)
+
+    def forward(self):
+        return _timed(lambda: numbafa.attention_fwd(*self.args, **self.kw))
+
+    def backward(self):
+        return _timed(lambda: numbafa.attention_bwd(*self.args, self.o, self.dy, self.lse, **self.kw))
+
+
+class Torch:
+    name = "torch"
+
+    def __init__(self, q, k, v, dy, kw):
+        dtype = torch.bfloat16 if q.dtype == ml_dtypes.bfloat16 else torch.float32
+
+        def t(x):  # Neuron [b, h, d, s] -> SDPA [b, h, s, d], same values
+            return torch.from_numpy(np.ascontiguousarray(x.astype(np.float32).transpose(0, 1, 3, 2))).to(dtype)
+
+        self.q, self.k, self.v, self.dy = t(q), t(k), t(v), t(dy)
+        self.causal = kw.get("use_causal_mask", False)
+        self.gqa = self.q.shape[1] != self.k.shape[1]
+
+    def _sdpa(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=self.gqa)
+
+    def forward(self):
+        with torch.no_grad():
+            return _timed(lambda: self._sdpa(self.q, self.k, self.v))
+
+    def backward(self):
+        q, k, v = (x.detach().requires_grad_() for x in (self.q, self.k, self.v))
+        out = self._sdpa(q, k, v)
+        return _timed(lambda: out.backward(self.dy))
+
+
+def run(args):
+    rows = []
+    shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes]
+    for name, bs, h, hkv, s, d, options in shapes:
+        for dtype_name in args.dtypes:
+            dtype = ml_dtypes.bfloat16 if dtype_name == "bf16" else np.float32
+            q, k, v, dy, kw = make_inputs(bs, h, hkv, s, d, dtype, options)
+            impls = [Numbafa(q, k, v, dy, kw)]
+            if torch is not None and not args.no_torch and not (kw.get("sliding_window") or "sinks_ref" in kw):
+                impls.append(Torch(q, k, v, dy, kw))
+            for pass_ in args.passes:
+                flops = forward_flops(bs, h, s, d, options) * (2.5 if pass_ == "backward" else 1.0)
+                times = {impl.name: [] for impl in impls}
+                for impl in impls:  # warm-up (compile, allocator, thread pools)
+                    getattr(impl, pass_)()
+                for _ in range(args.repeats):  # alternate, so drift hits everyone alike
+                    for impl in impls:
+                        times[impl.name].append(getattr(impl, pass_)())
+                row = dict(shape=name, dtype=dtype_name, pass_=pass_, flops=flops)
+                for impl_name, ts in times.items():
+                    row[f"{impl_name}_ms"] = float(np.median(ts)) * 1e3
+                    row[f"{impl_name}_gflops"] = flops / float(np.median(ts)) / 1e9
+                if "torch_ms" in row:
+                    row["speedup_vs_torch"] = row["torch_ms"] / row["numbafa_ms"]
+                if s <= args.golden_max_seqlen and dtype_name == "float32":
+                    row["golden_ms"] = _golden_ms(q, k, v, dy, kw, pass_)
+                    row["speedup_vs_golden"] = row["golden_ms"] / row["numbafa_ms"]
+                rows.append(row)
+                _print_row(row)
+    return rows
+
+
+def _golden_ms(q, k, v, dy, kw, pass_):
+    gkw = dict(sinks=kw.get("sinks_ref"), use_causal_mask=kw.get("use_causal_mask", False),
+               sliding_window=kw.get("sliding_window"))
+    if pass_ == "forward":
+        return _timed(lambda: golden.attention_fwd(q, k, v, **gkw)) * 1e3
+    return _timed(lambda: golden.attention_bwd(q, k, v, None, dy, None, sinks_ref=gkw.pop("sinks"),
+                                               **gkw)) * 1e3
+
+
+HEADER = (f"| {'shape':42} | dtype | pass | numbafa ms | GFLOP/s | torch ms | GFLOP/s | speed-up vs torch "
+          f"| golden ms |")
+
+
+def _print_row(r):
+    if _print_row.first:
+        print(HEADER)
+        print("|" + "---|" * 9)
+        _print_row.first = False
+
+    def f(key, fmt):
+        return format(r[key], fmt) if key in r else "-"
+
+    print(f"| {r['shape']:42} | {r['dtype']} | {r['pass_']} | {f('numbafa_ms', '.0f')} | "
+          f"{f('numbafa_gflops', '.0f')} | {f('torch_ms', '.0f')} | {f('torch_gflops', '.0f')} | "
+          f"{f('speedup_vs_torch', '.2f')} | {f('golden_ms', '.0f')} |", flush=True)
+
+
+_print_row.first = True
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install '.[bench]'): no plot")
+        return
+    labels = [f"{r['shape']}\n{r['dtype']} {r['pass_'][:3]}" for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(rows)), 5))
+    ax.bar(x - 0.2, [r["numbafa_gflops"] for r in rows], 0.4, label="numbafa")
+    ax.bar(x + 0.2, [r.get("torch_gflops", 0) for r in rows], 0.4, label="torch SDPA (CPU)")
+    ax.set_xticks(x, labels, rotation=70, ha="right", fontsize=7)
+    ax.set_ylabel("GFLOP/s (flash-attn convention)")
+    ax.set_title(f"numbafa {numbafa.__version__} vs torch {torch.__version__ if torch else '-'} "
+                 f"on {platform.processor() or platform.machine()}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="*", help=f"subset of: {', '.join(s[0] for s in SHAPES)}")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bf16"], choices=["float32", "bf16"])
+    p.add_argument("--passes", nargs="+", default=["forward", "backward"], choices=["forward", "backward"])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--golden-max-seqlen", type=int, default=2048)
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--plot", help="write a PNG bar chart here (needs matplotlib)")
+    args = p.parse_args(argv)
+    if torch is not None:
+        torch.set_num_threads(os.cpu_count())
+    rows = run(args)
+    meta = dict(numbafa=numbafa.__version__, torch=torch.__version__ if torch else None,
+                machine=platform.machine(), processor=platform.processor(), python=platform.python_version())
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(meta=meta, rows=rows), fh, indent=2)
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()

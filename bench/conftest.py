@@ -1,0 +1,1 @@
+"""Shared set-up of the pytest-benchmark suite (see bench/README.md)."""
