@@ -11,7 +11,7 @@ softmax (FlashAttention-2)::
     m_new = max(m, rowmax(S))            # S = Q_scaled^T K, masked to -inf
     P     = exp(S - m_new)               # written in kernel_dtype
     alpha = exp(m - m_new)
-    l     = l * alpha + rowsum(P)        # mixed_dtype (sums the fp32 exp values)
+    l     = l * alpha + rowsum(P)        # mixed_dtype; P as written (bf16 for bf16 inputs)
     O     = O * alpha + P V              # mixed_dtype, one rounding per K tile
     ...
     o     = O * (1 / l)                  # kernel_dtype;  lse = m + log(l)
@@ -70,24 +70,22 @@ def _row_max(x):
 
 
 @jit()
-def _exp_shifted_sum(x, shift):
-    """``x <- exp(x - shift)`` in place; returns the float32 sum of the exps."""
-    total = np.float32(0.0)
+def _exp_shifted(x, shift):
+    """``x <- exp(x - shift)`` in place (a reduction-free loop, so it vectorises)."""
     for j in range(x.size):
-        p = expf(x[j] - shift)
-        x[j] = p
-        total += p
-    return total
+        x[j] = expf(x[j] - shift)
 
 
 @jit()
-def online_softmax_update(s, q_abs0, k_abs0, row_max, row_sum, alpha, use_packing, bound_min,
-                          bound_max, use_causal_mask, window, round_kernel, round_mixed):
-    """One K tile of the online softmax, in place on a ``[queries, keys]`` tile.
+def online_softmax_update(s, q_abs0, k_abs0, row_max, alpha, use_packing, bound_min, bound_max,
+                          use_causal_mask, window, round_kernel):
+    """Masked exp of one K tile of the online softmax, in place on ``[queries, keys]``.
 
-    On exit ``s`` holds P (kernel_dtype; 0 on masked keys), ``row_max`` and
-    ``row_sum`` the new statistics (the sum adds the float32 exps, before P
-    is rounded) and ``alpha`` the factor the output accumulator is scaled by.
+    On exit ``s`` holds P (kernel_dtype; 0 on masked keys), ``row_max`` the new
+    running max and ``alpha = exp(m_old - m_new)``, the factor by which the
+    row's sum and output accumulator must be scaled. The row sums of P are
+    taken afterwards by one matrix-vector product (a sum inside this loop
+    would stop it from vectorising).
     """
     n_q, n_k = s.shape
     zero = np.float32(0.0)
@@ -104,21 +102,20 @@ def online_softmax_update(s, q_abs0, k_abs0, row_max, row_sum, alpha, use_packin
             alpha[i] = np.float32(1.0)
             seen[:] = zero
             continue
-        a = expf(m_old - m_new)
-        total = _exp_shifted_sum(seen, m_new)
+        alpha[i] = expf(m_old - m_new)
+        _exp_shifted(seen, m_new)
         if round_kernel:
             round_to_bf16_inplace(seen)
         row_max[i] = m_new
-        row_sum[i] = round_if(row_sum[i] * a + total, round_mixed)
-        alpha[i] = a
 
 
 @jit()
-def rescale_accumulate(acc, pv, alpha, round_mixed):
-    """``acc = acc * alpha[row] + pv`` written in mixed_dtype."""
+def rescale_accumulate(acc, pv, row_sum, tile_sum, alpha, round_mixed):
+    """``acc = acc * alpha + pv`` and ``l = l * alpha + rowsum(P)``, per row, in mixed_dtype."""
     n_q, d = acc.shape
     for i in range(n_q):
         a = alpha[i]
+        row_sum[i] = round_if(row_sum[i] * a + tile_sum[i], round_mixed)
         for x in range(d):
             acc[i, x] = round_if(acc[i, x] * a + pv[i, x], round_mixed)
 
@@ -165,6 +162,8 @@ def flash_attn_fwd(q, k, v, sinks, bound_min, bound_max, use_packing, use_causal
         alpha = np.empty(q_grp_rows, dtype=np.float32)
         s_flat = np.empty(q_grp_rows * max(k_tile, 1), dtype=np.float32)
         pv_flat = np.empty(q_grp_rows * d_head, dtype=np.float32)
+        tile_sum = np.empty(q_grp_rows, dtype=np.float32)
+        ones = np.ones(max(k_tile, 1), dtype=np.float32)
 
         for r in range(n_rep):
             h = h_kv * n_rep + r
@@ -192,12 +191,14 @@ def flash_attn_fwd(q, k, v, sinks, bound_min, bound_max, use_packing, use_causal
                     n_q = r1 - r0
                     s = s_flat[:n_q * n_k].reshape(n_q, n_k)
                     np.dot(q_t[r0:r1], k_t[k0:k0 + n_k].T, s)
-                    online_softmax_update(s, q_grp0 + r0, k0, row_max[r0:r1], row_sum[r0:r1],
-                                          alpha[r0:r1], use_packing, bound_min, bound_max,
-                                          use_causal_mask, window, round_kernel, round_mixed)
+                    online_softmax_update(s, q_grp0 + r0, k0, row_max[r0:r1], alpha[r0:r1],
+                                          use_packing, bound_min, bound_max, use_causal_mask,
+                                          window, round_kernel)
+                    np.dot(s, ones[:n_k], tile_sum[:n_q])            # rowsum(P) as written
                     pv = pv_flat[:n_q * d_head].reshape(n_q, d_head)
                     np.dot(s, v_t[k0:k0 + n_k], pv)
-                    rescale_accumulate(o_acc[r0:r1], pv, alpha[r0:r1], round_mixed)
+                    rescale_accumulate(o_acc[r0:r1], pv, row_sum[r0:r1], tile_sum[:n_q],
+                                       alpha[r0:r1], round_mixed)
                 # o = O / l; lse = m + log(l); empty rows: o = 0, lse = +inf.
                 for i in range(rows):
                     l = row_sum[i]
