@@ -84,6 +84,8 @@ Q_TILE = 128
 #: Keys per K tile (``k_seq_tile_size``), capped by seqlen_k.
 K_TILE = 512
 #: Width of the transposed K sub-tiles of the dQ matmul (``k_seq_tile_size_backward``).
+#: On the PE array they are 4 matmuls accumulating into one fp32 PSUM; on the CPU that is
+#: one BLAS contraction over the K tile, so the kernels have no loop over them.
 K_SUB_TILE = 128
 #: Q tiles processed together (``q_tile_group_size``).
 Q_TILE_GROUP = 4

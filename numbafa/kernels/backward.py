@@ -28,7 +28,8 @@ copying:
 
 * ``S^T  = K^T (Q_scaled^T)^T``   ``dP^T = V^T (dO^T)^T``
 * ``dV  += P^T dO^T``             ``dK  += dS^T Q_scaled^T``
-* ``dQ  += sum_kb (dS^T[kb])^T K^T[kb] * scale`` over 128-key sub-tiles kb.
+* ``dQ  += (dS^T)^T K^T * scale`` (the Neuron kernel's sum over transposed
+  128-key sub-tiles, accumulated in one fp32 PSUM, is one fp32 BLAS contraction).
 
 Numerics (``shared/NUMERICS.md``). All arithmetic is float32. Two flags say
 where a written tile is rounded to bf16: ``round_kernel`` (inputs are bf16:
@@ -180,7 +181,7 @@ def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, round_mixed):
 @jit(parallel=True)
 def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing,
                    use_causal_mask, window, softmax_scale, round_kernel, round_mixed,
-                   q_tile, k_tile, k_sub_tile, q_tile_group, d_tile, section_len,
+                   q_tile, k_tile, q_tile_group, d_tile, section_len,
                    out_dq, out_dk, out_dv, out_dsinks):
     """Flash-attention backward over all ``bs * nheads_kv`` work units.
 
@@ -198,7 +199,7 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
     softmax_scale : float32
     round_kernel, round_mixed : bool
         Round kernel_dtype / mixed_dtype tiles to bf16 (see module docstring).
-    q_tile, k_tile, k_sub_tile, q_tile_group, d_tile, section_len : int
+    q_tile, k_tile, q_tile_group, d_tile, section_len : int
         The tiling of :func:`numbafa.config.setup_config`.
     out_dq : float32 ``[bs, nheads, d_head, seqlen_q]``
     out_dk, out_dv : float32 ``[bs, nheads_kv, d_head, seqlen_k]``
@@ -239,7 +240,6 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
         dpt_flat = np.empty(k_tile * q_grp_rows, dtype=np.float32)
         kd_flat = np.empty(k_tile * d_head, dtype=np.float32)
         qd_flat = np.empty(q_grp_rows * d_head, dtype=np.float32)
-        sub_flat = np.empty(q_grp_rows * d_head, dtype=np.float32)
 
         for i_section in range(n_sections):
             k_sec0 = i_section * section_len
@@ -287,14 +287,11 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
                                                    d_sum[r], use_packing, bound_min, bound_max,
                                                    use_causal_mask, window, round_kernel)
 
-                        # Step 5.1: dQ += (sum over transposed 128-key sub-tiles of dS K) * scale.
+                        # Step 5.1: dQ += (dS K) * scale. The Neuron kernel contracts over the
+                        # K tile in transposed 128-key sub-tiles (config.K_SUB_TILE) summed in one
+                        # fp32 PSUM; one BLAS call over dS^T and K^T is that same fp32 sum.
                         dq_psum = qd_flat[:n_q * d_head].reshape(n_q, d_head)
-                        dq_psum[:] = np.float32(0.0)
-                        sub = sub_flat[:n_q * d_head].reshape(n_q, d_head)
-                        for kb0 in range(0, n_k, k_sub_tile):
-                            kb1 = min(kb0 + k_sub_tile, n_k)
-                            np.dot(dp_t[kb0:kb1].T, kt_tile[kb0:kb1], sub)
-                            dq_psum += sub
+                        np.dot(dp_t.T, kt_tile, dq_psum)
                         accumulate(dq_t[r0:r1], dq_psum, softmax_scale, round_mixed)
 
                         # Step 3.1: dV += P^T dO (section accumulator, GQA-reduced).
