@@ -16,19 +16,25 @@ up to ``--golden-max-seqlen``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
-import time
 
-import ml_dtypes
-import numpy as np
+# Both libraries park idle worker threads; with the default OpenMP wait policy
+# torch's threads spin for a while after each call and steal the cores from
+# the next numbafa call (and vice versa), which skews an alternating run.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import numbafa
-from numbafa import golden
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
 
-from shapes import SHAPES, forward_flops, make_inputs
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+
+import numbafa  # noqa: E402
+from numbafa import golden  # noqa: E402
+
+from shapes import SHAPES, forward_flops, make_inputs  # noqa: E402
 
 try:
     import torch
