@@ -11,6 +11,7 @@ call in a fresh process, i.e. compilation.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -63,14 +64,21 @@ print(t1 - t0, time.perf_counter() - t1)
 """
 
 
+@pytest.mark.parametrize("cache", ["0", "1"], ids=["cold-compile", "from-disk-cache"])
 @pytest.mark.parametrize("dtype", ["np.float32", "ml_dtypes.bfloat16"])
-def test_compile_time(benchmark, dtype):
-    """Import + first forward and backward call in a fresh process (tiny shape: ~all compile)."""
+def test_compile_time(benchmark, dtype, cache):
+    """Import + first forward and backward call in a fresh process (tiny shape: ~all compile).
+
+    ``NUMBAFA_CACHE=0`` times compilation; ``1`` (after one warm-up process that fills
+    the cache) times loading the compiled kernels from disk.
+    """
+    env = dict(os.environ, NUMBAFA_CACHE=cache)
+
     def cold():
         out = subprocess.run([sys.executable, "-c", COLD_CALL.format(dtype=dtype)], check=True,
-                             capture_output=True, text=True).stdout.split()
+                             capture_output=True, text=True, env=env).stdout.split()
         return float(out[0]), float(out[1])
 
     benchmark.group = "compile"
-    result = benchmark.pedantic(cold, rounds=1, iterations=1)
+    result = benchmark.pedantic(cold, rounds=1, iterations=1, warmup_rounds=1 if cache == "1" else 0)
     benchmark.extra_info["import_s"], benchmark.extra_info["first_calls_s"] = result

@@ -57,3 +57,19 @@ def test_setup_config_small_and_ragged():
 
 def test_power_of_2():
     assert [config.power_of_2(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+
+
+def test_stale_cache_is_cleared_when_any_source_changes(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "kernels" / "__pycache__").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "kernels" / "b.py").write_text("y = 2\n")
+    cached = pkg / "kernels" / "__pycache__" / "b.f-1.py311.nbi"
+    cached.write_text("index")
+    assert config.invalidate_stale_cache(pkg)            # first time: no fingerprint yet
+    cached.write_text("index")
+    assert not config.invalidate_stale_cache(pkg)        # nothing changed: cache kept
+    assert cached.exists()
+    (pkg / "a.py").write_text("x = 2\n")                 # another module's source changed
+    assert config.invalidate_stale_cache(pkg)
+    assert not cached.exists()
