@@ -20,6 +20,8 @@ import numpy as np
 import numbafa
 from numbafa import golden
 
+from shapes import make_inputs
+
 SHAPES = [
     # (label, bs, nheads, nheads_kv, d_head, seqlen, options)
     ("GQA 8/2, d128, S2048, causal", 1, 8, 2, 128, 2048, dict(use_causal_mask=True)),
@@ -29,15 +31,9 @@ SHAPES = [
 ]
 
 
-def make(bs, nheads, nheads_kv, d_head, seqlen, dtype, options, seed=0):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((bs, nheads, d_head, seqlen)).astype(dtype)
-    k = rng.standard_normal((bs, nheads_kv, d_head, seqlen)).astype(dtype)
-    v = rng.standard_normal((bs, nheads_kv, d_head, seqlen)).astype(dtype)
-    dy = rng.standard_normal((bs, nheads, d_head, seqlen)).astype(dtype)
-    kw = {k_: v_ for k_, v_ in options.items() if k_ != "sinks"}
-    if options.get("sinks"):
-        kw["sinks_ref"] = rng.standard_normal((bs, nheads)).astype(np.float32)
+def make(bs, nheads, nheads_kv, d_head, seqlen, dtype, options):
+    """Backward inputs: random q/k/v/dy (bench/shapes.py) plus o, lse from the float64 golden."""
+    q, k, v, dy, kw = make_inputs(bs, nheads, nheads_kv, seqlen, d_head, dtype, options)
     o, lse = golden.attention_fwd(q, k, v, sinks=kw.get("sinks_ref"), use_causal_mask=kw.get("use_causal_mask", False),
                                   sliding_window=kw.get("sliding_window"))
     return dict(q_ref=q, k_ref=k, v_ref=v, o_ref=o.astype(dtype), dy_ref=dy, lse_ref=lse.astype(np.float32), **kw)
