@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from .blas import single_threaded_blas
-from .config import setup_config
 from .dtypes import to_bf16_array
-from .config import Q_TILE
+from .config import Q_TILE, q_chunks, setup_config
 from .kernels.backward import flash_attn_bwd
 from .kernels.common import clamp_packing_bounds
 from .kernels.forward import flash_attn_fwd
@@ -162,12 +161,16 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     dk = np.empty((bs, nheads_kv, d_head, seqlen_k), dtype=np.float32)
     dv = np.empty_like(dk)
     dsinks = np.empty(prob.sinks.shape, dtype=np.float32)
+    n_chunks = q_chunks(bs * nheads_kv, seqlen_q, round_mixed)
+    part_shape = (bs * nheads_kv, n_chunks, seqlen_k, d_head) if n_chunks > 1 else (1, 1, 0, d_head)
+    part_dk = np.empty(part_shape, dtype=np.float32)
+    part_dv = np.empty(part_shape, dtype=np.float32)
     with single_threaded_blas():
         flash_attn_bwd(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks,
                        bound_min32, bound_max32, prob.use_packing, prob.use_causal_mask,
                        prob.window, np.float32(prob.softmax_scale), round_kernel, round_mixed,
                        cfg.q_tile, cfg.k_tile, cfg.q_tile_group, cfg.d_tile,
-                       cfg.section_len, dq, dk, dv, dsinks)
+                       cfg.section_len, n_chunks, dq, dk, dv, dsinks, part_dk, part_dv)
 
     grads = (_to_dtype(dq, prob.dtype), _to_dtype(dk, prob.dtype), _to_dtype(dv, prob.dtype))
     if prob.sinks_shape is None:

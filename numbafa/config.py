@@ -136,6 +136,22 @@ D_TILE_MAX = 128
 FLOAT32_MIN = -3.4028234663852886e38
 
 
+def q_chunks(n_units: int, seqlen_q: int, bf16_accumulators: bool) -> int:
+    """How many parallel items each backward work unit is split into.
+
+    The Neuron kernel shards over ``bs * nheads_kv``; with a single work unit
+    (e.g. MQA at batch 1) that would leave one core idle. Then the unit's Q
+    groups are split in two, each half with a private float32 dK/dV partial
+    summed in a fixed order afterwards. The rule depends on the problem only,
+    never on the thread count, so results stay bitwise identical across
+    thread counts. bf16 accumulators (bf16 inputs, ``mixed_precision=False``)
+    are never split: their per-addition rounding fixes the order.
+    """
+    if n_units == 1 and not bf16_accumulators and seqlen_q > Q_TILE * Q_TILE_GROUP:
+        return 2
+    return 1
+
+
 def power_of_2(n: int) -> int:
     """Smallest power of two >= ``n`` (the seed's ``power_of_2``)."""
     if n < 1:

@@ -41,6 +41,15 @@ def test_output_shapes(case_and_results):
         assert got[3].shape == inputs["sinks_ref"].shape
 
 
+def test_single_work_unit_is_split_in_two_q_chunks():
+    """The cases that exercise the split: one (batch, KV head) and more than one Q group."""
+    from numbafa.config import q_chunks
+    assert q_chunks(1, 1025, False) == 2 and q_chunks(1, 512, False) == 1
+    assert q_chunks(2, 4096, False) == 1 and q_chunks(1, 4096, True) == 1
+    split = [name for name, c in CASES if c.bs * c.nheads_kv == 1 and c.seqlen_q > 512]
+    assert {"window128-gqa", "ragged1025", "2-sections-causal"} <= set(split)
+
+
 def test_two_sections_case_really_has_two_sections():
     cfg = setup_config(5120, 5120, 256)
     assert (cfg.d_n_tiles, cfg.section_len, cfg.n_sections) == (2, 4096, 2)
@@ -176,11 +185,17 @@ def test_bitwise_identical_across_thread_counts():
         numba.set_num_threads(threads)
         try:
             for dtype in (np.float32, ml_dtypes.bfloat16):
-                inputs = make_inputs(Case(nheads=4, nheads_kv=2, bs=2, causal=True, num_sinks=1,
-                                          seqlen_q=384, seqlen_k=384), dtype)
-                fwd = numbafa.attention_fwd(inputs["q_ref"], inputs["k_ref"], inputs["v_ref"],
-                                            sinks_ref=inputs["sinks_ref"], use_causal_mask=True)
-                results[threads, np.dtype(dtype).name] = fwd + numbafa.attention_bwd(**inputs)
+                # 4 work units; and 1 work unit, which the backward splits in two Q chunks.
+                for units, case in (("4", Case(nheads=4, nheads_kv=2, bs=2, causal=True, num_sinks=1,
+                                               seqlen_q=384, seqlen_k=384)),
+                                    ("1", Case(nheads=2, nheads_kv=1, causal=True, num_sinks=1,
+                                               seqlen_q=1100, seqlen_k=1100))):
+                    inputs = make_inputs(case, dtype)
+                    fwd = numbafa.attention_fwd(inputs["q_ref"], inputs["k_ref"], inputs["v_ref"],
+                                                sinks_ref=inputs["sinks_ref"], use_causal_mask=True,
+                                                lse_layout="natural")
+                    results[threads, np.dtype(dtype).name + units] = fwd + numbafa.attention_bwd(
+                        **inputs, mixed_precision=True)
         finally:
             numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     for (threads, dtype), arrays in results.items():

@@ -181,8 +181,8 @@ def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, round_mixed):
 @jit(parallel=True)
 def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing,
                    use_causal_mask, window, softmax_scale, round_kernel, round_mixed,
-                   q_tile, k_tile, q_tile_group, d_tile, section_len,
-                   out_dq, out_dk, out_dv, out_dsinks):
+                   q_tile, k_tile, q_tile_group, d_tile, section_len, q_chunks,
+                   out_dq, out_dk, out_dv, out_dsinks, part_dk, part_dv):
     """Flash-attention backward over all ``bs * nheads_kv`` work units.
 
     Parameters
@@ -201,33 +201,48 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
         Round kernel_dtype / mixed_dtype tiles to bf16 (see module docstring).
     q_tile, k_tile, q_tile_group, d_tile, section_len : int
         The tiling of :func:`numbafa.config.setup_config`.
+    q_chunks : int
+        Split each work unit's Q groups into this many parallel items (CPU
+        schedule for few work units; see :func:`numbafa.config.q_chunks`).
+        Each item owns its dQ rows and a private float32 dK/dV partial,
+        summed in chunk order afterwards. Must be 1 when ``round_mixed``
+        (bf16 accumulators cannot be split without changing their rounding).
     out_dq : float32 ``[bs, nheads, d_head, seqlen_q]``
     out_dk, out_dv : float32 ``[bs, nheads_kv, d_head, seqlen_k]``
     out_dsinks : float32 ``[bs, nheads, num_sinks]``
         Written in full by the kernel.
+    part_dk, part_dv : float32 ``[bs * nheads_kv, q_chunks, seqlen_k, d_head]``
+        Scratch for the partials; only used when ``q_chunks > 1``.
     """
     bs, nheads, d_head, seqlen_q = q.shape
     nheads_kv, seqlen_k = k.shape[1], k.shape[3]
+    n_units = bs * nheads_kv
     n_rep = nheads // nheads_kv
     num_sinks = sinks.shape[2]
     q_grp_rows = q_tile * q_tile_group
+    n_groups = (seqlen_q + q_grp_rows - 1) // q_grp_rows
     one = np.float32(1.0)
     # A zero-length key sequence still runs one (empty) section, so that D,
     # dQ = 0 and dsinks are produced by the same code path.
     n_sections = max(1, (seqlen_k + section_len - 1) // section_len)
 
-    for unit in prange(bs * nheads_kv):
+    # -LSE bias, loaded once per (batch, head), written in mixed_dtype; D = rowsum(O dO)
+    # is filled in on the first section, by whichever item owns the rows.
+    neg_lse = np.empty((n_units, n_rep, seqlen_q), dtype=np.float32)
+    d_sum = np.empty((n_units, n_rep, seqlen_q), dtype=np.float32)
+    for unit in prange(n_units):
+        for r in range(n_rep):
+            for i in range(seqlen_q):
+                neg_lse[unit, r, i] = round_if(-lse[unit // nheads_kv, (unit % nheads_kv) * n_rep + r, i],
+                                               round_mixed)
+
+    for item in prange(n_units * q_chunks):
+        unit = item // q_chunks
+        chunk = item % q_chunks
         b = unit // nheads_kv
         h_kv = unit % nheads_kv
 
-        # -LSE bias, loaded once per (batch, head), written in mixed_dtype.
-        neg_lse = np.empty((n_rep, seqlen_q), dtype=np.float32)
-        for r in range(n_rep):
-            for i in range(seqlen_q):
-                neg_lse[r, i] = round_if(-lse[b, h_kv * n_rep + r, i], round_mixed)
-        d_sum = np.empty((n_rep, seqlen_q), dtype=np.float32)
-
-        # Per-unit scratch, sized for the largest tiles.
+        # Per-item scratch, sized for the largest tiles.
         sec_cap = min(section_len, seqlen_k)
         k_t = np.empty((sec_cap, d_head), dtype=np.float32)
         v_t = np.empty((sec_cap, d_head), dtype=np.float32)
@@ -251,7 +266,11 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
 
             for r in range(n_rep):
                 h = h_kv * n_rep + r
-                for q_grp0 in range(0, seqlen_q, q_grp_rows):
+                for i_group in range(n_groups):
+                    # Zigzag ownership (groups g and n-1-g go together) balances causal work.
+                    if min(i_group, n_groups - 1 - i_group) % q_chunks != chunk:
+                        continue
+                    q_grp0 = i_group * q_grp_rows
                     rows = min(q_grp_rows, seqlen_q - q_grp0)
                     if i_section == 0:
                         dq_t[:rows] = np.float32(0.0)
@@ -260,7 +279,7 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
                     load_transposed(q[b, h], q_grp0, rows, q_t, softmax_scale, round_kernel)
                     load_transposed(dy[b, h], q_grp0, rows, dy_t, one, False)
                     if i_section == 0:
-                        compute_rowsum(o[b, h], dy[b, h], q_grp0, rows, d_tile, d_sum[r],
+                        compute_rowsum(o[b, h], dy[b, h], q_grp0, rows, d_tile, d_sum[unit, r],
                                        round_kernel, round_mixed)
 
                     for k_tile0 in range(0, sec_len, k_tile):
@@ -283,8 +302,8 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
                         np.dot(kt_tile, q_rows.T, s_t)
                         np.dot(v_t[k_tile0:k_tile0 + n_k], dy_rows.T, dp_t)
                         # Steps 2.3, 2.4, 4: s_t <- P^T, dp_t <- dS^T.
-                        recompute_softmax_backward(s_t, dp_t, k_abs0, q_grp0 + r0, neg_lse[r],
-                                                   d_sum[r], use_packing, bound_min, bound_max,
+                        recompute_softmax_backward(s_t, dp_t, k_abs0, q_grp0 + r0, neg_lse[unit, r],
+                                                   d_sum[unit, r], use_packing, bound_min, bound_max,
                                                    use_causal_mask, window, round_kernel)
 
                         # Step 5.1: dQ += (dS K) * scale. The Neuron kernel contracts over the
@@ -305,11 +324,28 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
                     # dQ round-trips through the output between sections.
                     store_transposed(dq_t, rows, out_dq[b, h], q_grp0, round_kernel)
 
-            store_transposed(dk_acc, sec_len, out_dk[b, h_kv], k_sec0, round_kernel)
-            store_transposed(dv_acc, sec_len, out_dv[b, h_kv], k_sec0, round_kernel)
+            if q_chunks == 1:
+                store_transposed(dk_acc, sec_len, out_dk[b, h_kv], k_sec0, round_kernel)
+                store_transposed(dv_acc, sec_len, out_dv[b, h_kv], k_sec0, round_kernel)
+            else:
+                part_dk[unit, chunk, k_sec0:k_sec0 + sec_len] = dk_acc[:sec_len]
+                part_dv[unit, chunk, k_sec0:k_sec0 + sec_len] = dv_acc[:sec_len]
 
-        if num_sinks > 0:
+    # Split units: sum the float32 partials in chunk order, then write once.
+    if q_chunks > 1:
+        for unit in prange(n_units):
+            for chunk in range(1, q_chunks):
+                part_dk[unit, 0] += part_dk[unit, chunk]
+                part_dv[unit, 0] += part_dv[unit, chunk]
+            b = unit // nheads_kv
+            h_kv = unit % nheads_kv
+            store_transposed(part_dk[unit, 0], seqlen_k, out_dk[b, h_kv], 0, round_kernel)
+            store_transposed(part_dv[unit, 0], seqlen_k, out_dv[b, h_kv], 0, round_kernel)
+
+    if num_sinks > 0:
+        for unit in prange(n_units):
+            b = unit // nheads_kv
             for r in range(n_rep):
-                h = h_kv * n_rep + r
-                out_dsinks[b, h] = compute_dsinks(sinks[b, h], neg_lse[r], d_sum[r], q_tile,
-                                                  round_mixed)
+                h = (unit % nheads_kv) * n_rep + r
+                out_dsinks[b, h] = compute_dsinks(sinks[b, h], neg_lse[unit, r], d_sum[unit, r],
+                                                  q_tile, round_mixed)
