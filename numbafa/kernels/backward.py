@@ -17,7 +17,10 @@ Loop nest (seed, ``flash_attn_bwd``): ``prange`` over ``bs * nheads_kv`` work
 units; per unit, KV sections outer (dK/dV section accumulators summed over
 every q-head of the GQA group), q-heads, Q-tile groups of 4 x 128 rows (dQ
 zeroed on the first section, reloaded from the output on later ones, D
-computed on the first section only), then the K tiles of the section.
+computed on the first section only), then the K tiles of the section. A
+problem with a single work unit is split into two items that own alternate
+(zigzag) Q groups, each with a private float32 dK/dV partial summed in a
+fixed order afterwards (:func:`numbafa.config.q_chunks`).
 
 CPU layout. The Neuron tensors are ``[d_head, seq]``; every tile is loaded
 here *transposed*, as a C-contiguous ``[seq, d_head]`` block (K^T, V^T,
