@@ -169,7 +169,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
         flash_attn_bwd(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks,
                        bound_min32, bound_max32, prob.use_packing, prob.use_causal_mask,
                        prob.window, np.float32(prob.softmax_scale), round_kernel, round_mixed,
-                       cfg.q_tile, cfg.k_tile, cfg.q_tile_group, cfg.d_tile,
+                       cfg.q_tile, cfg.k_tile, cfg.k_sub_tile, cfg.q_tile_group, cfg.d_tile,
                        cfg.section_len, n_chunks, dq, dk, dv, dsinks, part_dk, part_dv)
 
     grads = (_to_dtype(dq, prob.dtype), _to_dtype(dk, prob.dtype), _to_dtype(dv, prob.dtype))

@@ -184,7 +184,7 @@ def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, round_mixed):
 @jit(parallel=True)
 def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing,
                    use_causal_mask, window, softmax_scale, round_kernel, round_mixed,
-                   q_tile, k_tile, q_tile_group, d_tile, section_len, q_chunks,
+                   q_tile, k_tile, k_sub_tile, q_tile_group, d_tile, section_len, q_chunks,
                    out_dq, out_dk, out_dv, out_dsinks, part_dk, part_dv):
     """Flash-attention backward over all ``bs * nheads_kv`` work units.
 
@@ -202,7 +202,7 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
     softmax_scale : float32
     round_kernel, round_mixed : bool
         Round kernel_dtype / mixed_dtype tiles to bf16 (see module docstring).
-    q_tile, k_tile, q_tile_group, d_tile, section_len : int
+    q_tile, k_tile, k_sub_tile, q_tile_group, d_tile, section_len : int
         The tiling of :func:`numbafa.config.setup_config`.
     q_chunks : int
         Split each work unit's Q groups into this many parallel items (CPU
@@ -258,6 +258,7 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
         dpt_flat = np.empty(k_tile * q_grp_rows, dtype=np.float32)
         kd_flat = np.empty(k_tile * d_head, dtype=np.float32)
         qd_flat = np.empty(q_grp_rows * d_head, dtype=np.float32)
+        sub_flat = np.empty(q_grp_rows * d_head, dtype=np.float32)
 
         for i_section in range(n_sections):
             k_sec0 = i_section * section_len
@@ -292,37 +293,64 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
                                                       k_abs0 + n_k - 1, use_causal_mask, window)
                         if g_lo >= g_hi:
                             continue
-                        r0 = g_lo * q_tile
-                        r1 = min(g_hi * q_tile, rows)
-                        n_q = r1 - r0
-                        kt_tile = k_t[k_tile0:k_tile0 + n_k]
-                        q_rows = q_t[r0:r1]
-                        dy_rows = dy_t[r0:r1]
+                        t0 = g_lo * q_tile
+                        t1 = min(g_hi * q_tile, rows)
+                        # A tile the causal diagonal (or window edge) cuts through is computed
+                        # in 128-key sub-blocks, each on the Q tiles it needs only. Numerics
+                        # are unchanged: dV/dK rows still take one rounded addition per K tile,
+                        # and dQ's fp32 PSUM still sums the whole K tile before its one.
+                        sub = n_k
+                        if use_causal_mask and (k_abs0 + n_k - 1 > q_grp0 + t0 or window > 0):
+                            sub = min(k_sub_tile, n_k)
+                        dq_psum = qd_flat[:(t1 - t0) * d_head].reshape(t1 - t0, d_head)
+                        if sub < n_k:
+                            dq_psum[:] = np.float32(0.0)
+                        for kb0 in range(k_tile0, k_tile0 + n_k, sub):
+                            n_kb = min(sub, k_tile0 + n_k - kb0)
+                            kb_abs = k_sec0 + kb0
+                            if sub < n_k:
+                                g_lo, g_hi = required_q_tiles(q_grp0, rows, q_tile, kb_abs,
+                                                              kb_abs + n_kb - 1, use_causal_mask, window)
+                                if g_lo >= g_hi:
+                                    continue
+                            r0 = g_lo * q_tile
+                            r1 = min(g_hi * q_tile, rows)
+                            n_q = r1 - r0
+                            kt_blk = k_t[kb0:kb0 + n_kb]
+                            q_rows = q_t[r0:r1]
+                            dy_rows = dy_t[r0:r1]
 
-                        # Step 2.1 S^T = K^T Q_s and Step 3.2 dP^T = V^T dO (fp32 PSUM).
-                        s_t = st_flat[:n_k * n_q].reshape(n_k, n_q)
-                        dp_t = dpt_flat[:n_k * n_q].reshape(n_k, n_q)
-                        np.dot(kt_tile, q_rows.T, s_t)
-                        np.dot(v_t[k_tile0:k_tile0 + n_k], dy_rows.T, dp_t)
-                        # Steps 2.3, 2.4, 4: s_t <- P^T, dp_t <- dS^T.
-                        recompute_softmax_backward(s_t, dp_t, k_abs0, q_grp0 + r0, neg_lse[unit, r],
-                                                   d_sum[unit, r], use_packing, bound_min, bound_max,
-                                                   use_causal_mask, window, round_kernel)
+                            # Step 2.1 S^T = K^T Q_s and Step 3.2 dP^T = V^T dO (fp32 PSUM).
+                            s_t = st_flat[:n_kb * n_q].reshape(n_kb, n_q)
+                            dp_t = dpt_flat[:n_kb * n_q].reshape(n_kb, n_q)
+                            np.dot(kt_blk, q_rows.T, s_t)
+                            np.dot(v_t[kb0:kb0 + n_kb], dy_rows.T, dp_t)
+                            # Steps 2.3, 2.4, 4: s_t <- P^T, dp_t <- dS^T.
+                            recompute_softmax_backward(s_t, dp_t, kb_abs, q_grp0 + r0,
+                                                       neg_lse[unit, r], d_sum[unit, r], use_packing,
+                                                       bound_min, bound_max, use_causal_mask, window,
+                                                       round_kernel)
 
-                        # Step 5.1: dQ += (dS K) * scale. The Neuron kernel contracts over the
-                        # K tile in transposed 128-key sub-tiles (config.K_SUB_TILE) summed in one
-                        # fp32 PSUM; one BLAS call over dS^T and K^T is that same fp32 sum.
-                        dq_psum = qd_flat[:n_q * d_head].reshape(n_q, d_head)
-                        np.dot(dp_t.T, kt_tile, dq_psum)
-                        accumulate(dq_t[r0:r1], dq_psum, softmax_scale, round_mixed)
+                            # Step 5.1 (PSUM part): dS K over the keys. The Neuron kernel
+                            # contracts over transposed 128-key sub-tiles (config.K_SUB_TILE)
+                            # summed in one fp32 PSUM; a BLAS call over dS^T and K^T is that sum.
+                            if sub == n_k:
+                                np.dot(dp_t.T, kt_blk, dq_psum)
+                            else:
+                                part = sub_flat[:n_q * d_head].reshape(n_q, d_head)
+                                np.dot(dp_t.T, kt_blk, part)
+                                dq_psum[r0 - t0:r1 - t0] += part
 
-                        # Step 3.1: dV += P^T dO (section accumulator, GQA-reduced).
-                        kd_psum = kd_flat[:n_k * d_head].reshape(n_k, d_head)
-                        np.dot(s_t, dy_rows, kd_psum)
-                        accumulate(dv_acc[k_tile0:k_tile0 + n_k], kd_psum, one, round_mixed)
-                        # Step 5.2: dK += Q_s^T dS.
-                        np.dot(dp_t, q_rows, kd_psum)
-                        accumulate(dk_acc[k_tile0:k_tile0 + n_k], kd_psum, one, round_mixed)
+                            # Step 3.1: dV += P^T dO (section accumulator, GQA-reduced).
+                            kd_psum = kd_flat[:n_kb * d_head].reshape(n_kb, d_head)
+                            np.dot(s_t, dy_rows, kd_psum)
+                            accumulate(dv_acc[kb0:kb0 + n_kb], kd_psum, one, round_mixed)
+                            # Step 5.2: dK += Q_s^T dS.
+                            np.dot(dp_t, q_rows, kd_psum)
+                            accumulate(dk_acc[kb0:kb0 + n_kb], kd_psum, one, round_mixed)
+
+                        # Step 5.1: dQ += PSUM * scale, one rounded addition per K tile.
+                        accumulate(dq_t[t0:t1], dq_psum, softmax_scale, round_mixed)
 
                     # dQ round-trips through the output between sections.
                     store_transposed(dq_t, rows, out_dq[b, h], q_grp0, round_kernel)
