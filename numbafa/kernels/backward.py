@@ -181,6 +181,18 @@ def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, round_mixed):
     return out
 
 
+@jit()
+def _reduce_partials(out, parts, round_out):
+    """``out[d, k] = round(out[d, k] + parts[0][k, d] + parts[1][k, d] + ...)``, in that order."""
+    d_head, seqlen_k = out.shape
+    for x in range(d_head):
+        for j in range(seqlen_k):
+            acc = out[x, j]
+            for c in range(parts.shape[0]):
+                acc += parts[c, j, x]
+            out[x, j] = round_if(acc, round_out)
+
+
 @jit(parallel=True)
 def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing,
                    use_causal_mask, window, softmax_scale, round_kernel, round_mixed,
@@ -214,8 +226,9 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
     out_dk, out_dv : float32 ``[bs, nheads_kv, d_head, seqlen_k]``
     out_dsinks : float32 ``[bs, nheads, num_sinks]``
         Written in full by the kernel.
-    part_dk, part_dv : float32 ``[bs * nheads_kv, q_chunks, seqlen_k, d_head]``
-        Scratch for the partials; only used when ``q_chunks > 1``.
+    part_dk, part_dv : float32 ``[bs * nheads_kv, q_chunks - 1, seqlen_k, d_head]``
+        Scratch for the partials of chunks 1.. (chunk 0 keeps its partial in
+        the float32 outputs); only used when ``q_chunks > 1``.
     """
     bs, nheads, d_head, seqlen_q = q.shape
     nheads_kv, seqlen_k = k.shape[1], k.shape[3]
@@ -358,20 +371,20 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
             if q_chunks == 1:
                 store_transposed(dk_acc, sec_len, out_dk[b, h_kv], k_sec0, round_kernel)
                 store_transposed(dv_acc, sec_len, out_dv[b, h_kv], k_sec0, round_kernel)
+            elif chunk == 0:  # chunk 0's float32 partial waits in the (float32) output
+                store_transposed(dk_acc, sec_len, out_dk[b, h_kv], k_sec0, False)
+                store_transposed(dv_acc, sec_len, out_dv[b, h_kv], k_sec0, False)
             else:
-                part_dk[unit, chunk, k_sec0:k_sec0 + sec_len] = dk_acc[:sec_len]
-                part_dv[unit, chunk, k_sec0:k_sec0 + sec_len] = dv_acc[:sec_len]
+                part_dk[unit, chunk - 1, k_sec0:k_sec0 + sec_len] = dk_acc[:sec_len]
+                part_dv[unit, chunk - 1, k_sec0:k_sec0 + sec_len] = dv_acc[:sec_len]
 
-    # Split units: sum the float32 partials in chunk order, then write once.
+    # Split units: add the other chunks' float32 partials in chunk order, then round once.
     if q_chunks > 1:
         for unit in prange(n_units):
-            for chunk in range(1, q_chunks):
-                part_dk[unit, 0] += part_dk[unit, chunk]
-                part_dv[unit, 0] += part_dv[unit, chunk]
             b = unit // nheads_kv
             h_kv = unit % nheads_kv
-            store_transposed(part_dk[unit, 0], seqlen_k, out_dk[b, h_kv], 0, round_kernel)
-            store_transposed(part_dv[unit, 0], seqlen_k, out_dv[b, h_kv], 0, round_kernel)
+            _reduce_partials(out_dk[b, h_kv], part_dk[unit], round_kernel)
+            _reduce_partials(out_dv[b, h_kv], part_dv[unit], round_kernel)
 
     if num_sinks > 0:
         for unit in prange(n_units):
