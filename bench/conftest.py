@@ -1,1 +1,0 @@
-"""Shared set-up of the pytest-benchmark suite (see bench/README.md)."""
