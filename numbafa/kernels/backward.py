@@ -55,6 +55,7 @@ from ..config import FLOAT32_MIN, jit
 from ..dtypes import round_to_bf16_inplace, widen
 from .common import load_transposed, required_q_tiles, round_if, store_transposed
 from .fastexp import expf
+from .gemm import gemm
 
 __all__ = ["flash_attn_bwd"]
 
@@ -238,6 +239,11 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
     q_grp_rows = q_tile * q_tile_group
     n_groups = (seqlen_q + q_grp_rows - 1) // q_grp_rows
     one = np.float32(1.0)
+    zero = np.float32(0.0)
+    # bf16 inputs keep dQ's PSUM as a tile of its own, added once per K tile as the
+    # hardware does: dQ is rounded to bf16 between sections, where a different fp32
+    # summation order would flip roundings. float32 inputs have no such point.
+    dq_via_psum = round_kernel
     # A zero-length key sequence still runs one (empty) section, so that D,
     # dQ = 0 and dsinks are produced by the same code path.
     n_sections = max(1, (seqlen_k + section_len - 1) // section_len)
@@ -271,7 +277,6 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
         dpt_flat = np.empty(k_tile * q_grp_rows, dtype=np.float32)
         kd_flat = np.empty(k_tile * d_head, dtype=np.float32)
         qd_flat = np.empty(q_grp_rows * d_head, dtype=np.float32)
-        sub_flat = np.empty(q_grp_rows * d_head, dtype=np.float32)
 
         for i_section in range(n_sections):
             k_sec0 = i_section * section_len
@@ -310,13 +315,12 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
                         t1 = min(g_hi * q_tile, rows)
                         # A tile the causal diagonal (or window edge) cuts through is computed
                         # in 128-key sub-blocks, each on the Q tiles it needs only. Numerics
-                        # are unchanged: dV/dK rows still take one rounded addition per K tile,
-                        # and dQ's fp32 PSUM still sums the whole K tile before its one.
-                        sub = n_k
-                        if use_causal_mask and (k_abs0 + n_k - 1 > q_grp0 + t0 or window > 0):
-                            sub = min(k_sub_tile, n_k)
+                        # are unchanged: dV/dK rows still take one addition per K tile, and
+                        # dQ's fp32 PSUM still sums the whole K tile before its one.
+                        cut = use_causal_mask and (k_abs0 + n_k - 1 > q_grp0 + t0 or window > 0)
+                        sub = min(k_sub_tile, n_k) if cut else n_k
                         dq_psum = qd_flat[:(t1 - t0) * d_head].reshape(t1 - t0, d_head)
-                        if sub < n_k:
+                        if dq_via_psum and cut:
                             dq_psum[:] = np.float32(0.0)
                         for kb0 in range(k_tile0, k_tile0 + n_k, sub):
                             n_kb = min(sub, k_tile0 + n_k - kb0)
@@ -336,34 +340,40 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
                             # Step 2.1 S^T = K^T Q_s and Step 3.2 dP^T = V^T dO (fp32 PSUM).
                             s_t = st_flat[:n_kb * n_q].reshape(n_kb, n_q)
                             dp_t = dpt_flat[:n_kb * n_q].reshape(n_kb, n_q)
-                            np.dot(kt_blk, q_rows.T, s_t)
-                            np.dot(v_t[kb0:kb0 + n_kb], dy_rows.T, dp_t)
+                            gemm(kt_blk, q_rows, s_t, False, True, one, zero)
+                            gemm(v_t[kb0:kb0 + n_kb], dy_rows, dp_t, False, True, one, zero)
                             # Steps 2.3, 2.4, 4: s_t <- P^T, dp_t <- dS^T.
                             recompute_softmax_backward(s_t, dp_t, kb_abs, q_grp0 + r0,
                                                        neg_lse[unit, r], d_sum[unit, r], use_packing,
                                                        bound_min, bound_max, use_causal_mask, window,
                                                        round_kernel)
 
-                            # Step 5.1 (PSUM part): dS K over the keys. The Neuron kernel
-                            # contracts over transposed 128-key sub-tiles (config.K_SUB_TILE)
-                            # summed in one fp32 PSUM; a BLAS call over dS^T and K^T is that sum.
-                            if sub == n_k:
-                                np.dot(dp_t.T, kt_blk, dq_psum)
+                            # Step 5.1: dQ += (dS K) * scale. The Neuron kernel contracts over
+                            # transposed 128-key sub-tiles (config.K_SUB_TILE) summed in one
+                            # fp32 PSUM; a BLAS call over dS^T and K^T is that sum (sub-blocks
+                            # add theirs with beta = 1). For float32 inputs BLAS adds the
+                            # product into dQ directly.
+                            if dq_via_psum:
+                                gemm(dp_t, kt_blk, dq_psum[r0 - t0:r1 - t0], True, False, one,
+                                     one if cut else zero)
                             else:
-                                part = sub_flat[:n_q * d_head].reshape(n_q, d_head)
-                                np.dot(dp_t.T, kt_blk, part)
-                                dq_psum[r0 - t0:r1 - t0] += part
+                                gemm(dp_t, kt_blk, dq_t[r0:r1], True, False, softmax_scale, one)
 
-                            # Step 3.1: dV += P^T dO (section accumulator, GQA-reduced).
-                            kd_psum = kd_flat[:n_kb * d_head].reshape(n_kb, d_head)
-                            np.dot(s_t, dy_rows, kd_psum)
-                            accumulate(dv_acc[kb0:kb0 + n_kb], kd_psum, one, round_mixed)
-                            # Step 5.2: dK += Q_s^T dS.
-                            np.dot(dp_t, q_rows, kd_psum)
-                            accumulate(dk_acc[kb0:kb0 + n_kb], kd_psum, one, round_mixed)
+                            # Step 3.1: dV += P^T dO and Step 5.2: dK += Q_s^T dS (section
+                            # accumulators, GQA-reduced); bf16 accumulators take their one
+                            # rounded addition from a PSUM.
+                            if round_mixed:
+                                kd_psum = kd_flat[:n_kb * d_head].reshape(n_kb, d_head)
+                                gemm(s_t, dy_rows, kd_psum, False, False, one, zero)
+                                accumulate(dv_acc[kb0:kb0 + n_kb], kd_psum, one, True)
+                                gemm(dp_t, q_rows, kd_psum, False, False, one, zero)
+                                accumulate(dk_acc[kb0:kb0 + n_kb], kd_psum, one, True)
+                            else:
+                                gemm(s_t, dy_rows, dv_acc[kb0:kb0 + n_kb], False, False, one, one)
+                                gemm(dp_t, q_rows, dk_acc[kb0:kb0 + n_kb], False, False, one, one)
 
-                        # Step 5.1: dQ += PSUM * scale, one rounded addition per K tile.
-                        accumulate(dq_t[t0:t1], dq_psum, softmax_scale, round_mixed)
+                        if dq_via_psum:  # dQ += PSUM * scale, one (rounded) addition per K tile
+                            accumulate(dq_t[t0:t1], dq_psum, softmax_scale, round_mixed)
 
                     # dQ round-trips through the output between sections.
                     store_transposed(dq_t, rows, out_dq[b, h], q_grp0, round_kernel)
