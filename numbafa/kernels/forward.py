@@ -19,8 +19,9 @@ softmax (FlashAttention-2)::
 Sinks start the statistics: ``m = max(sinks)``, ``l = sum(exp(sinks - m))``.
 A row that attends to nothing (no key, no sink) gets ``o = 0`` and
 ``lse = +inf``. Causal / window tile skipping and the masks are those of the
-backward (:mod:`numbafa.kernels.common`). Only the K tile order matters for
-the per-row numerics; the Q group size is a CPU blocking choice.
+backward (:mod:`numbafa.kernels.common`); a tile the diagonal cuts through
+runs per Q tile on the keys that Q tile may see. Only the K tile order
+matters for the per-row numerics; the Q group size is a CPU blocking choice.
 """
 
 from __future__ import annotations
@@ -120,6 +121,31 @@ def rescale_accumulate(acc, pv, row_sum, tile_sum, alpha, round_mixed):
             acc[i, x] = round_if(acc[i, x] * a + pv[i, x], round_mixed)
 
 
+@jit()
+def online_softmax_block(q_rows, k_blk, v_blk, q_abs0, k_abs0, row_max, row_sum, alpha, acc,
+                         s_flat, pv_flat, tile_sum, ones, use_packing, bound_min, bound_max,
+                         use_causal_mask, window, round_kernel, round_mixed):
+    """One online-softmax update of ``q_rows`` (``[rows, d]``) by the keys ``k_blk`` / ``v_blk``.
+
+    ``S = Q_s K^T`` (one BLAS call), the masked exp of :func:`online_softmax_update`,
+    ``rowsum(P)`` as written (a matrix-vector product), ``P V`` (one BLAS call)
+    and :func:`rescale_accumulate` into the row statistics and ``acc``.
+    ``s_flat`` / ``pv_flat`` / ``tile_sum`` are scratch of at least
+    ``rows * keys``, ``rows * d`` and ``rows`` elements.
+    """
+    n_q = q_rows.shape[0]
+    n_k = k_blk.shape[0]
+    d_head = q_rows.shape[1]
+    s = s_flat[:n_q * n_k].reshape(n_q, n_k)
+    np.dot(q_rows, k_blk.T, s)
+    online_softmax_update(s, q_abs0, k_abs0, row_max, alpha, use_packing, bound_min, bound_max,
+                          use_causal_mask, window, round_kernel)
+    np.dot(s, ones[:n_k], tile_sum[:n_q])            # rowsum(P) as written
+    pv = pv_flat[:n_q * d_head].reshape(n_q, d_head)
+    np.dot(s, v_blk, pv)
+    rescale_accumulate(acc, pv, row_sum, tile_sum[:n_q], alpha, round_mixed)
+
+
 @jit(parallel=True)
 def flash_attn_fwd(q, k, v, sinks, bound_min, bound_max, use_packing, use_causal_mask, window,
                    softmax_scale, round_kernel, round_mixed, q_tile, k_tile, q_tile_group,
@@ -188,17 +214,28 @@ def flash_attn_fwd(q, k, v, sinks, bound_min, bound_max, use_packing, use_causal
                         continue
                     r0 = g_lo * q_tile
                     r1 = min(g_hi * q_tile, rows)
-                    n_q = r1 - r0
-                    s = s_flat[:n_q * n_k].reshape(n_q, n_k)
-                    np.dot(q_t[r0:r1], k_t[k0:k0 + n_k].T, s)
-                    online_softmax_update(s, q_grp0 + r0, k0, row_max[r0:r1], alpha[r0:r1],
-                                          use_packing, bound_min, bound_max, use_causal_mask,
-                                          window, round_kernel)
-                    np.dot(s, ones[:n_k], tile_sum[:n_q])            # rowsum(P) as written
-                    pv = pv_flat[:n_q * d_head].reshape(n_q, d_head)
-                    np.dot(s, v_t[k0:k0 + n_k], pv)
-                    rescale_accumulate(o_acc[r0:r1], pv, row_sum[r0:r1], tile_sum[:n_q],
-                                       alpha[r0:r1], round_mixed)
+                    # A tile the causal diagonal (or a window edge) cuts through runs per Q
+                    # tile, each on the keys it may see (k <= q, k >= q - w + 1; packing
+                    # bounds are clamped to both). The keys left out are masked for every
+                    # row of the Q tile (P = 0), and rows are independent, so only work
+                    # is saved: the K tile stays the unit of the online-softmax update.
+                    cut = use_causal_mask and (k0 + n_k - 1 > q_grp0 + r0 or window > 0)
+                    step = q_tile if cut else r1 - r0
+                    for b0 in range(r0, r1, step):
+                        b1 = min(b0 + step, r1)
+                        kv0 = k0
+                        kv1 = k0 + n_k
+                        if cut:
+                            kv1 = min(kv1, q_grp0 + b1)
+                            if window > 0:
+                                kv0 = max(kv0, q_grp0 + b0 - window + 1)
+                            if kv1 <= kv0:
+                                continue
+                        online_softmax_block(q_t[b0:b1], k_t[kv0:kv1], v_t[kv0:kv1], q_grp0 + b0,
+                                             kv0, row_max[b0:b1], row_sum[b0:b1], alpha[b0:b1],
+                                             o_acc[b0:b1], s_flat, pv_flat, tile_sum, ones,
+                                             use_packing, bound_min, bound_max, use_causal_mask,
+                                             window, round_kernel, round_mixed)
                 # o = O / l; lse = m + log(l); empty rows: o = 0, lse = +inf.
                 for i in range(rows):
                     l = row_sum[i]
