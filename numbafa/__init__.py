@@ -12,15 +12,18 @@ attention
 layout
     Conversions between the Neuron layout and bshd / bhsd, lse layouts,
     cu_seqlens -> packing bounds, CTE checkpoint -> lse.
+backend_info
+    Which BLAS, thread count and arithmetic the kernels use on this machine.
 golden
     Textbook float64 NumPy references (slow, O(S^2) memory) used by the tests.
 """
 
 from . import golden, layout
 from .api import attention_bwd, attention_fwd
+from .blas import backend_info
 from .functional import AttentionContext, attention
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "AttentionContext", "attention_fwd", "attention_bwd", "golden", "layout",
-           "__version__"]
+__all__ = ["attention", "AttentionContext", "attention_fwd", "attention_bwd", "backend_info", "golden",
+           "layout", "__version__"]
