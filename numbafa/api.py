@@ -79,7 +79,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
                        prob.use_packing, prob.use_causal_mask, prob.window,
                        np.float32(prob.softmax_scale), prob.is_bf16,
                        prob.is_bf16 and not prob.mixed_precision, cfg.q_tile, cfg.k_tile,
-                       cfg.q_tile_group, o, lse)
+                       cfg.q_tile_group, q_chunks(bs * prob.k.shape[1], seqlen_q, False), o, lse)
     return _to_dtype(o, prob.dtype), (lse_to_neuron(lse) if lse_layout == "neuron" else lse)
 
 

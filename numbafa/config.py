@@ -137,7 +137,7 @@ FLOAT32_MIN = -3.4028234663852886e38
 
 
 def q_chunks(n_units: int, seqlen_q: int, bf16_accumulators: bool) -> int:
-    """How many parallel items each backward work unit is split into.
+    """How many parallel items each work unit is split into (forward and backward).
 
     The Neuron kernel shards over ``bs * nheads_kv``; with a single work unit
     (e.g. MQA at batch 1) that would leave one core idle. Then the unit's Q
@@ -145,7 +145,9 @@ def q_chunks(n_units: int, seqlen_q: int, bf16_accumulators: bool) -> int:
     summed in a fixed order afterwards. The rule depends on the problem only,
     never on the thread count, so results stay bitwise identical across
     thread counts. bf16 accumulators (bf16 inputs, ``mixed_precision=False``)
-    are never split: their per-addition rounding fixes the order.
+    are never split: their per-addition rounding fixes the order. The
+    forward's rows are independent, so its split (``bf16_accumulators=False``)
+    changes no result at all.
     """
     if n_units == 1 and not bf16_accumulators and seqlen_q > Q_TILE * Q_TILE_GROUP:
         return 2

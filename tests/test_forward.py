@@ -8,6 +8,7 @@ import pytest
 
 import numbafa
 from numbafa import golden
+from numbafa.config import q_chunks
 
 from _problems import CASES, Case, make_inputs
 from _tolerances import BF16_MIXED, FLOAT32, LSE_FLOAT32, assert_close
@@ -109,3 +110,19 @@ def test_forward_zero_lengths(seqlen_q, seqlen_k):
     o, lse = numbafa.attention_fwd(q, k, k, lse_layout="natural")
     assert o.shape == q.shape and lse.shape == (1, 2, seqlen_q)
     assert not o.any() and np.isposinf(lse).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["float32", "bf16"])
+def test_single_unit_split_changes_no_bit(dtype):
+    # One work unit (MQA, batch 1) is split into two items owning alternate Q groups; the
+    # same unit inside a two-unit batch is not split. Rows are independent: equal bits.
+    case = Case(nheads=2, nheads_kv=1, causal=True, num_sinks=1, seqlen_q=1300, seqlen_k=1300)
+    qkv, opts = split(make_inputs(case, dtype))
+    assert q_chunks(1, case.seqlen_q, False) == 2 and q_chunks(2, case.seqlen_q, False) == 1
+    single = numbafa.attention_fwd(*qkv, mixed_precision=True, lse_layout="natural", **opts)
+    pair = tuple(np.concatenate([x, x]) for x in qkv)
+    opts2 = dict(opts, sinks_ref=np.concatenate([opts["sinks_ref"]] * 2))
+    batched = numbafa.attention_fwd(*pair, mixed_precision=True, lse_layout="natural", **opts2)
+    for a, b in zip(single, batched):
+        np.testing.assert_array_equal(a.view(np.uint8), b[:1].view(np.uint8))
+        np.testing.assert_array_equal(a.view(np.uint8), b[1:].view(np.uint8))

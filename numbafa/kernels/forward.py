@@ -3,7 +3,8 @@
 It produces exactly the statistic the backward consumes: ``lse = max +
 log(sum)`` per query row (sinks included in the sum), in float32.
 
-Loop nest: ``prange`` over ``bs * nheads_kv`` work units; per unit K^T and
+Loop nest: ``prange`` over ``bs * nheads_kv`` work units (a single unit is
+split into two items owning alternate Q groups); per unit K^T and
 V^T are loaded once and serve every q-head of the GQA group; per q-head, Q
 groups of 4 x 128 rows; per group, K tiles of 512 keys with the online
 softmax (FlashAttention-2)::
@@ -149,7 +150,7 @@ def online_softmax_block(q_rows, k_blk, v_blk, q_abs0, k_abs0, row_max, row_sum,
 @jit(parallel=True)
 def flash_attn_fwd(q, k, v, sinks, bound_min, bound_max, use_packing, use_causal_mask, window,
                    softmax_scale, round_kernel, round_mixed, q_tile, k_tile, q_tile_group,
-                   out_o, out_lse):
+                   q_chunks, out_o, out_lse):
     """Flash-attention forward over all ``bs * nheads_kv`` work units.
 
     Parameters
@@ -164,6 +165,10 @@ def flash_attn_fwd(q, k, v, sinks, bound_min, bound_max, use_packing, use_causal
     round_kernel, round_mixed : bool
         Round kernel_dtype / mixed_dtype tiles to bf16.
     q_tile, k_tile, q_tile_group : int
+    q_chunks : int
+        Split each work unit's Q groups (zigzag) into this many parallel items,
+        for problems with fewer work units than cores. Rows are independent,
+        so the split changes no result (:func:`numbafa.config.q_chunks`).
     out_o : float32 ``[bs, nheads, d_head, seqlen_q]`` (values of the output dtype)
     out_lse : float32 ``[bs, nheads, seqlen_q]``
     """
@@ -174,7 +179,10 @@ def flash_attn_fwd(q, k, v, sinks, bound_min, bound_max, use_packing, use_causal
     q_grp_rows = q_tile * q_tile_group
     one = np.float32(1.0)
 
-    for unit in prange(bs * nheads_kv):
+    n_groups = (seqlen_q + q_grp_rows - 1) // q_grp_rows
+    for item in prange(bs * nheads_kv * q_chunks):
+        unit = item // q_chunks
+        chunk = item % q_chunks
         b = unit // nheads_kv
         h_kv = unit % nheads_kv
         k_t = np.empty((seqlen_k, d_head), dtype=np.float32)
@@ -200,7 +208,11 @@ def flash_attn_fwd(q, k, v, sinks, bound_min, bound_max, use_packing, use_causal
             sink_sum = np.float32(0.0)
             for i_sink in range(num_sinks):
                 sink_sum += expf(sinks[b, h, i_sink] - sink_max)
-            for q_grp0 in range(0, seqlen_q, q_grp_rows):
+            for i_group in range(n_groups):
+                # Zigzag ownership (groups g and n-1-g go together) balances causal work.
+                if min(i_group, n_groups - 1 - i_group) % q_chunks != chunk:
+                    continue
+                q_grp0 = i_group * q_grp_rows
                 rows = min(q_grp_rows, seqlen_q - q_grp0)
                 load_transposed(q[b, h], q_grp0, rows, q_t, softmax_scale, round_kernel)
                 row_max[:rows] = sink_max
