@@ -10,18 +10,23 @@ exactly "bf16 products, fp32 accumulation" (a bf16 x bf16 product has at most
 Rounding float32 -> bf16 is round-to-nearest-even on the bit pattern, the
 same rule as ``ml_dtypes`` (NaN stays NaN and becomes quiet, +-inf stay
 +-inf, finite values above the bf16 range round to +-inf).
+
+``ml_dtypes`` is imported only when a bf16 array is made here (its import
+takes about a second on the project's machine). Recognising one needs no
+import: an array can only have the bf16 dtype if ``ml_dtypes`` is loaded.
 """
 
 from __future__ import annotations
 
-import ml_dtypes
+import sys
+
 import numpy as np
 from numba.extending import overload
 
 from .config import jit
 
 __all__ = [
-    "BFLOAT16",
+    "bf16_dtype",
     "is_bf16",
     "bf16_bits_to_f32",
     "f32_to_bf16_bits",
@@ -32,13 +37,17 @@ __all__ = [
     "from_bf16_array",
 ]
 
-#: The NumPy dtype of bf16 arrays at the API.
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+def bf16_dtype() -> np.dtype:
+    """The NumPy dtype of bf16 arrays at the API, ``ml_dtypes.bfloat16`` (imported here)."""
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 def is_bf16(dtype) -> bool:
-    """True if ``dtype`` is ``ml_dtypes.bfloat16``."""
-    return np.dtype(dtype) == BFLOAT16
+    """True if ``dtype`` is ``ml_dtypes.bfloat16`` (never imports ``ml_dtypes``)."""
+    module = sys.modules.get("ml_dtypes")
+    return module is not None and np.dtype(dtype) == np.dtype(module.bfloat16)
 
 
 @jit()
@@ -125,4 +134,4 @@ def to_bf16_array(x: np.ndarray) -> np.ndarray:
     src = np.ascontiguousarray(x, dtype=np.float32)
     bits = np.empty(src.shape, dtype=np.uint16)
     _f32_to_bf16_bits_array(src, bits)
-    return bits.view(BFLOAT16)
+    return bits.view(bf16_dtype())

@@ -16,11 +16,14 @@ from typing import Optional
 import numpy as np
 
 from .config import Q_TILE, jit
-from .dtypes import BFLOAT16, widen
+from .dtypes import is_bf16, widen
 
 __all__ = ["Problem", "validate_bwd_inputs", "validate_fwd_inputs"]
 
-_ALLOWED_DTYPES = (np.dtype(np.float32), BFLOAT16)
+
+
+def _allowed_dtype(dtype) -> bool:
+    return dtype == np.float32 or is_bf16(dtype)
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class Problem:
 
     @property
     def is_bf16(self) -> bool:
-        return self.dtype == BFLOAT16
+        return is_bf16(self.dtype)
 
 
 @jit()
@@ -76,7 +79,7 @@ def _count_nan_or_neg_inf(flat):
 def _as_kernel_array(x: np.ndarray) -> np.ndarray:
     """C-contiguous copy-if-needed; bf16 as uint16 bits, float32 as is."""
     x = np.ascontiguousarray(x)
-    return x.view(np.uint16) if x.dtype == BFLOAT16 else x
+    return x.view(np.uint16) if is_bf16(x.dtype) else x
 
 
 def _require_array(name: str, x) -> np.ndarray:
@@ -181,7 +184,7 @@ def _validate_sinks(sinks_ref, bs: int, nheads: int):
     if sinks_ref is None:
         return np.zeros((bs, nheads, 0), dtype=np.float32), None, None
     s = _require_array("sinks_ref", sinks_ref)
-    if s.dtype not in _ALLOWED_DTYPES:
+    if not _allowed_dtype(s.dtype):
         raise TypeError(f"sinks_ref must be float32 or bfloat16, got {s.dtype}")
     if s.ndim == 2:
         _require_shape("sinks_ref", s, (bs, nheads), "[bs, nheads] or [bs, nheads, num_sinks]")
@@ -206,7 +209,7 @@ def _validate_attention(names, arrays, sinks_ref, bound_min, bound_max, use_caus
         _require_ndim(name, x, 4, layout)
     q, k, v = arrays[:3]
     dtype = q.dtype
-    if dtype not in _ALLOWED_DTYPES:
+    if not _allowed_dtype(dtype):
         raise TypeError(f"q_ref must be float32 or bfloat16 (ml_dtypes.bfloat16), got {dtype}")
     for name, x in zip(names[1:], arrays[1:]):
         if x.dtype != dtype:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -259,3 +262,20 @@ def test_numerics_golden_rejects_unknown_points():
     inputs = make_inputs(Case(seqlen_q=16, seqlen_k=16), BF16)
     with pytest.raises(ValueError, match="disable must name rounding points"):
         golden.attention_bwd_rounded(**inputs, disable=("exp",))
+
+
+def test_float32_use_never_imports_ml_dtypes():
+    # ml_dtypes takes about a second to import here; float32 users do not pay for it, and
+    # bf16 arrays are still recognised (they can only exist once ml_dtypes is loaded).
+    script = (
+        "import sys, numpy as np, numbafa\n"
+        "q = np.ones((1, 1, 8, 128), np.float32)\n"
+        "o, lse = numbafa.attention_fwd(q, q, q)\n"
+        "numbafa.attention_bwd(q, q, q, o, q, lse)\n"
+        "numbafa.backend_info()\n"
+        "assert 'ml_dtypes' not in sys.modules, 'float32 path imported ml_dtypes'\n"
+        "import ml_dtypes\n"
+        "g = numbafa.attention_bwd(*(x.astype(ml_dtypes.bfloat16) for x in (q, q, q, o, q)), lse)\n"
+        "assert all(x.dtype == ml_dtypes.bfloat16 for x in g)\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True)
