@@ -20,7 +20,8 @@ import numpy as np
 
 from . import __version__, golden
 from .api import attention_bwd, attention_fwd
-from .dtypes import BFLOAT16
+from .blas import backend_info
+from .dtypes import bf16_dtype
 from .layout import cu_seqlens_to_bounds
 
 #: Acceptance rule: max|a - e| <= 1e-5 + rtol * max|e|, rtol per (dtype, output); the
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed calls per pass (median)")
     p.add_argument("--no-check", action="store_true", help="skip the golden check")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    p.add_argument("--info", action="store_true",
+                   help="print numbafa.backend_info() (BLAS, threads, CPU features) as JSON and exit")
     p.add_argument("--version", action="version", version=f"numbafa {__version__}")
     return p
 
@@ -134,7 +137,7 @@ def run(args, progress: Progress) -> list:
     records = []
     dtypes = ("float32", "bf16") if args.dtype == "both" else (args.dtype,)
     for name in dtypes:
-        dtype = BFLOAT16 if name == "bf16" else np.dtype(np.float32)
+        dtype = bf16_dtype() if name == "bf16" else np.dtype(np.float32)
         q = rng.standard_normal((b, h, d, s)).astype(dtype)
         k, v = (rng.standard_normal((b, hkv, d, s)).astype(dtype) for _ in range(2))
         dy = rng.standard_normal((b, h, d, s)).astype(dtype)
@@ -205,6 +208,9 @@ def _print_table(records) -> None:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.info:
+        print(json.dumps(backend_info(), indent=2))
+        return 0
     _check_options(parser, args)
     n_dtypes = 2 if args.dtype == "both" else 1
     progress = Progress(n_dtypes * (3 if args.no_check else 4), enabled=not args.json)

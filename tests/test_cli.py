@@ -29,6 +29,13 @@ def test_json_output(capsys):
     assert back["gflops"] > 0 and back["packing"] == [100, 156]
 
 
+def test_info_prints_backend_and_runs_nothing(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "run", lambda *a: pytest.fail("--info must not run kernels"))
+    assert cli.main(["--info"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["gemm"].endswith("sgemm") and info["blas"] and info["threads"] >= 1
+
+
 def test_no_check_skips_golden(capsys):
     assert cli.main(SMALL + ["--no-check", "--dtype", "float32", "--mask", "full"]) == 0
     assert "not checked" in capsys.readouterr().out
