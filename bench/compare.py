@@ -189,7 +189,8 @@ def main(argv=None):
         torch.set_num_threads(os.cpu_count())
     rows = run(args)
     meta = dict(numbafa=numbafa.__version__, torch=torch.__version__ if torch else None,
-                machine=platform.machine(), processor=platform.processor(), python=platform.python_version())
+                machine=platform.machine(), processor=platform.processor(), python=platform.python_version(),
+                cpu_count=os.cpu_count(), backend=numbafa.backend_info())
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(meta=meta, rows=rows), fh, indent=2)
