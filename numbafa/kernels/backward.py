@@ -34,6 +34,10 @@ copying:
 * ``dQ  += (dS^T)^T K^T * scale`` (the Neuron kernel's sum over transposed
   128-key sub-tiles, accumulated in one fp32 PSUM, is one fp32 BLAS contraction).
 
+BLAS calls go through :func:`numbafa.kernels.gemm.gemm`, which reads a
+transposed operand in place and, for float32 accumulators, adds the product
+into the accumulator itself (``beta = 1``).
+
 Numerics (``shared/NUMERICS.md``). All arithmetic is float32. Two flags say
 where a written tile is rounded to bf16: ``round_kernel`` (inputs are bf16:
 tiles written in ``kernel_dtype``) and ``round_mixed`` (bf16 inputs and
