@@ -57,7 +57,7 @@ from numba import prange
 
 from ..config import FLOAT32_MIN, jit
 from ..dtypes import round_to_bf16_inplace, widen
-from .common import load_transposed, required_q_tiles, round_if, store_transposed
+from .common import copy_rows, load_transposed, required_q_tiles, round_if, store_transposed
 from .fastexp import expf
 from .gemm import gemm
 
@@ -389,8 +389,8 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
                 store_transposed(dk_acc, sec_len, out_dk[b, h_kv], k_sec0, False)
                 store_transposed(dv_acc, sec_len, out_dv[b, h_kv], k_sec0, False)
             else:
-                part_dk[unit, chunk - 1, k_sec0:k_sec0 + sec_len] = dk_acc[:sec_len]
-                part_dv[unit, chunk - 1, k_sec0:k_sec0 + sec_len] = dv_acc[:sec_len]
+                copy_rows(dk_acc, sec_len, part_dk[unit, chunk - 1], k_sec0)
+                copy_rows(dv_acc, sec_len, part_dv[unit, chunk - 1], k_sec0)
 
     # Split units: add the other chunks' float32 partials in chunk order, then round once.
     if q_chunks > 1:
@@ -405,5 +405,9 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
             b = unit // nheads_kv
             for r in range(n_rep):
                 h = (unit % nheads_kv) * n_rep + r
-                out_dsinks[b, h] = compute_dsinks(sinks[b, h], neg_lse[unit, r], d_sum[unit, r],
-                                                  q_tile, round_mixed)
+                # Element by element: an array-to-slice assignment would make Numba
+                # compile its shape-formatting error path (~4 s of cold compile).
+                dsinks = compute_dsinks(sinks[b, h], neg_lse[unit, r], d_sum[unit, r], q_tile,
+                                        round_mixed)
+                for i_sink in range(num_sinks):
+                    out_dsinks[b, h, i_sink] = dsinks[i_sink]
