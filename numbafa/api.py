@@ -162,7 +162,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     dv = np.empty_like(dk)
     dsinks = np.empty(prob.sinks.shape, dtype=np.float32)
     n_chunks = q_chunks(bs * nheads_kv, seqlen_q, round_mixed)
-    part_shape = (bs * nheads_kv, n_chunks - 1, seqlen_k, d_head) if n_chunks > 1 else (1, 1, 0, d_head)
+    part_shape = (bs * nheads_kv, n_chunks - 1, d_head, seqlen_k) if n_chunks > 1 else (1, 1, d_head, 0)
     part_dk = np.empty(part_shape, dtype=np.float32)
     part_dv = np.empty(part_shape, dtype=np.float32)
     with single_threaded_blas():

@@ -83,7 +83,7 @@ CASES = [
     ("gqa8", Case(nheads=16, nheads_kv=2, seqlen_q=128, seqlen_k=256)),   # e.g. llama-70b TP=8 ratio
     ("mqa-causal", Case(nheads=4, nheads_kv=1, causal=True)),
     # --- sliding window (causal only) -----------------------------------------
-    ("window64", Case(causal=True, window=64, seqlen_q=640, seqlen_k=640)),
+    ("window64", Case(nheads=3, nheads_kv=3, causal=True, window=64, seqlen_q=640, seqlen_k=640)),
     ("window128-gqa", Case(nheads=4, nheads_kv=1, causal=True, window=128, seqlen_q=1024,
                            seqlen_k=1024)),
     ("window-longer-than-seq", Case(causal=True, window=5000, seqlen_q=300, seqlen_k=300)),

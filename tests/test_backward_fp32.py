@@ -41,13 +41,16 @@ def test_output_shapes(case_and_results):
         assert got[3].shape == inputs["sinks_ref"].shape
 
 
-def test_single_work_unit_is_split_in_two_q_chunks():
-    """The cases that exercise the split: one (batch, KV head) and more than one Q group."""
+def test_odd_work_unit_counts_are_split_in_two_q_chunks():
+    """The cases that exercise the split: an odd number (< 9) of (batch, KV head) units
+    and more than one Q group."""
     from numbafa.config import q_chunks
     assert q_chunks(1, 1025, False) == 2 and q_chunks(1, 512, False) == 1
-    assert q_chunks(2, 4096, False) == 1 and q_chunks(1, 4096, True) == 1
-    split = [name for name, c in CASES if c.bs * c.nheads_kv == 1 and c.seqlen_q > 512]
-    assert {"window128-gqa", "ragged1025", "2-sections-causal"} <= set(split)
+    assert q_chunks(3, 4096, False) == 2 and q_chunks(7, 4096, False) == 2
+    assert q_chunks(2, 4096, False) == 1 and q_chunks(9, 4096, False) == 1
+    assert q_chunks(1, 4096, True) == 1 and q_chunks(3, 4096, True) == 1
+    split = [name for name, c in CASES if q_chunks(c.bs * c.nheads_kv, c.seqlen_q, False) == 2]
+    assert {"window64", "window128-gqa", "ragged1025", "2-sections-causal"} <= set(split)
 
 
 def test_two_sections_case_really_has_two_sections():

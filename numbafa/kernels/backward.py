@@ -17,9 +17,9 @@ Loop nest (seed, ``flash_attn_bwd``): ``prange`` over ``bs * nheads_kv`` work
 units; per unit, KV sections outer (dK/dV section accumulators summed over
 every q-head of the GQA group), q-heads, Q-tile groups of 4 x 128 rows (dQ
 zeroed on the first section, reloaded from the output on later ones, D
-computed on the first section only), then the K tiles of the section. A
-problem with a single work unit is split into two items that own alternate
-(zigzag) Q groups, each with a private float32 dK/dV partial summed in a
+computed on the first section only), then the K tiles of the section. With an
+odd number of work units (fewer than 9) each unit is split into two items
+that own alternate (zigzag) Q groups, each with a private float32 dK/dV partial summed in a
 fixed order afterwards (:func:`numbafa.config.q_chunks`).
 
 CPU layout. The Neuron tensors are ``[d_head, seq]``; every tile is loaded
@@ -57,7 +57,7 @@ from numba import prange
 
 from ..config import FLOAT32_MIN, jit
 from ..dtypes import round_to_bf16_inplace, widen
-from .common import copy_rows, load_transposed, required_q_tiles, round_if, store_transposed
+from .common import load_transposed, required_q_tiles, round_if, store_transposed
 from .fastexp import expf
 from .gemm import gemm
 
@@ -188,13 +188,13 @@ def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, round_mixed):
 
 @jit()
 def _reduce_partials(out, parts, round_out):
-    """``out[d, k] = round(out[d, k] + parts[0][k, d] + parts[1][k, d] + ...)``, in that order."""
+    """``out[d, k] = round(out[d, k] + parts[0][d, k] + parts[1][d, k] + ...)``, in that order."""
     d_head, seqlen_k = out.shape
     for x in range(d_head):
         for j in range(seqlen_k):
             acc = out[x, j]
             for c in range(parts.shape[0]):
-                acc += parts[c, j, x]
+                acc += parts[c, x, j]
             out[x, j] = round_if(acc, round_out)
 
 
@@ -231,7 +231,7 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
     out_dk, out_dv : float32 ``[bs, nheads_kv, d_head, seqlen_k]``
     out_dsinks : float32 ``[bs, nheads, num_sinks]``
         Written in full by the kernel.
-    part_dk, part_dv : float32 ``[bs * nheads_kv, q_chunks - 1, seqlen_k, d_head]``
+    part_dk, part_dv : float32 ``[bs * nheads_kv, q_chunks - 1, d_head, seqlen_k]``
         Scratch for the partials of chunks 1.. (chunk 0 keeps its partial in
         the float32 outputs); only used when ``q_chunks > 1``.
     """
@@ -389,8 +389,8 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
                 store_transposed(dk_acc, sec_len, out_dk[b, h_kv], k_sec0, False)
                 store_transposed(dv_acc, sec_len, out_dv[b, h_kv], k_sec0, False)
             else:
-                copy_rows(dk_acc, sec_len, part_dk[unit, chunk - 1], k_sec0)
-                copy_rows(dv_acc, sec_len, part_dv[unit, chunk - 1], k_sec0)
+                store_transposed(dk_acc, sec_len, part_dk[unit, chunk - 1], k_sec0, False)
+                store_transposed(dv_acc, sec_len, part_dv[unit, chunk - 1], k_sec0, False)
 
     # Split units: add the other chunks' float32 partials in chunk order, then round once.
     if q_chunks > 1:

@@ -14,7 +14,7 @@ from ..config import jit
 from ..dtypes import round_to_bf16, widen
 
 __all__ = ["round_if", "clamp_packing_bounds", "load_transposed", "store_transposed",
-           "copy_rows", "required_q_tiles"]
+           "required_q_tiles"]
 
 
 @jit()
@@ -67,20 +67,6 @@ def store_transposed(src, count, dst, start, round_out):
     for i_d in range(d_head):
         for i in range(count):
             dst[i_d, start + i] = round_if(src[i, i_d], round_out)
-
-
-@jit()
-def copy_rows(src, count, dst, start):
-    """``dst[start:start+count] = src[:count]`` for 2-D float32 tiles, by explicit loops.
-
-    Numba's array-to-slice assignment carries an error path that formats the
-    shapes into a string, which costs about 4 s of cold compilation for the
-    string machinery alone; the kernels never need it.
-    """
-    n_cols = src.shape[1]
-    for i in range(count):
-        for j in range(n_cols):
-            dst[start + i, j] = src[i, j]
 
 
 @jit()

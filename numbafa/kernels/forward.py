@@ -3,8 +3,9 @@
 It produces exactly the statistic the backward consumes: ``lse = max +
 log(sum)`` per query row (sinks included in the sum), in float32.
 
-Loop nest: ``prange`` over ``bs * nheads_kv`` work units (a single unit is
-split into two items owning alternate Q groups); per unit K^T and
+Loop nest: ``prange`` over ``bs * nheads_kv`` work units (an odd number of
+units, fewer than 9, is split into two items each owning alternate Q groups:
+:func:`numbafa.config.q_chunks`); per unit K^T and
 V^T are loaded once and serve every q-head of the GQA group; per q-head, Q
 groups of 4 x 128 rows; per group, K tiles of 512 keys with the online
 softmax (FlashAttention-2)::
