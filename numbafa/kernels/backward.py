@@ -19,8 +19,8 @@ every q-head of the GQA group), q-heads, Q-tile groups of 4 x 128 rows (dQ
 zeroed on the first section, reloaded from the output on later ones, D
 computed on the first section only), then the K tiles of the section. With an
 odd number of work units (fewer than 9) each unit is split into two items
-that own alternate (zigzag) Q groups, each with a private float32 dK/dV partial summed in a
-fixed order afterwards (:func:`numbafa.config.q_chunks`).
+that own alternate (zigzag) Q groups, each with a private float32 dK/dV
+partial summed in a fixed order afterwards (:func:`numbafa.config.q_chunks`).
 
 CPU layout. The Neuron tensors are ``[d_head, seq]``; every tile is loaded
 here *transposed*, as a C-contiguous ``[seq, d_head]`` block (K^T, V^T,
@@ -57,7 +57,7 @@ from numba import prange
 
 from ..config import FLOAT32_MIN, jit
 from ..dtypes import round_to_bf16_inplace, widen
-from .common import load_transposed, required_q_tiles, round_if, store_transposed
+from .common import cut_by_mask, load_transposed, required_q_rows, round_if, store_transposed
 from .fastexp import expf
 from .gemm import gemm
 
@@ -311,17 +311,15 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
                     for k_tile0 in range(0, sec_len, k_tile):
                         n_k = min(k_tile, sec_len - k_tile0)
                         k_abs0 = k_sec0 + k_tile0
-                        g_lo, g_hi = required_q_tiles(q_grp0, rows, q_tile, k_abs0,
-                                                      k_abs0 + n_k - 1, use_causal_mask, window)
-                        if g_lo >= g_hi:
+                        t0, t1 = required_q_rows(q_grp0, rows, q_tile, k_abs0, k_abs0 + n_k - 1,
+                                                 use_causal_mask, window)
+                        if t0 >= t1:
                             continue
-                        t0 = g_lo * q_tile
-                        t1 = min(g_hi * q_tile, rows)
                         # A tile the causal diagonal (or window edge) cuts through is computed
                         # in 128-key sub-blocks, each on the Q tiles it needs only. Numerics
                         # are unchanged: dV/dK rows still take one addition per K tile, and
                         # dQ's fp32 PSUM still sums the whole K tile before its one.
-                        cut = use_causal_mask and (k_abs0 + n_k - 1 > q_grp0 + t0 or window > 0)
+                        cut = cut_by_mask(k_abs0 + n_k - 1, q_grp0 + t0, use_causal_mask, window)
                         sub = min(k_sub_tile, n_k) if cut else n_k
                         dq_psum = qd_flat[:(t1 - t0) * d_head].reshape(t1 - t0, d_head)
                         if dq_via_psum and cut:
@@ -329,13 +327,12 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
                         for kb0 in range(k_tile0, k_tile0 + n_k, sub):
                             n_kb = min(sub, k_tile0 + n_k - kb0)
                             kb_abs = k_sec0 + kb0
+                            r0, r1 = t0, t1
                             if sub < n_k:
-                                g_lo, g_hi = required_q_tiles(q_grp0, rows, q_tile, kb_abs,
-                                                              kb_abs + n_kb - 1, use_causal_mask, window)
-                                if g_lo >= g_hi:
+                                r0, r1 = required_q_rows(q_grp0, rows, q_tile, kb_abs, kb_abs + n_kb - 1,
+                                                         use_causal_mask, window)
+                                if r0 >= r1:
                                     continue
-                            r0 = g_lo * q_tile
-                            r1 = min(g_hi * q_tile, rows)
                             n_q = r1 - r0
                             kt_blk = k_t[kb0:kb0 + n_kb]
                             q_rows = q_t[r0:r1]

@@ -14,7 +14,7 @@ from ..config import jit
 from ..dtypes import round_to_bf16, widen
 
 __all__ = ["round_if", "clamp_packing_bounds", "load_transposed", "store_transposed",
-           "required_q_tiles"]
+           "required_q_rows", "cut_by_mask"]
 
 
 @jit()
@@ -70,12 +70,14 @@ def store_transposed(src, count, dst, start, round_out):
 
 
 @jit()
-def required_q_tiles(q_grp0, rows, q_tile, k_min, k_max, use_causal_mask, window):
-    """Range ``[g_lo, g_hi)`` of Q tiles of a group that see keys ``k_min..k_max``.
+def required_q_rows(q_grp0, rows, q_tile, k_min, k_max, use_causal_mask, window):
+    """Rows ``[r0, r1)`` of a Q group (relative to ``q_grp0``) whose Q tiles see keys ``k_min..k_max``.
 
     ``get_required_tiles_mask``: causal skips a Q tile whose last row is
     before the first key; a window also skips one whose first row is more
-    than ``w - 1`` past the last key. The required tiles are contiguous.
+    than ``w - 1`` past the last key. The required tiles are contiguous, so
+    they are returned as one row range, whole Q tiles (the group's last may
+    be short); ``r0 >= r1`` when no tile is required.
     """
     n_tiles = (rows + q_tile - 1) // q_tile
     g_lo = n_tiles
@@ -92,4 +94,17 @@ def required_q_tiles(q_grp0, rows, q_tile, k_min, k_max, use_causal_mask, window
         if required:
             g_lo = min(g_lo, g)
             g_hi = g + 1
-    return g_lo, g_hi
+    if g_lo >= g_hi:
+        return 0, 0
+    return g_lo * q_tile, min(g_hi * q_tile, rows)
+
+
+@jit()
+def cut_by_mask(k_last, q_first, use_causal_mask, window):
+    """True if the causal diagonal (or a window edge) may cut through a tile.
+
+    ``k_last`` is the tile's last key, ``q_first`` its first query row. Such a
+    tile runs in smaller blocks, each on only the part the mask leaves
+    visible; with a window every tile counts as cut.
+    """
+    return use_causal_mask and (k_last > q_first or window > 0)

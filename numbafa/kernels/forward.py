@@ -35,7 +35,7 @@ from numba import prange
 
 from ..config import jit
 from ..dtypes import round_to_bf16_inplace
-from .common import load_transposed, required_q_tiles, round_if, store_transposed
+from .common import cut_by_mask, load_transposed, required_q_rows, round_if, store_transposed
 from .fastexp import expf
 
 __all__ = ["flash_attn_fwd"]
@@ -221,18 +221,16 @@ def flash_attn_fwd(q, k, v, sinks, bound_min, bound_max, use_packing, use_causal
                 o_acc[:rows] = np.float32(0.0)
                 for k0 in range(0, seqlen_k, k_tile):
                     n_k = min(k_tile, seqlen_k - k0)
-                    g_lo, g_hi = required_q_tiles(q_grp0, rows, q_tile, k0, k0 + n_k - 1,
-                                                  use_causal_mask, window)
-                    if g_lo >= g_hi:
+                    r0, r1 = required_q_rows(q_grp0, rows, q_tile, k0, k0 + n_k - 1,
+                                             use_causal_mask, window)
+                    if r0 >= r1:
                         continue
-                    r0 = g_lo * q_tile
-                    r1 = min(g_hi * q_tile, rows)
                     # A tile the causal diagonal (or a window edge) cuts through runs per Q
                     # tile, each on the keys it may see (k <= q, k >= q - w + 1; packing
                     # bounds are clamped to both). The keys left out are masked for every
                     # row of the Q tile (P = 0), and rows are independent, so only work
                     # is saved: the K tile stays the unit of the online-softmax update.
-                    cut = use_causal_mask and (k0 + n_k - 1 > q_grp0 + r0 or window > 0)
+                    cut = cut_by_mask(k0 + n_k - 1, q_grp0 + r0, use_causal_mask, window)
                     step = q_tile if cut else r1 - r0
                     for b0 in range(r0, r1, step):
                         b1 = min(b0 + step, r1)
