@@ -33,6 +33,7 @@ __all__ = [
     "round_to_bf16",
     "round_to_bf16_inplace",
     "widen",
+    "widened",
     "to_bf16_array",
     "from_bf16_array",
 ]
@@ -102,6 +103,33 @@ def _widen_overload(x):
         return lambda x: bf16_bits_to_f32(x)
     if x == types.float32:
         return lambda x: x
+    return None
+
+
+def widened(x):  # pragma: no cover - replaced by the overload inside njit code
+    """A 2-D array as float32: ``x`` itself if float32, a widened copy of uint16 bf16 bits."""
+    raise NotImplementedError("widened is only callable from @njit code")
+
+
+@overload(widened)
+def _widened_overload(x):
+    from numba import types
+
+    if not isinstance(x, types.Array) or x.ndim != 2:
+        return None
+    if x.dtype == types.float32:
+        return lambda x: x
+
+    if x.dtype == types.uint16:
+        def impl(x):
+            out = np.empty(x.shape, dtype=np.float32)
+            for i in range(x.shape[0]):
+                src = x[i]
+                dst = out[i]
+                for j in range(x.shape[1]):
+                    dst[j] = bf16_bits_to_f32(src[j])
+            return out
+        return impl
     return None
 
 

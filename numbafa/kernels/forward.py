@@ -5,10 +5,11 @@ log(sum)`` per query row (sinks included in the sum), in float32.
 
 Loop nest: ``prange`` over ``bs * nheads_kv`` work units (an odd number of
 units, fewer than 9, is split into two items each owning alternate Q groups:
-:func:`numbafa.config.q_chunks`); per unit K^T and
-V^T are loaded once and serve every q-head of the GQA group; per q-head, Q
-groups of 4 x 128 rows; per group, K tiles of 512 keys with the online
-softmax (FlashAttention-2)::
+:func:`numbafa.config.q_chunks`); per unit K and V
+(``[d, seq]``, as given: no transposed copies, BLAS reads them transposed)
+serve every q-head of the GQA group; per q-head, Q groups of 4 x 128 rows,
+scaled at load; per group, K tiles of 512 keys with the online softmax
+(FlashAttention-2)::
 
     m_new = max(m, rowmax(S))            # S = Q_scaled^T K, masked to -inf
     P     = exp(S - m_new)               # written in kernel_dtype
@@ -34,9 +35,10 @@ import numpy as np
 from numba import prange
 
 from ..config import jit
-from ..dtypes import round_to_bf16_inplace
-from .common import cut_by_mask, load_transposed, required_q_rows, round_if, store_transposed
+from ..dtypes import round_to_bf16_inplace, widened
+from .common import cut_by_mask, load_scaled, required_q_rows, round_if, store_transposed
 from .fastexp import expf
+from .gemm import gemm
 
 __all__ = ["flash_attn_fwd"]
 
@@ -124,27 +126,29 @@ def rescale_accumulate(acc, pv, row_sum, tile_sum, alpha, round_mixed):
 
 
 @jit()
-def online_softmax_block(q_rows, k_blk, v_blk, q_abs0, k_abs0, row_max, row_sum, alpha, acc,
+def online_softmax_block(q_cols, k_cols, v_cols, q_abs0, k_abs0, row_max, row_sum, alpha, acc,
                          s_flat, pv_flat, tile_sum, ones, use_packing, bound_min, bound_max,
                          use_causal_mask, window, round_kernel, round_mixed):
-    """One online-softmax update of ``q_rows`` (``[rows, d]``) by the keys ``k_blk`` / ``v_blk``.
+    """One online-softmax update of the queries ``q_cols`` by the keys ``k_cols`` / ``v_cols``.
 
-    ``S = Q_s K^T`` (one BLAS call), the masked exp of :func:`online_softmax_update`,
-    ``rowsum(P)`` as written (a matrix-vector product), ``P V`` (one BLAS call)
-    and :func:`rescale_accumulate` into the row statistics and ``acc``.
-    ``s_flat`` / ``pv_flat`` / ``tile_sum`` are scratch of at least
-    ``rows * keys``, ``rows * d`` and ``rows`` elements.
+    All three are in the Neuron layout, ``[d, rows]`` / ``[d, keys]`` (views
+    with unit inner stride); BLAS reads them transposed where needed, so no
+    transposed copy is made. ``S = Q_s^T K`` (one BLAS call), the masked exp
+    of :func:`online_softmax_update`, ``rowsum(P)`` as written (a
+    matrix-vector product), ``P V`` (one BLAS call) and
+    :func:`rescale_accumulate` into the row statistics and ``acc``
+    (``[rows, d]``). ``s_flat`` / ``pv_flat`` / ``tile_sum`` are scratch of
+    at least ``rows * keys``, ``rows * d`` and ``rows`` elements.
     """
-    n_q = q_rows.shape[0]
-    n_k = k_blk.shape[0]
-    d_head = q_rows.shape[1]
+    d_head, n_q = q_cols.shape
+    n_k = k_cols.shape[1]
     s = s_flat[:n_q * n_k].reshape(n_q, n_k)
-    np.dot(q_rows, k_blk.T, s)
+    gemm(q_cols, k_cols, s, True, False, np.float32(1.0), np.float32(0.0))
     online_softmax_update(s, q_abs0, k_abs0, row_max, alpha, use_packing, bound_min, bound_max,
                           use_causal_mask, window, round_kernel)
     np.dot(s, ones[:n_k], tile_sum[:n_q])            # rowsum(P) as written
     pv = pv_flat[:n_q * d_head].reshape(n_q, d_head)
-    np.dot(s, v_blk, pv)
+    gemm(s, v_cols, pv, False, True, np.float32(1.0), np.float32(0.0))
     rescale_accumulate(acc, pv, row_sum, tile_sum[:n_q], alpha, round_mixed)
 
 
@@ -186,11 +190,10 @@ def flash_attn_fwd(q, k, v, sinks, bound_min, bound_max, use_packing, use_causal
         chunk = item % q_chunks
         b = unit // nheads_kv
         h_kv = unit % nheads_kv
-        k_t = np.empty((seqlen_k, d_head), dtype=np.float32)
-        v_t = np.empty((seqlen_k, d_head), dtype=np.float32)
-        load_transposed(k[b, h_kv], 0, seqlen_k, k_t, one, False)
-        load_transposed(v[b, h_kv], 0, seqlen_k, v_t, one, False)
-        q_t = np.empty((q_grp_rows, d_head), dtype=np.float32)
+        # K and V stay [d, seq]: float32 inputs are used in place, bf16 ones widened once.
+        k_n = widened(k[b, h_kv])
+        v_n = widened(v[b, h_kv])
+        q_s = np.empty((d_head, q_grp_rows), dtype=np.float32)
         o_acc = np.empty((q_grp_rows, d_head), dtype=np.float32)
         row_max = np.empty(q_grp_rows, dtype=np.float32)
         row_sum = np.empty(q_grp_rows, dtype=np.float32)
@@ -215,7 +218,7 @@ def flash_attn_fwd(q, k, v, sinks, bound_min, bound_max, use_packing, use_causal
                     continue
                 q_grp0 = i_group * q_grp_rows
                 rows = min(q_grp_rows, seqlen_q - q_grp0)
-                load_transposed(q[b, h], q_grp0, rows, q_t, softmax_scale, round_kernel)
+                load_scaled(q[b, h], q_grp0, rows, q_s, softmax_scale, round_kernel)
                 row_max[:rows] = sink_max
                 row_sum[:rows] = round_if(sink_sum, round_mixed)
                 o_acc[:rows] = np.float32(0.0)
@@ -242,7 +245,7 @@ def flash_attn_fwd(q, k, v, sinks, bound_min, bound_max, use_packing, use_causal
                                 kv0 = max(kv0, q_grp0 + b0 - window + 1)
                             if kv1 <= kv0:
                                 continue
-                        online_softmax_block(q_t[b0:b1], k_t[kv0:kv1], v_t[kv0:kv1], q_grp0 + b0,
+                        online_softmax_block(q_s[:, b0:b1], k_n[:, kv0:kv1], v_n[:, kv0:kv1], q_grp0 + b0,
                                              kv0, row_max[b0:b1], row_sum[b0:b1], alpha[b0:b1],
                                              o_acc[b0:b1], s_flat, pv_flat, tile_sum, ones,
                                              use_packing, bound_min, bound_max, use_causal_mask,
