@@ -66,12 +66,27 @@ def _visible_keys(q_abs, k_abs0, n_k, use_packing, bound_min, bound_max, use_cau
     return lo, hi
 
 
+# Key of -inf under the order-preserving map of float32 bits to int32 used by _row_max.
+_NEG_INF_KEY = np.int32(-2139095041)
+
+
 @jit()
 def _row_max(x):
-    m = _NEG_INF
-    for j in range(x.size):
-        m = max(m, x[j])
-    return m
+    """Max of a contiguous 1-D float32 array (-inf if empty), by an integer reduction.
+
+    A float max reduction does not vectorise here (its NaN semantics keep
+    LLVM from reordering it), an int32 one does (3x faster). The bits ``b``
+    of a float map to ``b ^ ((b >> 31) & 0x7FFFFFFF)``, which orders ints as
+    their floats for every non-NaN value, -0.0 just below +0.0; the map is
+    its own inverse. Inputs are validated finite, so scores hold no NaN.
+    """
+    u = x.view(np.int32)
+    m = _NEG_INF_KEY
+    for j in range(u.size):
+        b = u[j]
+        key = np.int32(b ^ ((b >> 31) & 0x7FFFFFFF))  # np.int32: keep the compare 32-bit wide
+        m = key if key > m else m
+    return np.int32(m ^ ((m >> 31) & 0x7FFFFFFF)).view(np.float32)
 
 
 @jit()

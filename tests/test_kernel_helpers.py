@@ -1,0 +1,107 @@
+"""numbafa.kernels.common and the forward's row max: loads, stores, widening, against NumPy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from numbafa.config import jit
+from numbafa.dtypes import widened
+from numbafa.kernels.common import load_scaled, load_transposed, store_transposed
+from numbafa.kernels.forward import _row_max
+
+SCALE = np.float32(0.0883883)  # 1/sqrt(128), not a power of two: scaling rounds
+
+
+def _bf16_round(x):
+    """float32 -> nearest bf16 (ties to even), as float32; NumPy only."""
+    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32)
+
+
+def _source(rng, dtype, shape):
+    """A [d, seq] source: float32 values, or the bf16 bits of bf16-exact values."""
+    x = _bf16_round(rng.standard_normal(shape).astype(np.float32))
+    if dtype == "bf16":
+        return x, (x.view(np.uint32) >> 16).astype(np.uint16)
+    return x, x
+
+
+def _expected(values, scale, round_kernel):
+    if scale == 1.0:
+        return values                       # an exact copy, never rounded
+    y = (values * scale).astype(np.float32)  # one float32 product, as in the kernel
+    return _bf16_round(y) if round_kernel else y
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bf16"])
+@pytest.mark.parametrize("scale, round_kernel", [(np.float32(1.0), True), (SCALE, False), (SCALE, True)])
+@pytest.mark.parametrize("d_head, start, count", [(128, 0, 2048), (64, 37, 201), (5, 3, 17), (128, 5, 0)])
+def test_loads_match_numpy(dtype, scale, round_kernel, d_head, start, count):
+    rng = np.random.default_rng(d_head + count)
+    values, src = _source(rng, dtype, (d_head, start + count + 7))
+    want = _expected(values[:, start:start + count], scale, round_kernel)
+
+    out_t = np.full((count + 3, d_head), np.nan, np.float32)
+    load_transposed(src, start, count, out_t, scale, round_kernel)
+    np.testing.assert_array_equal(out_t[:count], want.T)
+    assert np.isnan(out_t[count:]).all()    # rows past count untouched
+
+    out_s = np.full((d_head, count + 3), np.nan, np.float32)
+    load_scaled(src, start, count, out_s, scale, round_kernel)
+    np.testing.assert_array_equal(out_s[:, :count], want)
+    assert np.isnan(out_s[:, count:]).all()
+
+
+@pytest.mark.parametrize("round_out", [False, True])
+@pytest.mark.parametrize("d_head, start, count", [(128, 0, 512), (64, 19, 33), (3, 1, 1)])
+def test_store_transposed_matches_numpy(round_out, d_head, start, count):
+    rng = np.random.default_rng(count)
+    src = rng.standard_normal((count + 2, d_head)).astype(np.float32)
+    dst = np.full((d_head, start + count + 4), np.nan, np.float32)
+    store_transposed(src, count, dst, start, round_out)
+    want = _bf16_round(src[:count].T) if round_out else src[:count].T
+    np.testing.assert_array_equal(dst[:, start:start + count], want)
+    assert np.isnan(dst[:, :start]).all() and np.isnan(dst[:, start + count:]).all()
+
+
+@jit()
+def _widened_and_identity(x):
+    w = widened(x)
+    return w, w.ctypes.data == x.ctypes.data
+
+
+def test_widened_is_a_view_for_float32_and_a_widened_copy_for_bf16_bits():
+    rng = np.random.default_rng(3)
+    values, bits = _source(rng, "bf16", (6, 9))
+    w, same = _widened_and_identity(values)
+    assert same and w.dtype == np.float32
+    np.testing.assert_array_equal(w, values)
+    w, same = _widened_and_identity(bits)
+    assert not same and w.dtype == np.float32
+    np.testing.assert_array_equal(w, values)
+
+
+@jit()
+def _row_max_of_slice(x, lo, hi):
+    return _row_max(x[lo:hi])
+
+
+@pytest.mark.parametrize("values", [
+    [3.0, -1.0, 2.5], [-0.5, -3.0], [-np.inf, -3.0], [-np.inf], [-3.4e38, -np.inf],
+    [1e-45, -1e-45], [-1e-45, -2e-45], [np.inf, 1.0], [0.0], [-7.0] * 33,
+])
+def test_row_max_matches_numpy(values):
+    x = np.asarray(values, np.float32)
+    assert _row_max(x) == np.max(x)
+    assert _row_max_of_slice(np.concatenate([[9.0], x, [9.0]]).astype(np.float32), 1, x.size + 1) == np.max(x)
+
+
+def test_row_max_of_random_rows_and_empty():
+    rng = np.random.default_rng(4)
+    for n in (1, 7, 8, 9, 512, 1000):
+        x = (rng.standard_normal(n) * 10.0 ** rng.integers(-30, 30)).astype(np.float32)
+        assert _row_max(x) == np.max(x)
+        assert _row_max(-np.abs(x)) == np.max(-np.abs(x))
+    assert _row_max(np.empty(0, np.float32)) == -np.inf
