@@ -22,16 +22,18 @@ odd number of work units (fewer than 9) each unit is split into two items
 that own alternate (zigzag) Q groups, each with a private float32 dK/dV
 partial summed in a fixed order afterwards (:func:`numbafa.config.q_chunks`).
 
-CPU layout. The Neuron tensors are ``[d_head, seq]``; every tile is loaded
-here *transposed*, as a C-contiguous ``[seq, d_head]`` block (K^T, V^T,
-Q_scaled^T, dO^T, dQ^T). The score-shaped tiles of one (Q group, K tile)
-pair are kept as ``[keys, queries]`` (S^T, P^T, dP^T, dS^T), so every matmul
-is one BLAS call on contiguous operands and no tile is ever transposed by
-copying:
+CPU layout. The Neuron tensors are ``[d_head, seq]`` and stay so: K, V and
+dO are used in place (float32 inputs; bf16 bits are widened once per section
+or Q group), Q_scaled is written ``[d_head, rows]`` at load, and BLAS reads
+whichever operand it needs transposed. The accumulators are ``[seq, d_head]``
+(dQ^T, dK^T, dV^T), stored transposed into the outputs. The score-shaped
+tiles of one (Q group, K tile) pair are kept as ``[keys, queries]`` (S^T, P^T,
+dP^T, dS^T), so every matmul is one BLAS call and no tile is ever transposed
+by copying:
 
-* ``S^T  = K^T (Q_scaled^T)^T``   ``dP^T = V^T (dO^T)^T``
-* ``dV  += P^T dO^T``             ``dK  += dS^T Q_scaled^T``
-* ``dQ  += (dS^T)^T K^T * scale`` (the Neuron kernel's sum over transposed
+* ``S^T  = K^T Q_scaled``          ``dP^T = V^T dO``
+* ``dV^T += P^T dO^T``             ``dK^T += dS^T Q_scaled^T``
+* ``dQ^T += (dS^T)^T K^T * scale`` (the Neuron kernel's sum over transposed
   128-key sub-tiles, accumulated in one fp32 PSUM, is one fp32 BLAS contraction).
 
 BLAS calls go through :func:`numbafa.kernels.gemm.gemm`, which reads a
@@ -56,8 +58,8 @@ import numpy as np
 from numba import prange
 
 from ..config import FLOAT32_MIN, jit
-from ..dtypes import round_to_bf16_inplace, widen
-from .common import cut_by_mask, load_transposed, required_q_rows, round_if, store_transposed
+from ..dtypes import round_to_bf16_inplace, widen, widened
+from .common import cut_by_mask, load_scaled, load_transposed, required_q_rows, round_if, store_transposed
 from .fastexp import expf
 from .gemm import gemm
 
@@ -270,12 +272,9 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
 
         # Per-item scratch, sized for the largest tiles.
         sec_cap = min(section_len, seqlen_k)
-        k_t = np.empty((sec_cap, d_head), dtype=np.float32)
-        v_t = np.empty((sec_cap, d_head), dtype=np.float32)
         dk_acc = np.empty((sec_cap, d_head), dtype=np.float32)
         dv_acc = np.empty((sec_cap, d_head), dtype=np.float32)
-        q_t = np.empty((q_grp_rows, d_head), dtype=np.float32)
-        dy_t = np.empty((q_grp_rows, d_head), dtype=np.float32)
+        q_s = np.empty((d_head, q_grp_rows), dtype=np.float32)
         dq_t = np.empty((q_grp_rows, d_head), dtype=np.float32)
         st_flat = np.empty(k_tile * q_grp_rows, dtype=np.float32)
         dpt_flat = np.empty(k_tile * q_grp_rows, dtype=np.float32)
@@ -285,8 +284,9 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
         for i_section in range(n_sections):
             k_sec0 = i_section * section_len
             sec_len = max(0, min(section_len, seqlen_k - k_sec0))
-            load_transposed(k[b, h_kv], k_sec0, sec_len, k_t, one, False)
-            load_transposed(v[b, h_kv], k_sec0, sec_len, v_t, one, False)
+            # K and V stay [d, seq] (float32: views of the inputs; bf16: widened copies).
+            k_n = widened(k[b, h_kv][:, k_sec0:k_sec0 + sec_len])
+            v_n = widened(v[b, h_kv][:, k_sec0:k_sec0 + sec_len])
             dk_acc[:] = np.float32(0.0)
             dv_acc[:] = np.float32(0.0)
 
@@ -302,8 +302,8 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
                         dq_t[:rows] = np.float32(0.0)
                     else:
                         load_transposed(out_dq[b, h], q_grp0, rows, dq_t, one, False)
-                    load_transposed(q[b, h], q_grp0, rows, q_t, softmax_scale, round_kernel)
-                    load_transposed(dy[b, h], q_grp0, rows, dy_t, one, False)
+                    load_scaled(q[b, h], q_grp0, rows, q_s, softmax_scale, round_kernel)
+                    dy_n = widened(dy[b, h][:, q_grp0:q_grp0 + rows])
                     if i_section == 0:
                         compute_rowsum(o[b, h], dy[b, h], q_grp0, rows, d_tile, d_sum[unit, r],
                                        round_kernel, round_mixed)
@@ -334,15 +334,15 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
                                 if r0 >= r1:
                                     continue
                             n_q = r1 - r0
-                            kt_blk = k_t[kb0:kb0 + n_kb]
-                            q_rows = q_t[r0:r1]
-                            dy_rows = dy_t[r0:r1]
+                            k_cols = k_n[:, kb0:kb0 + n_kb]
+                            q_cols = q_s[:, r0:r1]
+                            dy_cols = dy_n[:, r0:r1]
 
                             # Step 2.1 S^T = K^T Q_s and Step 3.2 dP^T = V^T dO (fp32 PSUM).
                             s_t = st_flat[:n_kb * n_q].reshape(n_kb, n_q)
                             dp_t = dpt_flat[:n_kb * n_q].reshape(n_kb, n_q)
-                            gemm(kt_blk, q_rows, s_t, False, True, one, zero)
-                            gemm(v_t[kb0:kb0 + n_kb], dy_rows, dp_t, False, True, one, zero)
+                            gemm(k_cols, q_cols, s_t, True, False, one, zero)
+                            gemm(v_n[:, kb0:kb0 + n_kb], dy_cols, dp_t, True, False, one, zero)
                             # Steps 2.3, 2.4, 4: s_t <- P^T, dp_t <- dS^T.
                             recompute_softmax_backward(s_t, dp_t, kb_abs, q_grp0 + r0,
                                                        neg_lse[unit, r], d_sum[unit, r], use_packing,
@@ -355,23 +355,23 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
                             # add theirs with beta = 1). For float32 inputs BLAS adds the
                             # product into dQ directly.
                             if dq_via_psum:
-                                gemm(dp_t, kt_blk, dq_psum[r0 - t0:r1 - t0], True, False, one,
+                                gemm(dp_t, k_cols, dq_psum[r0 - t0:r1 - t0], True, True, one,
                                      one if cut else zero)
                             else:
-                                gemm(dp_t, kt_blk, dq_t[r0:r1], True, False, softmax_scale, one)
+                                gemm(dp_t, k_cols, dq_t[r0:r1], True, True, softmax_scale, one)
 
                             # Step 3.1: dV += P^T dO and Step 5.2: dK += Q_s^T dS (section
                             # accumulators, GQA-reduced); bf16 accumulators take their one
                             # rounded addition from a PSUM.
                             if round_mixed:
                                 kd_psum = kd_flat[:n_kb * d_head].reshape(n_kb, d_head)
-                                gemm(s_t, dy_rows, kd_psum, False, False, one, zero)
+                                gemm(s_t, dy_cols, kd_psum, False, True, one, zero)
                                 accumulate(dv_acc[kb0:kb0 + n_kb], kd_psum, one, True)
-                                gemm(dp_t, q_rows, kd_psum, False, False, one, zero)
+                                gemm(dp_t, q_cols, kd_psum, False, True, one, zero)
                                 accumulate(dk_acc[kb0:kb0 + n_kb], kd_psum, one, True)
                             else:
-                                gemm(s_t, dy_rows, dv_acc[kb0:kb0 + n_kb], False, False, one, one)
-                                gemm(dp_t, q_rows, dk_acc[kb0:kb0 + n_kb], False, False, one, one)
+                                gemm(s_t, dy_cols, dv_acc[kb0:kb0 + n_kb], False, True, one, one)
+                                gemm(dp_t, q_cols, dk_acc[kb0:kb0 + n_kb], False, True, one, one)
 
                         if dq_via_psum:  # dQ += PSUM * scale, one (rounded) addition per K tile
                             accumulate(dq_t[t0:t1], dq_psum, softmax_scale, round_mixed)
