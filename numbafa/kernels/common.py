@@ -1,10 +1,10 @@
 """Tile helpers shared by the forward and backward kernels.
 
-The backward loads its tiles *transposed*: a Neuron-layout ``[d_head, seq]``
-slice becomes a C-contiguous ``[seq, d_head]`` float32 block, widened from
-bf16 bits where needed, so that every matmul is one BLAS call on contiguous
-operands. The forward keeps the ``[d_head, seq]`` layout (:func:`load_scaled`)
-and lets BLAS read operands transposed.
+Both kernels keep the Neuron ``[d_head, seq]`` layout for their inputs and
+let BLAS read operands transposed; only Q is copied, scaled at load
+(:func:`load_scaled`). Their ``[seq, d_head]`` accumulators go to the outputs
+through :func:`store_transposed`, and the backward's dQ comes back between
+KV sections through :func:`load_transposed`.
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ _TRANSPOSE_BLOCK = 16
 
 
 @jit()
-def _scale_rows(out, i0, i1, n_cols, scale, round_kernel):
-    """``out[i, :n_cols] = round_if(out[i, :n_cols] * scale)`` for rows ``i0 <= i < i1``."""
-    for i in range(i0, i1):
-        row = out[i]
-        for x in range(n_cols):
-            row[x] = round_if(row[x] * scale, round_kernel)
+def _loaded(x, scale, round_kernel):
+    """One element as loaded: widened to float32, then, if ``scale != 1``, scaled and rounded."""
+    y = widen(x)
+    if scale != np.float32(1.0):
+        y = round_if(y * scale, round_kernel)
+    return y
 
 
 @jit()
@@ -75,10 +75,7 @@ def load_transposed(src, start, count, out, scale, round_kernel):
     for i_d in range(d_head):
         row = src[i_d]
         for i in range(count):
-            x = widen(row[start + i])
-            if scale != np.float32(1.0):
-                x = round_if(x * scale, round_kernel)
-            out[i, i_d] = x
+            out[i, i_d] = _loaded(row[start + i], scale, round_kernel)
 
 
 @jit()
@@ -93,9 +90,7 @@ def load_scaled(src, start, count, out, scale, round_kernel):
         row = src[i_d]
         dst = out[i_d]
         for i in range(count):
-            dst[i] = widen(row[start + i])
-    if scale != np.float32(1.0):
-        _scale_rows(out, 0, d_head, count, scale, round_kernel)
+            dst[i] = _loaded(row[start + i], scale, round_kernel)
 
 
 @jit()
