@@ -207,6 +207,32 @@ def _bf16_round(x):
     return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
+def _bf16_ulp(x):
+    """One bf16 ulp of each element of ``x`` (float64; subnormal spacing 2^-133 at the bottom)."""
+    mag = np.abs(np.asarray(x, np.float64))
+    exponent = np.floor(np.log2(np.maximum(mag, 2.0 ** -133)))
+    return 2.0 ** (np.maximum(exponent, -126) - 7)
+
+
+class _FlipBudget:
+    """Sums one bf16 ulp per rounding of an accumulator, except its latest one.
+
+    ``rounded(x)`` is called with each freshly rounded accumulator value; the
+    ulp of the previous rounded value joins the budget then, so at the end the
+    budget holds every rounding but the last (the output's own).
+    """
+
+    def __init__(self, shape):
+        self.total = np.zeros(shape)
+        self._last = np.zeros(shape)
+
+    def rounded(self, x, rounds):
+        if rounds:
+            self.total += self._last
+            self._last = _bf16_ulp(x)
+        return x
+
+
 def _neuron_tiling(d_head):
     """(d_tile, section_len) of the Neuron kernel: head-dim tiles of <= 128,
     KV sections of ``8192 // power_of_2(#head-dim tiles)`` keys (>= 512)."""
@@ -218,7 +244,7 @@ def _neuron_tiling(d_head):
 
 def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
                           bound_max=None, use_causal_mask=False, mixed_precision=False,
-                          softmax_scale=None, sliding_window=None, disable=()):
+                          softmax_scale=None, sliding_window=None, disable=(), ulp_budget=False):
     """The kernel's numerics in materialising NumPy: the numerics golden.
 
     Unlike :func:`attention_bwd`, this uses ``o_ref`` and ``lse_ref`` (the
@@ -238,11 +264,22 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     disable : iterable of str
         Names from :data:`ROUNDING_POINTS` to skip (test-only: proves each
         rounding point changes the result).
+    ulp_budget : bool
+        Also return, for dq, dk and dv, the sum over the *intermediate* bf16
+        roundings of each element's accumulator (every rounding but the one
+        that gives the final value) of one bf16 ulp of the value rounded.
+        An implementation with the same rounding points but another float32
+        summation order may flip any of those roundings, and a flip early in
+        the chain is carried unchanged to the output: this is how far such an
+        implementation may stray beyond the final rounding's own ulp
+        (``docs/numerics.md``, "How far two faithful implementations differ").
 
     Returns
     -------
     dq, dk, dv[, dsinks] : float32 arrays holding values of the output dtype
         (bf16 values for bf16 inputs; dsinks in the dtype of ``sinks_ref``).
+    budget : tuple of three float64 arrays shaped like dq, dk, dv
+        Only with ``ulp_budget=True`` (zeros for float32 inputs).
     """
     import ml_dtypes
 
@@ -277,11 +314,15 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     dk = np.zeros((bs, nheads_kv, d_head, seqlen_k), f32)
     dv = np.zeros_like(dk)
     dsinks = np.zeros(sink3.shape, f32)
+    budgets = tuple(np.zeros(x.shape) for x in (dq, dk, dv))
+    rounds_kernel = is_bf16
+    rounds_mixed = is_bf16 and not mixed_precision
     for b in range(bs):
         for hk in range(nheads_kv):
             kt, vt = k[b, hk].T, v[b, hk].T                     # [seqlen_k, d]
             dk_acc = np.zeros((seqlen_k, d_head), f32)
             dv_acc = np.zeros((seqlen_k, d_head), f32)
+            dk_flips, dv_flips = _FlipBudget(dk_acc.shape), _FlipBudget(dv_acc.shape)
             for h in range(hk * n_rep, (hk + 1) * n_rep):
                 qs = rk(q[b, h].T * scale, "q_load")            # [seqlen_q, d]
                 dyt = dy[b, h].T
@@ -295,19 +336,24 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
                 ds = rk((dyt @ vt.T - d_sum[:, None]) * p, "ds")
                 # dQ: K tile by K tile within each section, rounded between sections.
                 dq_acc = np.zeros((seqlen_q, d_head), f32)
+                dq_flips = _FlipBudget(dq_acc.shape)
                 for s0 in range(0, seqlen_k, section_len):
                     if s0 > 0:
-                        dq_acc = rk(dq_acc, "dq_section")
+                        dq_acc = dq_flips.rounded(rk(dq_acc, "dq_section"), rounds_kernel)
                     for t0 in range(s0, min(s0 + section_len, seqlen_k), 512):
                         t1 = min(t0 + 512, s0 + section_len, seqlen_k)
-                        dq_acc = rm((ds[:, t0:t1] @ kt[t0:t1]) * scale + dq_acc, "acc")
+                        dq_acc = dq_flips.rounded(rm((ds[:, t0:t1] @ kt[t0:t1]) * scale + dq_acc, "acc"),
+                                                  rounds_mixed)
                 dq[b, h] = dq_acc.T
+                # The output's own rounding (a no-op when the accumulator is already bf16).
+                dq_flips.rounded(_bf16_round(dq_acc) if is_bf16 else dq_acc, rounds_kernel and not rounds_mixed)
+                budgets[0][b, h] = dq_flips.total.T
                 # dK/dV: one rounded addition per Q group of 512 rows (per K tile, which
                 # holds different keys, so all keys can be updated at once).
                 for g0 in range(0, seqlen_q, 512):
                     g1 = min(g0 + 512, seqlen_q)
-                    dv_acc = rm(dv_acc + p[g0:g1].T @ dyt[g0:g1], "acc")
-                    dk_acc = rm(dk_acc + ds[g0:g1].T @ qs[g0:g1], "acc")
+                    dv_acc = dv_flips.rounded(rm(dv_acc + p[g0:g1].T @ dyt[g0:g1], "acc"), rounds_mixed)
+                    dk_acc = dk_flips.rounded(rm(dk_acc + ds[g0:g1].T @ qs[g0:g1], "acc"), rounds_mixed)
                 # Sinks: one accumulator lane per row of a 128-row Q tile.
                 for i_sink in range(sink3.shape[2]):
                     lanes = np.zeros(128, f32)
@@ -318,10 +364,15 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
                     dsinks[b, h, i_sink] = lanes.sum(dtype=f32)
             dk[b, hk] = dk_acc.T
             dv[b, hk] = dv_acc.T
+            for flips, acc in ((dk_flips, dk_acc), (dv_flips, dv_acc)):
+                flips.rounded(_bf16_round(acc) if is_bf16 else acc, rounds_kernel and not rounds_mixed)
+            budgets[1][b, hk] = dk_flips.total.T
+            budgets[2][b, hk] = dv_flips.total.T
     if is_bf16:  # outputs are written in the kernel dtype (not a point one can disable)
         dq, dk, dv = _bf16_round(dq), _bf16_round(dk), _bf16_round(dv)
+    extra = (budgets,) if ulp_budget else ()
     if sinks_ref is None:
-        return dq, dk, dv
+        return (dq, dk, dv) + extra
     if np.asarray(sinks_ref).dtype == ml_dtypes.bfloat16:
         dsinks = _bf16_round(dsinks)
-    return dq, dk, dv, dsinks.reshape(np.shape(sinks_ref))
+    return (dq, dk, dv, dsinks.reshape(np.shape(sinks_ref))) + extra
