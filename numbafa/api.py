@@ -6,7 +6,8 @@ import numpy as np
 
 from .blas import single_threaded_blas
 from .dtypes import to_bf16_array
-from .config import Q_TILE, q_chunks, setup_config
+from .schedule import q_chunks
+from .tiling import Q_TILE, setup_config
 from .kernels.backward import flash_attn_bwd
 from .kernels.common import clamp_packing_bounds
 from .kernels.forward import flash_attn_fwd

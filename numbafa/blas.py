@@ -78,7 +78,7 @@ def backend_info() -> dict:
     import scipy
 
     from . import __version__
-    from .config import JIT_FLAGS
+    from .jit import JIT_FLAGS
 
     try:
         layer = numba.threading_layer()

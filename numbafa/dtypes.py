@@ -23,7 +23,7 @@ import sys
 import numpy as np
 from numba.extending import overload
 
-from .config import jit
+from .jit import jit
 
 __all__ = [
     "bf16_dtype",

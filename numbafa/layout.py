@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import Q_TILE
+from .tiling import Q_TILE
 
 __all__ = [
     "LAYOUTS",

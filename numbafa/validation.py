@@ -15,7 +15,8 @@ from typing import Optional
 
 import numpy as np
 
-from .config import Q_TILE, jit
+from .jit import jit
+from .tiling import Q_TILE
 from .dtypes import is_bf16, widen
 
 __all__ = ["Problem", "validate_bwd_inputs", "validate_fwd_inputs"]

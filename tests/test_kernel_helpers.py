@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from numbafa.config import jit
+from numbafa.jit import jit
 from numbafa.dtypes import widened
 from numbafa.kernels.common import load_scaled, load_transposed, store_transposed
 from numbafa.kernels.forward import _row_max

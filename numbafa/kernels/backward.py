@@ -20,7 +20,7 @@ zeroed on the first section, reloaded from the output on later ones, D
 computed on the first section only), then the K tiles of the section. With an
 odd number of work units (fewer than 9) each unit is split into two items
 that own alternate (zigzag) Q groups, each with a private float32 dK/dV
-partial summed in a fixed order afterwards (:func:`numbafa.config.q_chunks`).
+partial summed in a fixed order afterwards (:func:`numbafa.schedule.q_chunks`).
 
 CPU layout. The Neuron tensors are ``[d_head, seq]`` and stay so: K, V and
 dO are used in place (float32 inputs; bf16 bits are widened once per section
@@ -57,7 +57,8 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ..config import FLOAT32_MIN, jit
+from ..jit import jit
+from ..tiling import FLOAT32_MIN
 from ..dtypes import round_to_bf16_inplace, widen, widened
 from .common import cut_by_mask, load_scaled, load_transposed, required_q_rows, round_if, store_transposed
 from .fastexp import expf
@@ -225,7 +226,7 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
         The tiling of :func:`numbafa.config.setup_config`.
     q_chunks : int
         Split each work unit's Q groups into this many parallel items (CPU
-        schedule for few work units; see :func:`numbafa.config.q_chunks`).
+        schedule for few work units; see :func:`numbafa.schedule.q_chunks`).
         Each item owns its dQ rows and a private float32 dK/dV partial,
         summed in chunk order afterwards. Must be 1 when ``round_mixed``
         (bf16 accumulators cannot be split without changing their rounding).
@@ -350,7 +351,7 @@ def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing
                                                        round_kernel)
 
                             # Step 5.1: dQ += (dS K) * scale. The Neuron kernel contracts over
-                            # transposed 128-key sub-tiles (config.K_SUB_TILE) summed in one
+                            # transposed 128-key sub-tiles (tiling.K_SUB_TILE) summed in one
                             # fp32 PSUM; a BLAS call over dS^T and K^T is that sum (sub-blocks
                             # add theirs with beta = 1). For float32 inputs BLAS adds the
                             # product into dQ directly.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import jit
+from ..jit import jit
 from ..dtypes import round_to_bf16, widen
 
 __all__ = ["round_if", "clamp_packing_bounds", "load_transposed", "load_scaled", "store_transposed",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import jit
+from ..jit import jit
 
 __all__ = ["expf"]
 

@@ -5,7 +5,7 @@ log(sum)`` per query row (sinks included in the sum), in float32.
 
 Loop nest: ``prange`` over ``bs * nheads_kv`` work units (an odd number of
 units, fewer than 9, is split into two items each owning alternate Q groups:
-:func:`numbafa.config.q_chunks`); per unit K and V
+:func:`numbafa.schedule.q_chunks`); per unit K and V
 (``[d, seq]``, as given: no transposed copies, BLAS reads them transposed)
 serve every q-head of the GQA group; per q-head, Q groups of 4 x 128 rows,
 scaled at load; per group, K tiles of 512 keys with the online softmax
@@ -34,7 +34,7 @@ import math
 import numpy as np
 from numba import prange
 
-from ..config import jit
+from ..jit import jit
 from ..dtypes import round_to_bf16_inplace, widened
 from .common import cut_by_mask, load_scaled, required_q_rows, round_if, store_transposed
 from .fastexp import expf
@@ -188,7 +188,7 @@ def flash_attn_fwd(q, k, v, sinks, bound_min, bound_max, use_packing, use_causal
     q_chunks : int
         Split each work unit's Q groups (zigzag) into this many parallel items,
         for problems with fewer work units than cores. Rows are independent,
-        so the split changes no result (:func:`numbafa.config.q_chunks`).
+        so the split changes no result (:func:`numbafa.schedule.q_chunks`).
     out_o : float32 ``[bs, nheads, d_head, seqlen_q]`` (values of the output dtype)
     out_lse : float32 ``[bs, nheads, seqlen_q]``
     """

@@ -20,7 +20,7 @@ import numpy as np
 import scipy.linalg.cython_blas  # noqa: F401  -- the BLAS behind numba_xxgemm must be importable
 from numba.core import types
 
-from ..config import jit
+from ..jit import jit
 
 __all__ = ["gemm"]
 

@@ -1,0 +1,27 @@
+"""The tiling follows the Neuron kernel's setup_config rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from numbafa import tiling
+
+
+@pytest.mark.parametrize("d_head,d_tile,n_tiles,section", [
+    (64, 64, 1, 8192), (96, 96, 1, 8192), (128, 128, 1, 8192), (200, 100, 2, 4096),
+    (256, 128, 2, 4096), (384, 128, 3, 2048), (512, 128, 4, 2048), (1024, 128, 8, 1024)])
+def test_setup_config_head_dim_tiling(d_head, d_tile, n_tiles, section):
+    cfg = tiling.setup_config(4096, 4096, d_head)
+    assert (cfg.d_tile, cfg.d_n_tiles, cfg.section_len) == (d_tile, n_tiles, section)
+
+
+def test_setup_config_small_and_ragged():
+    cfg = tiling.setup_config(97, 300, 64)
+    assert cfg.k_tile == 300 and cfg.q_n_tiles == 1 and cfg.n_sections == 1
+    assert tiling.setup_config(1025, 9000, 64).n_sections == 2
+    with pytest.raises(ValueError, match="seqlen_k should be >= 1, got 0"):
+        tiling.setup_config(1, 0, 64)
+
+
+def test_power_of_2():
+    assert [tiling.power_of_2(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
