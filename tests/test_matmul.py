@@ -1,34 +1,64 @@
-"""numbafa.kernels.gemm: sgemm with alpha, beta and transposes on row-major tiles."""
+"""numbafa.kernels.matmul: the one matmul seam (sgemm, dgemm, gemv) on row-major tiles."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from numbafa.kernels.gemm import gemm
+from numba.core.errors import TypingError
+
+from numbafa.jit import jit
+from numbafa.kernels.matmul import matmul
 
 
-def _operand(rng, shape, transposed):
-    return rng.standard_normal(shape[::-1] if transposed else shape).astype(np.float32)
+@jit()
+def gemm(a, b, c, trans_a, trans_b, alpha, beta):
+    """The seam is only callable from njit code; this is the tests' way in."""
+    matmul(a, b, c, trans_a, trans_b, alpha, beta)
+
+
+def _operand(rng, shape, transposed, dtype=np.float32):
+    return rng.standard_normal(shape[::-1] if transposed else shape).astype(dtype)
 
 
 @pytest.mark.parametrize("trans_a", [False, True])
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("alpha, beta", [(1.0, 0.0), (1.0, 1.0), (0.375, 1.0), (-2.0, 0.5)])
-def test_matches_float64_product(trans_a, trans_b, alpha, beta):
+@pytest.mark.parametrize("dtype, atol", [(np.float32, 1e-4), (np.float64, 1e-12)])
+def test_matches_float64_product(trans_a, trans_b, alpha, beta, dtype, atol):
     rng = np.random.default_rng(0)
     m, n, k = 37, 29, 53
-    a = _operand(rng, (m, k), trans_a)
-    b = _operand(rng, (k, n), trans_b)
-    c = rng.standard_normal((m, n)).astype(np.float32)
+    a = _operand(rng, (m, k), trans_a, dtype)
+    b = _operand(rng, (k, n), trans_b, dtype)
+    c = rng.standard_normal((m, n)).astype(dtype)
     if beta == 0.0:
         c[:] = np.nan  # beta = 0 must not read c
     expected = alpha * ((a.T if trans_a else a).astype(np.float64) @ (b.T if trans_b else b))
     if beta != 0.0:
         expected += beta * c
-    gemm(a, b, c, trans_a, trans_b, np.float32(alpha), np.float32(beta))
-    # float32 accumulation over k = 53 terms of size ~1: error << 1e-4 of the result's scale.
-    np.testing.assert_allclose(c, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+    gemm(a, b, c, trans_a, trans_b, dtype(alpha), dtype(beta))
+    # Accumulation over k = 53 terms of size ~1: float32 error << 1e-4 of the result's
+    # scale (53 * 2^-24 * |terms| ~ 1e-5), float64 << 1e-12.
+    np.testing.assert_allclose(c, expected, rtol=0, atol=atol * np.abs(expected).max())
+
+
+def test_matrix_vector_product_is_np_dot():
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((31, 45)).astype(np.float32)
+    b = rng.standard_normal(45).astype(np.float32)
+    c = np.full(31, np.nan, np.float32)
+    gemm(a, b, c, False, False, np.float32(1.0), np.float32(0.0))
+    np.testing.assert_array_equal(c, np.dot(a, b))
+    with pytest.raises(ValueError, match="matrix-vector"):
+        gemm(a, b, c, False, False, np.float32(1.0), np.float32(1.0))
+
+
+def test_unsupported_operand_types_do_not_compile():
+    x16 = np.ones((2, 2), np.float16)
+    x32 = np.ones((2, 2), np.float32)
+    for a, b, c in ((x16, x16, x16), (x32, x32, x32.astype(np.float64))):
+        with pytest.raises(TypingError):
+            gemm(a, b, c, False, False, 1.0, 0.0)
 
 
 def test_views_with_row_strides_and_offsets_touch_only_their_elements():

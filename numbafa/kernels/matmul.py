@@ -1,0 +1,168 @@
+"""The matmul seam: every product of both kernels goes through :func:`matmul`.
+
+    matmul(a, b, c, trans_a, trans_b, alpha, beta)   # c = alpha * op(a) @ op(b) + beta * c
+
+The implementation is chosen when a kernel is compiled, from the operand
+types, so a new backend or dtype is one more branch of :func:`_matmul_impl`
+and no call site changes:
+
+* 2-D float32 ``a``, ``b``, ``c``: BLAS ``sgemm`` (float32 tiles, and
+  bf16 values widened into float32 tiles: a bf16 x bf16 product is exact in
+  float32, so this is "bf16 in, fp32 accumulate").
+* 2-D float64: BLAS ``dgemm``.
+* 2-D float32 ``a`` and 1-D ``b``, ``c``: a matrix-vector product
+  (``np.dot``, BLAS ``sgemv``), ``alpha = 1``, ``beta = 0`` only.
+
+Why not ``np.dot`` for everything: inside ``@njit`` it always writes
+``C = A B`` (``beta = 0``) and copies an operand that is not contiguous.
+The kernels want more of BLAS: accumulate into an existing tile (``beta =
+1``, so no separate ``C += T`` pass over memory), scale the product
+(``alpha``), and read a transposed operand where it lies.
+
+The GEMMs call Numba's C helper ``numba_xxgemm``, which forwards to SciPy's
+``cython_blas`` (OpenBLAS in SciPy's wheels) -- the BLAS ``np.dot`` uses.
+The helper is a symbol of Numba's own runtime, bound by name when a kernel
+is linked, so the kernels stay cacheable (a ctypes function pointer would
+not be), and the BLAS is pinned to one thread like ``np.dot``'s
+(:mod:`numbafa.blas`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.linalg.cython_blas  # noqa: F401  -- the BLAS behind numba_xxgemm must be importable
+from numba import types
+from numba.extending import overload
+
+from ..jit import jit
+
+__all__ = ["matmul"]
+
+
+def _xxgemm(dtype):
+    """``int numba_xxgemm(char kind, char transa, char transb, intp m, intp n, intp k,
+    T *alpha, T *a, intp lda, T *b, intp ldb, T *beta, T *c, intp ldc)``
+    (numba/_lapack.c; Fortran, column-major semantics) for ``T = dtype``."""
+    ptr = types.CPointer(dtype)
+    return types.ExternalFunction(
+        "numba_xxgemm",
+        types.intc(types.char, types.char, types.char, types.intp, types.intp, types.intp,
+                   ptr, ptr, types.intp, ptr, types.intp, ptr, ptr, types.intp))
+
+
+_sgemm_fn = _xxgemm(types.float32)
+_dgemm_fn = _xxgemm(types.float64)
+_KIND_S = ord("s")
+_KIND_D = ord("d")
+_NO_TRANS = ord("n")
+_TRANS = ord("t")
+
+
+@jit()
+def _check_operands(a, b, c, trans_a, trans_b):
+    """``(m, n, k)`` of ``op(a) @ op(b)`` into ``c``; raises on a shape or stride mismatch.
+
+    Every array must be row-major with unit inner stride (rows may be
+    strided: slices of a larger tile are fine).
+    """
+    m = c.shape[0]
+    n = c.shape[1]
+    k = a.shape[0] if trans_a else a.shape[1]
+    a_rows = a.shape[1] if trans_a else a.shape[0]
+    b_rows = b.shape[1] if trans_b else b.shape[0]
+    b_cols = b.shape[0] if trans_b else b.shape[1]
+    if a_rows != m or b_rows != k or b_cols != n:
+        raise ValueError("matmul: operand shapes do not match")
+    item = c.itemsize
+    if a.strides[1] != item or b.strides[1] != item or c.strides[1] != item:
+        if min(m, n, k) > 0:
+            raise ValueError("matmul: operands need a unit inner stride")
+    return m, n, k
+
+
+@jit()
+def _leading_dim(x):
+    """Row stride of a 2-D array with unit inner stride, in elements (BLAS ``ld``)."""
+    return max(x.strides[0] // x.itemsize, x.shape[1], 1)
+
+
+@jit()
+def _sgemm(a, b, c, trans_a, trans_b, alpha, beta):
+    """float32 ``c = alpha op(a) op(b) + beta c`` by BLAS sgemm.
+
+    Row-major ``C = op(A) op(B)`` is column-major ``C^T = op(B)^T op(A)^T``:
+    the operands are passed to the Fortran routine swapped, with the same
+    transpose flags. With ``beta = 0``, ``c`` need not be initialised.
+    """
+    m, n, k = _check_operands(a, b, c, trans_a, trans_b)
+    scal = np.empty(2, dtype=np.float32)
+    scal[0] = alpha
+    scal[1] = beta
+    status = _sgemm_fn(_KIND_S, _TRANS if trans_b else _NO_TRANS, _TRANS if trans_a else _NO_TRANS,
+                       n, m, k, scal[0:1].ctypes, b.ctypes, _leading_dim(b),
+                       a.ctypes, _leading_dim(a), scal[1:2].ctypes, c.ctypes, _leading_dim(c))
+    if status != 0:
+        raise RuntimeError("matmul: SciPy's BLAS sgemm could not be loaded")
+
+
+@jit()
+def _dgemm(a, b, c, trans_a, trans_b, alpha, beta):
+    """float64 ``c = alpha op(a) op(b) + beta c`` by BLAS dgemm (as :func:`_sgemm`)."""
+    m, n, k = _check_operands(a, b, c, trans_a, trans_b)
+    scal = np.empty(2, dtype=np.float64)
+    scal[0] = alpha
+    scal[1] = beta
+    status = _dgemm_fn(_KIND_D, _TRANS if trans_b else _NO_TRANS, _TRANS if trans_a else _NO_TRANS,
+                       n, m, k, scal[0:1].ctypes, b.ctypes, _leading_dim(b),
+                       a.ctypes, _leading_dim(a), scal[1:2].ctypes, c.ctypes, _leading_dim(c))
+    if status != 0:
+        raise RuntimeError("matmul: SciPy's BLAS dgemm could not be loaded")
+
+
+@jit()
+def _gemv(a, b, c, trans_a, trans_b, alpha, beta):
+    """``c = a @ b`` for 2-D ``a`` and 1-D ``b``, ``c`` (``np.dot``: BLAS gemv)."""
+    if trans_a or trans_b or alpha != 1 or beta != 0:
+        raise ValueError("matmul: a matrix-vector product takes no transposes, alpha=1, beta=0")
+    np.dot(a, b, c)
+
+
+def matmul(a, b, c, trans_a, trans_b, alpha, beta):  # pragma: no cover - replaced inside njit code
+    """``c = alpha * op(a) @ op(b) + beta * c`` in place; ``op(x)`` is ``x.T`` when its flag is set.
+
+    Parameters
+    ----------
+    a, b : 2-D arrays (``b`` may be 1-D for a matrix-vector product)
+    c : 2-D array ``[m, n]`` (1-D ``[m]`` for a matrix-vector product), written in place
+    trans_a, trans_b : bool
+    alpha, beta : scalars of the operands' dtype
+
+    Only callable from ``@njit`` code; the implementation follows the
+    operand types (module docstring). Raises ``ValueError`` on mismatched
+    shapes or a non-unit inner stride.
+    """
+    raise NotImplementedError("matmul is only callable from @njit code")
+
+
+def _matmul_impl(a, b, c):
+    """The implementation for these operand types, or None (a typing error)."""
+    if not all(isinstance(x, types.Array) for x in (a, b, c)):
+        return None
+    dtypes = {a.dtype, b.dtype, c.dtype}
+    if a.ndim == 2 and b.ndim == 1 and c.ndim == 1 and dtypes == {types.float32}:
+        return _gemv
+    if a.ndim != 2 or b.ndim != 2 or c.ndim != 2 or len(dtypes) != 1:
+        return None
+    if dtypes == {types.float32}:
+        return _sgemm
+    if dtypes == {types.float64}:
+        return _dgemm
+    return None
+
+
+@overload(matmul)
+def _matmul_overload(a, b, c, trans_a, trans_b, alpha, beta):
+    impl = _matmul_impl(a, b, c)
+    if impl is None:
+        return None
+    return lambda a, b, c, trans_a, trans_b, alpha, beta: impl(a, b, c, trans_a, trans_b, alpha, beta)
