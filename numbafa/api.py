@@ -6,11 +6,10 @@ import numpy as np
 
 from .blas import single_threaded_blas
 from .dtypes import to_bf16_array
-from .schedule import q_chunks
-from .tiling import Q_TILE, setup_config
 from .kernels.backward import flash_attn_bwd
-from .kernels.common import clamp_packing_bounds
+from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, make_plan
 from .kernels.forward import flash_attn_fwd
+from .tiling import Q_TILE
 from .layout import lse_to_neuron
 from .validation import validate_bwd_inputs, validate_fwd_inputs
 
@@ -22,10 +21,6 @@ _LSE_LAYOUTS = ("neuron", "natural")
 def _to_dtype(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Kernel float32 output -> the caller's dtype (bf16 values are already rounded)."""
     return x if dtype == np.float32 else to_bf16_array(x)
-
-
-def _clamped_bounds(prob):
-    return clamp_packing_bounds(prob.bound_min, prob.bound_max, prob.use_causal_mask, prob.window)
 
 
 def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None,
@@ -71,16 +66,11 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     if lse_layout == "neuron" and seqlen_q % Q_TILE:
         raise ValueError(f"lse_layout='neuron' needs seqlen_q divisible by {Q_TILE}, got "
                          f"seqlen_q={seqlen_q}; use lse_layout='natural'")
-    cfg = setup_config(max(seqlen_q, 1), max(prob.k.shape[3], 1), d_head)
-    bound_min32, bound_max32 = _clamped_bounds(prob)
+    plan = make_plan(prob, backward=False)
     o = np.empty((bs, nheads, d_head, seqlen_q), dtype=np.float32)
     lse = np.empty((bs, nheads, seqlen_q), dtype=np.float32)
     with single_threaded_blas():
-        flash_attn_fwd(prob.q, prob.k, prob.v, prob.sinks, bound_min32, bound_max32,
-                       prob.use_packing, prob.use_causal_mask, prob.window,
-                       np.float32(prob.softmax_scale), prob.is_bf16,
-                       prob.is_bf16 and not prob.mixed_precision, cfg.q_tile, cfg.k_tile,
-                       cfg.q_tile_group, q_chunks(bs * prob.k.shape[1], seqlen_q, False), o, lse)
+        flash_attn_fwd(FwdInputs(prob.q, prob.k, prob.v, prob.sinks), FwdOutputs(o, lse), plan)
     return _to_dtype(o, prob.dtype), (lse_to_neuron(lse) if lse_layout == "neuron" else lse)
 
 
@@ -152,26 +142,18 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                                sliding_window)
     bs, nheads, d_head, seqlen_q = prob.q.shape
     nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
-    # Zero-length sequences run the same kernel with empty loops.
-    cfg = setup_config(max(seqlen_q, 1), max(seqlen_k, 1), d_head)
-    bound_min32, bound_max32 = _clamped_bounds(prob)
-    round_kernel = prob.is_bf16
-    round_mixed = prob.is_bf16 and not prob.mixed_precision
-
+    plan = make_plan(prob, backward=True)
+    n_chunks = plan.tiling.q_chunks
     dq = np.empty((bs, nheads, d_head, seqlen_q), dtype=np.float32)
     dk = np.empty((bs, nheads_kv, d_head, seqlen_k), dtype=np.float32)
     dv = np.empty_like(dk)
     dsinks = np.empty(prob.sinks.shape, dtype=np.float32)
-    n_chunks = q_chunks(bs * nheads_kv, seqlen_q, round_mixed)
     part_shape = (bs * nheads_kv, n_chunks - 1, d_head, seqlen_k) if n_chunks > 1 else (1, 1, d_head, 0)
-    part_dk = np.empty(part_shape, dtype=np.float32)
-    part_dv = np.empty(part_shape, dtype=np.float32)
+    outs = BwdOutputs(dq, dk, dv, dsinks, np.empty(part_shape, dtype=np.float32),
+                      np.empty(part_shape, dtype=np.float32))
+    ins = BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks)
     with single_threaded_blas():
-        flash_attn_bwd(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks,
-                       bound_min32, bound_max32, prob.use_packing, prob.use_causal_mask,
-                       prob.window, np.float32(prob.softmax_scale), round_kernel, round_mixed,
-                       cfg.q_tile, cfg.k_tile, cfg.k_sub_tile, cfg.q_tile_group, cfg.d_tile,
-                       cfg.section_len, n_chunks, dq, dk, dv, dsinks, part_dk, part_dv)
+        flash_attn_bwd(ins, outs, plan)
 
     grads = (_to_dtype(dq, prob.dtype), _to_dtype(dk, prob.dtype), _to_dtype(dv, prob.dtype))
     if prob.sinks_shape is None:

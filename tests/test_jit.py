@@ -53,3 +53,17 @@ def test_stale_cache_is_cleared_when_any_source_changes(tmp_path):
     (pkg / "a.py").write_text("x = 2\n")                 # another module's source changed
     assert jit_policy.invalidate_stale_cache(pkg)
     assert not cached.exists()
+
+
+def test_kernel_functions_stay_small():
+    """Kernels take bundles, not dozens of loose arguments, and no function grows past a screen
+    (docs/architecture.md): at most 10 parameters and 80 lines, docstring included."""
+    offenders = []
+    for path in (PACKAGE / "kernels").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                n_args = len(node.args.args)
+                n_lines = node.end_lineno - node.lineno + 1
+                if n_args > 10 or n_lines > 80:
+                    offenders.append(f"{path.name}:{node.name}: {n_args} parameters, {n_lines} lines")
+    assert not offenders, offenders

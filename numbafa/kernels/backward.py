@@ -1,7 +1,7 @@
 """The flash-attention backward kernel: a CPU twin of Neuron's ``attention_bwd``.
 
-Pseudocode of the Neuron kernel (seed, ``attention_bwd.py:113-139``), which
-the helpers below cite by step number::
+Pseudocode of the Neuron kernel (upstream ``nkilib/core/attention/attention_bwd.py``
+lines 113-139), which the helpers below cite by step number::
 
     D      = rowsum(dO * O)                  # Step 1
     S      = Q_scaled^T K                    # Step 2.1-2.2 (scale folded into Q)
@@ -13,75 +13,110 @@ the helpers below cite by step number::
     dQ    += (dS K) * softmax_scale          # Step 5.1
     dK    += Q_scaled^T dS                   # Step 5.2
 
-Loop nest (seed, ``flash_attn_bwd``): ``prange`` over ``bs * nheads_kv`` work
-units; per unit, KV sections outer (dK/dV section accumulators summed over
-every q-head of the GQA group), q-heads, Q-tile groups of 4 x 128 rows (dQ
-zeroed on the first section, reloaded from the output on later ones, D
-computed on the first section only), then the K tiles of the section. With an
-odd number of work units (fewer than 9) each unit is split into two items
-that own alternate (zigzag) Q groups, each with a private float32 dK/dV
-partial summed in a fixed order afterwards (:func:`numbafa.schedule.q_chunks`).
+Shape of the code, as upstream splits ``flash_attn_bwd`` from
+``_flash_attn_bwd_core``: the schedule is in one place, the math in another.
+
+* :func:`flash_attn_bwd` -- ``prange`` over work items (:mod:`.loops`), then
+  the fixed-order sum of split units' dK/dV partials and the sink gradients;
+* :func:`bwd_work_item` -- KV sections (dK/dV section accumulators summed
+  over every q-head of the GQA group) -> q-heads -> the item's Q groups;
+* :func:`bwd_q_group` -- one Q group of 4 x 128 rows: dQ zeroed on the
+  first section and reloaded from the output on later ones (the HBM round
+  trip), Q scaled at load, D on the first section only, then the K tiles;
+* :func:`_flash_attn_bwd_core` -- one (Q group, K tile) pair: tile
+  skipping, then per block :func:`recompute_p_ds` (Steps 2-4) and
+  :func:`update_gradients` (Steps 3.1, 5.1, 5.2).
 
 CPU layout. The Neuron tensors are ``[d_head, seq]`` and stay so: K, V and
 dO are used in place (float32 inputs; bf16 bits are widened once per section
 or Q group), Q_scaled is written ``[d_head, rows]`` at load, and BLAS reads
 whichever operand it needs transposed. The accumulators are ``[seq, d_head]``
 (dQ^T, dK^T, dV^T), stored transposed into the outputs. The score-shaped
-tiles of one (Q group, K tile) pair are kept as ``[keys, queries]`` (S^T, P^T,
-dP^T, dS^T), so every matmul is one BLAS call and no tile is ever transposed
-by copying:
+tiles of one block are kept as ``[keys, queries]`` (S^T, P^T, dP^T, dS^T),
+so every product is one call of the matmul seam
+(:func:`numbafa.kernels.matmul.matmul`) and no tile is transposed by copying:
 
 * ``S^T  = K^T Q_scaled``          ``dP^T = V^T dO``
 * ``dV^T += P^T dO^T``             ``dK^T += dS^T Q_scaled^T``
-* ``dQ^T += (dS^T)^T K^T * scale`` (the Neuron kernel's sum over transposed
-  128-key sub-tiles, accumulated in one fp32 PSUM, is one fp32 BLAS contraction).
+* ``dQ^T += (dS^T)^T K^T * scale`` (upstream sums transposed 128-key
+  sub-tiles into one fp32 PSUM; that is one fp32 contraction here).
 
-BLAS calls go through :func:`numbafa.kernels.gemm.gemm`, which reads a
-transposed operand in place and, for float32 accumulators, adds the product
-into the accumulator itself (``beta = 1``).
-
-Numerics (``shared/NUMERICS.md``). All arithmetic is float32. Two flags say
-where a written tile is rounded to bf16: ``round_kernel`` (inputs are bf16:
-tiles written in ``kernel_dtype``) and ``round_mixed`` (bf16 inputs and
-``mixed_precision=False``: tiles written in ``mixed_dtype``). Matmul
-products of bf16-valued float32 operands are exact, so BLAS sgemm is "bf16
-in, fp32 accumulate". The kernel writes float32 outputs whose values are
-already rounded to the output dtype; the API converts them.
+Numerics (docs/numerics.md): all arithmetic is float32; the
+:class:`~numbafa.kernels.bundles.Precision` bundle says which written tiles
+are rounded to bf16. Products of bf16-valued float32 operands are exact, so
+sgemm is "bf16 in, fp32 accumulate". The kernel writes float32 outputs whose
+values are already rounded to the output dtype; the API converts them.
 
 The kernel never validates; :mod:`numbafa.validation` does, before it runs.
 """
 
 from __future__ import annotations
 
+from collections import namedtuple
 
 import numpy as np
 from numba import prange
 
+from ..dtypes import round_to_bf16_inplace, widen, widened
 from ..jit import jit
 from ..tiling import FLOAT32_MIN
-from ..dtypes import round_to_bf16_inplace, widen, widened
-from .common import cut_by_mask, load_scaled, load_transposed, required_q_rows, round_if, store_transposed
+from .bundles import BwdInputs, BwdOutputs, Mask, Plan, Precision, Tiling
+from .common import load_scaled, load_transposed, round_if, store_transposed
 from .fastexp import expf
-from .gemm import gemm
+from .loops import decode_item, group_rows, n_q_groups, owns_group
+from .mask import cut_by_mask, queries_seeing_key, required_q_rows
+from .matmul import matmul
 
 __all__ = ["flash_attn_bwd"]
 
 _F32_MIN = np.float32(FLOAT32_MIN)
+_ONE = np.float32(1.0)
+_ZERO = np.float32(0.0)
+
+#: One KV section of a work item: its first key and length, whether it is the
+#: first section, K and V ``[d, keys]`` (float32), the dK^T/dV^T accumulators.
+KVSection = namedtuple("KVSection", ["start", "length", "first", "k", "v", "dk_acc", "dv_acc"])
+#: One q-head of a work unit: batch, q-head, its -LSE bias and D rows ``[seqlen_q]``.
+Head = namedtuple("Head", ["batch", "q_head", "neg_lse", "d_sum"])
+#: One loaded Q group: first row, rows, Q_scaled ``[d, rows]``, dO ``[d, rows]``,
+#: the dQ^T accumulator ``[rows, d]`` and the head's -LSE and D rows.
+QGroup = namedtuple("QGroup", ["start", "rows", "q_s", "dy", "dq_t", "neg_lse", "d_sum"])
+#: A block of a K tile: keys ``k0:k0+n_k`` (section-relative), Q rows ``r0:r1`` (group-relative).
+Block = namedtuple("Block", ["k0", "n_k", "r0", "r1"])
+#: Per-item scratch, sized for the largest tiles.
+Scratch = namedtuple("Scratch", ["q_s", "dq_t", "s_t", "dp_t", "kd_psum", "dq_psum", "dk_acc", "dv_acc"])
 
 
 @jit()
-def compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum, round_kernel, round_mixed):
+def load_neg_lse(lse, unit, nheads_kv, round_mixed, out):
+    """The -LSE bias of every q-head of a unit, written in mixed_dtype (upstream 1149-1160).
+
+    ``out[r, i] = -lse[b, h_kv * n_rep + r, i]``.
+    """
+    n_rep, seqlen_q = out.shape
+    b = unit // nheads_kv
+    h0 = (unit % nheads_kv) * n_rep
+    for r in range(n_rep):
+        for i in range(seqlen_q):
+            out[r, i] = round_if(-lse[b, h0 + r, i], round_mixed)
+
+
+@jit()
+def compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum, precision):
     """Step 1: ``D = rowsum(O * dO)`` for rows ``start:start+count`` of one q-head.
 
     Each product is rounded to kernel_dtype, each head-dim tile's partial sum
-    to mixed_dtype, and so is their total (seed ``compute_rowsum_single_tile``
-    and ``flash_attn_bwd:1264-1270``). Writes ``d_sum[start:start+count]``.
+    to mixed_dtype, and so is their total (upstream
+    ``compute_rowsum_single_tile`` and lines 1264-1270). Writes
+    ``d_sum[start:start+count]``.
     """
     d_head = o_h.shape[0]
+    round_kernel = precision.round_kernel
+    round_mixed = precision.round_mixed
     total = np.zeros(count, dtype=np.float32)
     partial = np.empty(count, dtype=np.float32)
     for d0 in range(0, d_head, d_tile):
-        partial[:] = np.float32(0.0)
+        partial[:] = _ZERO
         for i_d in range(d0, min(d0 + d_tile, d_head)):
             o_row = o_h[i_d]
             dy_row = dy_h[i_d]
@@ -95,13 +130,17 @@ def compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum, round_kernel, round_m
 
 
 @jit()
-def _softmax_backward_row(s, dp, neg_lse, d_sum, k_f, use_packing, bound_min, bound_max,
-                          round_kernel):
-    """One key row of Steps 2.3-4 over contiguous query slices (vectorised loops)."""
+def _softmax_backward_row(s, dp, neg_lse, d_sum, k_abs, key_lo, key_hi, use_packing, round_kernel):
+    """One key row of Steps 2.3-4 over contiguous query slices (vectorised loops).
+
+    With packing, query ``i`` sees the key only if ``key_lo[i] <= k_abs <
+    key_hi[i]`` (upstream ``range_select``); a masked score is the float32
+    minimum, whose exp is exactly 0.
+    """
     for i in range(s.size):
         x = s[i]
         if use_packing:
-            x = _F32_MIN if (k_f < bound_min[i]) | (k_f >= bound_max[i]) else x
+            x = _F32_MIN if (k_abs < key_lo[i]) | (k_abs >= key_hi[i]) else x
         s[i] = expf(x + neg_lse[i])
     if round_kernel:
         round_to_bf16_inplace(s)
@@ -112,44 +151,41 @@ def _softmax_backward_row(s, dp, neg_lse, d_sum, k_f, use_packing, bound_min, bo
 
 
 @jit()
-def recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, neg_lse, d_sum, use_packing,
-                               bound_min, bound_max, use_causal_mask, window, round_kernel):
+def recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, qg, plan):
     """Steps 2.3, 2.4 and 4 on one ``[keys, queries]`` tile, in place.
 
-    On entry ``s_t = S^T`` and ``dp_t = dP^T``; on exit ``s_t = P^T`` and
-    ``dp_t = dS^T``, both rounded to kernel_dtype:
+    On entry ``s_t = S^T`` and ``dp_t = dP^T`` for keys ``k_abs0..`` and
+    queries ``q_abs0..``; on exit ``s_t = P^T`` and ``dp_t = dS^T``, both
+    rounded to kernel_dtype:
 
-    * mask: packing keeps ``bound_min[q] <= k < bound_max[q]`` (one
-      ``range_select``), else causal keeps ``k <= q`` and a window ``w``
-      keeps ``k >= q - w + 1`` (two ``affine_select``). A masked score is
-      the float32 minimum, whose exp is exactly 0; for causal/window the
-      masked queries of a key row form a prefix and a suffix, written as 0
-      directly (the same P and dS) so the exp loop runs on the visible part;
+    * mask (:mod:`numbafa.kernels.mask`): without packing the queries that
+      see a key are contiguous, and the others (a prefix and a suffix of the
+      key row) are written as 0 directly -- the same P and dS as a masked
+      exp -- so the exp runs on the visible part only; with packing each
+      element is compared with its query's key range;
     * ``P = exp(S + (-LSE))``: one exp, no max subtraction, no division;
     * ``dS = (dP - D) * P``: the fused op, in this operand order, with the
       rounded P.
     """
+    mask = plan.mask
     n_k, n_q = s_t.shape
-    zero = np.float32(0.0)
     for j in range(n_k):
         k_abs = k_abs0 + j
         lo = 0
         hi = n_q
-        if use_causal_mask and not use_packing:
-            lo = min(max(k_abs - q_abs0, 0), n_q)              # queries before the key
-            if window > 0:                                     # queries past k + w - 1
-                hi = min(max(k_abs + window - q_abs0, lo), n_q)
+        if not mask.use_packing:
+            lo, hi = queries_seeing_key(mask, k_abs, q_abs0, n_q)
         s_row = s_t[j]
         dp_row = dp_t[j]
-        s_row[:lo] = zero
-        dp_row[:lo] = zero
-        s_row[hi:] = zero
-        dp_row[hi:] = zero
+        s_row[:lo] = _ZERO
+        dp_row[:lo] = _ZERO
+        s_row[hi:] = _ZERO
+        dp_row[hi:] = _ZERO
         q0 = q_abs0 + lo
         q1 = q_abs0 + hi
-        _softmax_backward_row(s_row[lo:hi], dp_row[lo:hi], neg_lse[q0:q1], d_sum[q0:q1],
-                              np.float32(k_abs), use_packing, bound_min[q0:q1],
-                              bound_max[q0:q1], round_kernel)
+        _softmax_backward_row(s_row[lo:hi], dp_row[lo:hi], qg.neg_lse[q0:q1], qg.d_sum[q0:q1], k_abs,
+                              mask.key_lo[q0:q1], mask.key_hi[q0:q1], mask.use_packing,
+                              plan.precision.round_kernel)
 
 
 @jit()
@@ -157,7 +193,7 @@ def accumulate(acc, psum, scale, round_mixed):
     """``acc = psum * scale + acc`` written in mixed_dtype (one fused op)."""
     a = acc.reshape(-1)
     p = psum.reshape(-1)
-    if scale == np.float32(1.0):
+    if scale == _ONE:
         for i in range(a.size):
             a[i] = round_if(a[i] + p[i], round_mixed)
     else:
@@ -166,27 +202,197 @@ def accumulate(acc, psum, scale, round_mixed):
 
 
 @jit()
-def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, round_mixed):
-    """``dsinks = -sum_q p_sink * D`` for one q-head (seed ``flash_attn_bwd:1355-1405``).
+def recompute_p_ds(plan, sec, qg, blk, scratch):
+    """Steps 2-4 of one block: returns ``(P^T, dS^T)``, ``[keys, queries]`` views of scratch.
 
-    ``p_sink = exp(sink + (-LSE))`` in mixed_dtype; the per-partition
-    accumulator (one per row of a Q tile) does ``acc = acc - p_sink * D`` in
-    mixed_dtype over the Q tiles, then the partitions are summed in float32.
+    Step 2.1 ``S^T = K^T Q_s`` and Step 3.2 ``dP^T = V^T dO`` (fp32 PSUM),
+    then :func:`recompute_softmax_backward` turns them into P^T and dS^T.
     """
-    seqlen_q = neg_lse.size
-    out = np.zeros(sinks_h.size, dtype=np.float32)
-    acc = np.empty(q_tile, dtype=np.float32)
-    for i_sink in range(sinks_h.size):
-        acc[:] = np.float32(0.0)
-        for q0 in range(0, seqlen_q, q_tile):
-            for p in range(min(q_tile, seqlen_q - q0)):
-                p_sink = round_if(expf(sinks_h[i_sink] + neg_lse[q0 + p]), round_mixed)
-                acc[p] = round_if(acc[p] - p_sink * d_sum[q0 + p], round_mixed)
-        total = np.float32(0.0)
-        for p in range(q_tile):
-            total += acc[p]
-        out[i_sink] = total
-    return out
+    n_q = blk.r1 - blk.r0
+    s_t = scratch.s_t[:blk.n_k * n_q].reshape(blk.n_k, n_q)
+    dp_t = scratch.dp_t[:blk.n_k * n_q].reshape(blk.n_k, n_q)
+    keys = slice(blk.k0, blk.k0 + blk.n_k)
+    matmul(sec.k[:, keys], qg.q_s[:, blk.r0:blk.r1], s_t, True, False, _ONE, _ZERO)
+    matmul(sec.v[:, keys], qg.dy[:, blk.r0:blk.r1], dp_t, True, False, _ONE, _ZERO)
+    recompute_softmax_backward(s_t, dp_t, sec.start + blk.k0, qg.start + blk.r0, qg, plan)
+    return s_t, dp_t
+
+
+@jit()
+def update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum, cut, scratch):
+    """Steps 5.1, 3.1 and 5.2 of one block.
+
+    Step 5.1, ``dQ += (dS K) * scale``: upstream contracts over transposed
+    128-key sub-tiles (``tiling.K_SUB_TILE``) summed in one fp32 PSUM; a BLAS
+    call over dS^T and K^T is that sum. float32 inputs add the scaled product
+    into dQ directly (``beta = 1``); bf16 inputs (``dq_via_psum``) sum the
+    blocks of the K tile into ``dq_psum`` (this block's rows of it), which
+    :func:`_flash_attn_bwd_core` adds once. Steps 3.1 ``dV += P^T dO`` and
+    5.2 ``dK += Q_s^T dS`` go into the section accumulators (GQA-reduced);
+    bf16 accumulators take their one rounded addition from a PSUM tile.
+    """
+    prec = plan.precision
+    keys = slice(blk.k0, blk.k0 + blk.n_k)
+    k_cols = sec.k[:, keys]
+    q_cols = qg.q_s[:, blk.r0:blk.r1]
+    dy_cols = qg.dy[:, blk.r0:blk.r1]
+    if prec.dq_via_psum:
+        matmul(ds_t, k_cols, dq_psum, True, True, _ONE, _ONE if cut else _ZERO)
+    else:
+        matmul(ds_t, k_cols, qg.dq_t[blk.r0:blk.r1], True, True, plan.softmax_scale, _ONE)
+    if prec.round_mixed:
+        d_head = k_cols.shape[0]
+        kd_psum = scratch.kd_psum[:blk.n_k * d_head].reshape(blk.n_k, d_head)
+        matmul(p_t, dy_cols, kd_psum, False, True, _ONE, _ZERO)
+        accumulate(sec.dv_acc[keys], kd_psum, _ONE, True)
+        matmul(ds_t, q_cols, kd_psum, False, True, _ONE, _ZERO)
+        accumulate(sec.dk_acc[keys], kd_psum, _ONE, True)
+    else:
+        matmul(p_t, dy_cols, sec.dv_acc[keys], False, True, _ONE, _ONE)
+        matmul(ds_t, q_cols, sec.dk_acc[keys], False, True, _ONE, _ONE)
+
+
+@jit()
+def _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch):
+    """Everything one (Q group, K tile) pair does (upstream ``_flash_attn_bwd_core``).
+
+    Q tiles the static mask rules out are skipped (``get_required_tiles_mask``).
+    A tile the causal diagonal (or a window edge) cuts through is computed in
+    128-key blocks, each on the Q tiles it needs only. Numerics are
+    unchanged: dV/dK rows still take one addition per K tile, and dQ's fp32
+    PSUM still sums the whole K tile before its one addition.
+    """
+    tiling = plan.tiling
+    mask = plan.mask
+    n_k = min(tiling.k_tile, sec.length - k_tile0)
+    k_abs0 = sec.start + k_tile0
+    t0, t1 = required_q_rows(mask, qg.start, qg.rows, tiling.q_tile, k_abs0, k_abs0 + n_k - 1)
+    if t0 >= t1:
+        return
+    cut = cut_by_mask(mask, k_abs0 + n_k - 1, qg.start + t0)
+    sub = min(tiling.k_sub_tile, n_k) if cut else n_k
+    d_head = qg.q_s.shape[0]
+    dq_psum = scratch.dq_psum[:(t1 - t0) * d_head].reshape(t1 - t0, d_head)
+    if plan.precision.dq_via_psum and cut:
+        dq_psum[:] = _ZERO
+    for kb0 in range(k_tile0, k_tile0 + n_k, sub):
+        n_kb = min(sub, k_tile0 + n_k - kb0)
+        r0, r1 = t0, t1
+        if sub < n_k:
+            kb_abs = sec.start + kb0
+            r0, r1 = required_q_rows(mask, qg.start, qg.rows, tiling.q_tile, kb_abs, kb_abs + n_kb - 1)
+            if r0 >= r1:
+                continue
+        blk = Block(kb0, n_kb, r0, r1)
+        p_t, ds_t = recompute_p_ds(plan, sec, qg, blk, scratch)
+        update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum[r0 - t0:r1 - t0], cut, scratch)
+    if plan.precision.dq_via_psum:  # dQ += PSUM * scale, one (rounded) addition per K tile
+        accumulate(qg.dq_t[t0:t1], dq_psum, plan.softmax_scale, plan.precision.round_mixed)
+
+
+@jit()
+def bwd_q_group(ins, outs, plan, sec, head, i_group, scratch):
+    """One Q group of one q-head against one KV section (upstream 1184-1335).
+
+    dQ is zeroed on the first section and reloaded from the output on later
+    ones (it round-trips through the output between sections); Q is scaled
+    at load; D is computed on the first section only; then every K tile of
+    the section runs :func:`_flash_attn_bwd_core`, and dQ is written back.
+    """
+    prec = plan.precision
+    q_h = ins.q[head.batch, head.q_head]
+    dq_h = outs.dq[head.batch, head.q_head]
+    q_grp0, rows = group_rows(i_group, q_h.shape[1], plan.tiling)
+    dq_t = scratch.dq_t
+    if sec.first:
+        dq_t[:rows] = _ZERO
+    else:
+        load_transposed(dq_h, q_grp0, rows, dq_t, _ONE, False)
+    load_scaled(q_h, q_grp0, rows, scratch.q_s, plan.softmax_scale, prec.round_kernel)
+    dy_h = ins.dy[head.batch, head.q_head]
+    dy_n = widened(dy_h[:, q_grp0:q_grp0 + rows])
+    if sec.first:
+        compute_rowsum(ins.o[head.batch, head.q_head], dy_h, q_grp0, rows, plan.tiling.d_tile,
+                       head.d_sum, prec)
+    qg = QGroup(q_grp0, rows, scratch.q_s, dy_n, dq_t, head.neg_lse, head.d_sum)
+    for k_tile0 in range(0, sec.length, plan.tiling.k_tile):
+        _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch)
+    store_transposed(dq_t, rows, dq_h, q_grp0, prec.round_kernel)
+
+
+@jit()
+def load_kv_section(ins, batch, kv_head, i_section, section_len, scratch):
+    """K and V of one section ``[d, keys]`` (float32: views; bf16: widened), accumulators zeroed."""
+    seqlen_k = ins.k.shape[3]
+    start = i_section * section_len
+    length = max(0, min(section_len, seqlen_k - start))
+    k_n = widened(ins.k[batch, kv_head][:, start:start + length])
+    v_n = widened(ins.v[batch, kv_head][:, start:start + length])
+    scratch.dk_acc[:] = _ZERO
+    scratch.dv_acc[:] = _ZERO
+    return KVSection(start, length, i_section == 0, k_n, v_n, scratch.dk_acc, scratch.dv_acc)
+
+
+@jit()
+def store_kv_section(outs, plan, sec, unit, chunk, batch, kv_head):
+    """Write a section's dK/dV (upstream 1340-1353).
+
+    An unsplit unit rounds them to kernel_dtype into the outputs; a split
+    unit's chunk 0 keeps its float32 partial in the (float32) outputs, the
+    other chunks in ``part_dk``/``part_dv``, summed by :func:`reduce_unit_partials`.
+    """
+    if plan.tiling.q_chunks == 1:
+        round_out = plan.precision.round_kernel
+        store_transposed(sec.dk_acc, sec.length, outs.dk[batch, kv_head], sec.start, round_out)
+        store_transposed(sec.dv_acc, sec.length, outs.dv[batch, kv_head], sec.start, round_out)
+    elif chunk == 0:
+        store_transposed(sec.dk_acc, sec.length, outs.dk[batch, kv_head], sec.start, False)
+        store_transposed(sec.dv_acc, sec.length, outs.dv[batch, kv_head], sec.start, False)
+    else:
+        store_transposed(sec.dk_acc, sec.length, outs.part_dk[unit, chunk - 1], sec.start, False)
+        store_transposed(sec.dv_acc, sec.length, outs.part_dv[unit, chunk - 1], sec.start, False)
+
+
+@jit()
+def make_scratch(d_head, seqlen_k, tiling):
+    """Per-item scratch buffers (:data:`Scratch`), sized for the largest tiles."""
+    q_rows = tiling.q_tile * tiling.q_tile_group
+    sec_cap = min(tiling.section_len, seqlen_k)
+    return Scratch(np.empty((d_head, q_rows), dtype=np.float32),
+                   np.empty((q_rows, d_head), dtype=np.float32),
+                   np.empty(tiling.k_tile * q_rows, dtype=np.float32),
+                   np.empty(tiling.k_tile * q_rows, dtype=np.float32),
+                   np.empty(tiling.k_tile * d_head, dtype=np.float32),
+                   np.empty(q_rows * d_head, dtype=np.float32),
+                   np.empty((sec_cap, d_head), dtype=np.float32),
+                   np.empty((sec_cap, d_head), dtype=np.float32))
+
+
+@jit()
+def bwd_work_item(ins, outs, plan, item, neg_lse, d_sum):
+    """The loop nest of one work item: KV sections -> q-heads -> owned Q groups (upstream 1143-1353).
+
+    ``neg_lse``/``d_sum`` are ``[n_units, n_rep, seqlen_q]``; D is filled in
+    on the first section by whichever item owns the rows.
+    """
+    tiling = plan.tiling
+    _, nheads, d_head, seqlen_q = ins.q.shape
+    nheads_kv, seqlen_k = ins.k.shape[1], ins.k.shape[3]
+    n_rep = nheads // nheads_kv
+    unit, chunk, batch, kv_head = decode_item(item, tiling.q_chunks, nheads_kv)
+    scratch = make_scratch(d_head, seqlen_k, tiling)
+    n_groups = n_q_groups(seqlen_q, tiling)
+    # A zero-length key sequence still runs one (empty) section, so that D,
+    # dQ = 0 and dsinks come from the same code path.
+    n_sections = max(1, (seqlen_k + tiling.section_len - 1) // tiling.section_len)
+    for i_section in range(n_sections):
+        sec = load_kv_section(ins, batch, kv_head, i_section, tiling.section_len, scratch)
+        for r in range(n_rep):
+            head = Head(batch, kv_head * n_rep + r, neg_lse[unit, r], d_sum[unit, r])
+            for i_group in range(n_groups):
+                if owns_group(i_group, n_groups, chunk, tiling.q_chunks):
+                    bwd_q_group(ins, outs, plan, sec, head, i_group, scratch)
+        store_kv_section(outs, plan, sec, unit, chunk, batch, kv_head)
 
 
 @jit()
@@ -201,211 +407,103 @@ def _reduce_partials(out, parts, round_out):
             out[x, j] = round_if(acc, round_out)
 
 
+@jit()
+def reduce_unit_partials(dk, dv, part_dk, part_dv, unit, nheads_kv, round_out):
+    """A split unit's dK/dV: chunk 0's partial (in the outputs) plus the others', then rounded once."""
+    batch = unit // nheads_kv
+    kv_head = unit % nheads_kv
+    _reduce_partials(dk[batch, kv_head], part_dk[unit], round_out)
+    _reduce_partials(dv[batch, kv_head], part_dv[unit], round_out)
+
+
+@jit()
+def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, round_mixed):
+    """``dsinks = -sum_q p_sink * D`` for one q-head (upstream 1355-1405).
+
+    ``p_sink = exp(sink + (-LSE))`` in mixed_dtype; the per-partition
+    accumulator (one per row of a Q tile) does ``acc = acc - p_sink * D`` in
+    mixed_dtype over the Q tiles, then the partitions are summed in float32.
+    """
+    seqlen_q = neg_lse.size
+    out = np.zeros(sinks_h.size, dtype=np.float32)
+    acc = np.empty(q_tile, dtype=np.float32)
+    for i_sink in range(sinks_h.size):
+        acc[:] = _ZERO
+        for q0 in range(0, seqlen_q, q_tile):
+            for p in range(min(q_tile, seqlen_q - q0)):
+                p_sink = round_if(expf(sinks_h[i_sink] + neg_lse[q0 + p]), round_mixed)
+                acc[p] = round_if(acc[p] - p_sink * d_sum[q0 + p], round_mixed)
+        total = _ZERO
+        for p in range(q_tile):
+            total += acc[p]
+        out[i_sink] = total
+    return out
+
+
+@jit()
+def store_unit_dsinks(sinks, out_dsinks, unit, nheads_kv, neg_lse, d_sum, q_tile, round_mixed):
+    """dsinks of every q-head of a unit (``neg_lse``/``d_sum``: the unit's ``[n_rep, seqlen_q]``)."""
+    n_rep = neg_lse.shape[0]
+    batch = unit // nheads_kv
+    for r in range(n_rep):
+        h = (unit % nheads_kv) * n_rep + r
+        dsinks = compute_dsinks(sinks[batch, h], neg_lse[r], d_sum[r], q_tile, round_mixed)
+        # Element by element: an array-to-slice assignment would make Numba
+        # compile its shape-formatting error path (~4 s of cold compile).
+        for i_sink in range(dsinks.size):
+            out_dsinks[batch, h, i_sink] = dsinks[i_sink]
+
+
 @jit(parallel=True)
-def flash_attn_bwd(q, k, v, o, dy, lse, sinks, bound_min, bound_max, use_packing,
-                   use_causal_mask, window, softmax_scale, round_kernel, round_mixed,
-                   q_tile, k_tile, k_sub_tile, q_tile_group, d_tile, section_len, q_chunks,
-                   out_dq, out_dk, out_dv, out_dsinks, part_dk, part_dv):
+def flash_attn_bwd(ins, outs, plan):
     """Flash-attention backward over all ``bs * nheads_kv`` work units.
 
     Parameters
     ----------
-    q, o, dy : float32 or uint16 (bf16 bits) ``[bs, nheads, d_head, seqlen_q]``
-    k, v : same dtype ``[bs, nheads_kv, d_head, seqlen_k]``
-    lse : float32 ``[bs, nheads, seqlen_q]`` (natural layout)
-    sinks : float32 ``[bs, nheads, num_sinks]`` (``num_sinks`` may be 0)
-    bound_min, bound_max : float32 ``[seqlen_q]``, already clamped
-        (:func:`clamp_packing_bounds`), read only when ``use_packing``
-    use_causal_mask : bool
-    window : int
-        Sliding window, already ``min(window, seqlen_k)``; 0 for none.
-    softmax_scale : float32
-    round_kernel, round_mixed : bool
-        Round kernel_dtype / mixed_dtype tiles to bf16 (see module docstring).
-    q_tile, k_tile, k_sub_tile, q_tile_group, d_tile, section_len : int
-        The tiling of :func:`numbafa.config.setup_config`.
-    q_chunks : int
-        Split each work unit's Q groups into this many parallel items (CPU
-        schedule for few work units; see :func:`numbafa.schedule.q_chunks`).
-        Each item owns its dQ rows and a private float32 dK/dV partial,
-        summed in chunk order afterwards. Must be 1 when ``round_mixed``
-        (bf16 accumulators cannot be split without changing their rounding).
-    out_dq : float32 ``[bs, nheads, d_head, seqlen_q]``
-    out_dk, out_dv : float32 ``[bs, nheads_kv, d_head, seqlen_k]``
-    out_dsinks : float32 ``[bs, nheads, num_sinks]``
-        Written in full by the kernel.
-    part_dk, part_dv : float32 ``[bs * nheads_kv, q_chunks - 1, d_head, seqlen_k]``
-        Scratch for the partials of chunks 1.. (chunk 0 keeps its partial in
-        the float32 outputs); only used when ``q_chunks > 1``.
+    ins : :data:`~numbafa.kernels.bundles.BwdInputs`
+        ``q, o, dy``: float32 or uint16 (bf16 bits) ``[bs, nheads, d_head, seqlen_q]``;
+        ``k, v``: same dtype ``[bs, nheads_kv, d_head, seqlen_k]``;
+        ``lse``: float32 ``[bs, nheads, seqlen_q]`` (natural layout);
+        ``sinks``: float32 ``[bs, nheads, num_sinks]`` (``num_sinks`` may be 0).
+    outs : :data:`~numbafa.kernels.bundles.BwdOutputs`
+        ``dq`` float32 ``[bs, nheads, d_head, seqlen_q]``; ``dk, dv`` float32
+        ``[bs, nheads_kv, d_head, seqlen_k]``; ``dsinks`` float32 ``[bs,
+        nheads, num_sinks]``, all written in full; ``part_dk, part_dv``
+        float32 ``[bs * nheads_kv, q_chunks - 1, d_head, seqlen_k]``, scratch
+        for the partials of chunks 1.. of split units (used when
+        ``plan.tiling.q_chunks > 1``, which ``plan.precision.round_mixed``
+        excludes: bf16 accumulators cannot be split without changing their
+        rounding).
+    plan : :data:`~numbafa.kernels.bundles.Plan`
     """
-    bs, nheads, d_head, seqlen_q = q.shape
-    nheads_kv, seqlen_k = k.shape[1], k.shape[3]
+    # Numba's parfors pass only arrays and scalars into a prange body, so the
+    # bundles are taken apart here and rebuilt inside each loop (no copies).
+    q, k, v, o, dy, lse, sinks = ins
+    dq, dk, dv, dsinks, part_dk, part_dv = outs
+    q_tile, k_tile, k_sub_tile, q_tile_group, d_tile, section_len, q_chunks = plan.tiling
+    causal, window, use_packing, key_lo, key_hi = plan.mask
+    round_kernel, round_mixed, dq_via_psum = plan.precision
+    softmax_scale = plan.softmax_scale
+
+    bs, nheads, _, seqlen_q = q.shape
+    nheads_kv = k.shape[1]
     n_units = bs * nheads_kv
     n_rep = nheads // nheads_kv
-    num_sinks = sinks.shape[2]
-    q_grp_rows = q_tile * q_tile_group
-    n_groups = (seqlen_q + q_grp_rows - 1) // q_grp_rows
-    one = np.float32(1.0)
-    zero = np.float32(0.0)
-    # bf16 inputs keep dQ's PSUM as a tile of its own, added once per K tile as the
-    # hardware does: dQ is rounded to bf16 between sections, where a different fp32
-    # summation order would flip roundings. float32 inputs have no such point.
-    dq_via_psum = round_kernel
-    # A zero-length key sequence still runs one (empty) section, so that D,
-    # dQ = 0 and dsinks are produced by the same code path.
-    n_sections = max(1, (seqlen_k + section_len - 1) // section_len)
-
-    # -LSE bias, loaded once per (batch, head), written in mixed_dtype; D = rowsum(O dO)
-    # is filled in on the first section, by whichever item owns the rows.
     neg_lse = np.empty((n_units, n_rep, seqlen_q), dtype=np.float32)
     d_sum = np.empty((n_units, n_rep, seqlen_q), dtype=np.float32)
     for unit in prange(n_units):
-        for r in range(n_rep):
-            for i in range(seqlen_q):
-                neg_lse[unit, r, i] = round_if(-lse[unit // nheads_kv, (unit % nheads_kv) * n_rep + r, i],
-                                               round_mixed)
-
+        load_neg_lse(lse, unit, nheads_kv, round_mixed, neg_lse[unit])
     for item in prange(n_units * q_chunks):
-        unit = item // q_chunks
-        chunk = item % q_chunks
-        b = unit // nheads_kv
-        h_kv = unit % nheads_kv
-
-        # Per-item scratch, sized for the largest tiles.
-        sec_cap = min(section_len, seqlen_k)
-        dk_acc = np.empty((sec_cap, d_head), dtype=np.float32)
-        dv_acc = np.empty((sec_cap, d_head), dtype=np.float32)
-        q_s = np.empty((d_head, q_grp_rows), dtype=np.float32)
-        dq_t = np.empty((q_grp_rows, d_head), dtype=np.float32)
-        st_flat = np.empty(k_tile * q_grp_rows, dtype=np.float32)
-        dpt_flat = np.empty(k_tile * q_grp_rows, dtype=np.float32)
-        kd_flat = np.empty(k_tile * d_head, dtype=np.float32)
-        qd_flat = np.empty(q_grp_rows * d_head, dtype=np.float32)
-
-        for i_section in range(n_sections):
-            k_sec0 = i_section * section_len
-            sec_len = max(0, min(section_len, seqlen_k - k_sec0))
-            # K and V stay [d, seq] (float32: views of the inputs; bf16: widened copies).
-            k_n = widened(k[b, h_kv][:, k_sec0:k_sec0 + sec_len])
-            v_n = widened(v[b, h_kv][:, k_sec0:k_sec0 + sec_len])
-            dk_acc[:] = np.float32(0.0)
-            dv_acc[:] = np.float32(0.0)
-
-            for r in range(n_rep):
-                h = h_kv * n_rep + r
-                for i_group in range(n_groups):
-                    # Zigzag ownership (groups g and n-1-g go together) balances causal work.
-                    if min(i_group, n_groups - 1 - i_group) % q_chunks != chunk:
-                        continue
-                    q_grp0 = i_group * q_grp_rows
-                    rows = min(q_grp_rows, seqlen_q - q_grp0)
-                    if i_section == 0:
-                        dq_t[:rows] = np.float32(0.0)
-                    else:
-                        load_transposed(out_dq[b, h], q_grp0, rows, dq_t, one, False)
-                    load_scaled(q[b, h], q_grp0, rows, q_s, softmax_scale, round_kernel)
-                    dy_n = widened(dy[b, h][:, q_grp0:q_grp0 + rows])
-                    if i_section == 0:
-                        compute_rowsum(o[b, h], dy[b, h], q_grp0, rows, d_tile, d_sum[unit, r],
-                                       round_kernel, round_mixed)
-
-                    for k_tile0 in range(0, sec_len, k_tile):
-                        n_k = min(k_tile, sec_len - k_tile0)
-                        k_abs0 = k_sec0 + k_tile0
-                        t0, t1 = required_q_rows(q_grp0, rows, q_tile, k_abs0, k_abs0 + n_k - 1,
-                                                 use_causal_mask, window)
-                        if t0 >= t1:
-                            continue
-                        # A tile the causal diagonal (or window edge) cuts through is computed
-                        # in 128-key sub-blocks, each on the Q tiles it needs only. Numerics
-                        # are unchanged: dV/dK rows still take one addition per K tile, and
-                        # dQ's fp32 PSUM still sums the whole K tile before its one.
-                        cut = cut_by_mask(k_abs0 + n_k - 1, q_grp0 + t0, use_causal_mask, window)
-                        sub = min(k_sub_tile, n_k) if cut else n_k
-                        dq_psum = qd_flat[:(t1 - t0) * d_head].reshape(t1 - t0, d_head)
-                        if dq_via_psum and cut:
-                            dq_psum[:] = np.float32(0.0)
-                        for kb0 in range(k_tile0, k_tile0 + n_k, sub):
-                            n_kb = min(sub, k_tile0 + n_k - kb0)
-                            kb_abs = k_sec0 + kb0
-                            r0, r1 = t0, t1
-                            if sub < n_k:
-                                r0, r1 = required_q_rows(q_grp0, rows, q_tile, kb_abs, kb_abs + n_kb - 1,
-                                                         use_causal_mask, window)
-                                if r0 >= r1:
-                                    continue
-                            n_q = r1 - r0
-                            k_cols = k_n[:, kb0:kb0 + n_kb]
-                            q_cols = q_s[:, r0:r1]
-                            dy_cols = dy_n[:, r0:r1]
-
-                            # Step 2.1 S^T = K^T Q_s and Step 3.2 dP^T = V^T dO (fp32 PSUM).
-                            s_t = st_flat[:n_kb * n_q].reshape(n_kb, n_q)
-                            dp_t = dpt_flat[:n_kb * n_q].reshape(n_kb, n_q)
-                            gemm(k_cols, q_cols, s_t, True, False, one, zero)
-                            gemm(v_n[:, kb0:kb0 + n_kb], dy_cols, dp_t, True, False, one, zero)
-                            # Steps 2.3, 2.4, 4: s_t <- P^T, dp_t <- dS^T.
-                            recompute_softmax_backward(s_t, dp_t, kb_abs, q_grp0 + r0,
-                                                       neg_lse[unit, r], d_sum[unit, r], use_packing,
-                                                       bound_min, bound_max, use_causal_mask, window,
-                                                       round_kernel)
-
-                            # Step 5.1: dQ += (dS K) * scale. The Neuron kernel contracts over
-                            # transposed 128-key sub-tiles (tiling.K_SUB_TILE) summed in one
-                            # fp32 PSUM; a BLAS call over dS^T and K^T is that sum (sub-blocks
-                            # add theirs with beta = 1). For float32 inputs BLAS adds the
-                            # product into dQ directly.
-                            if dq_via_psum:
-                                gemm(dp_t, k_cols, dq_psum[r0 - t0:r1 - t0], True, True, one,
-                                     one if cut else zero)
-                            else:
-                                gemm(dp_t, k_cols, dq_t[r0:r1], True, True, softmax_scale, one)
-
-                            # Step 3.1: dV += P^T dO and Step 5.2: dK += Q_s^T dS (section
-                            # accumulators, GQA-reduced); bf16 accumulators take their one
-                            # rounded addition from a PSUM.
-                            if round_mixed:
-                                kd_psum = kd_flat[:n_kb * d_head].reshape(n_kb, d_head)
-                                gemm(s_t, dy_cols, kd_psum, False, True, one, zero)
-                                accumulate(dv_acc[kb0:kb0 + n_kb], kd_psum, one, True)
-                                gemm(dp_t, q_cols, kd_psum, False, True, one, zero)
-                                accumulate(dk_acc[kb0:kb0 + n_kb], kd_psum, one, True)
-                            else:
-                                gemm(s_t, dy_cols, dv_acc[kb0:kb0 + n_kb], False, True, one, one)
-                                gemm(dp_t, q_cols, dk_acc[kb0:kb0 + n_kb], False, True, one, one)
-
-                        if dq_via_psum:  # dQ += PSUM * scale, one (rounded) addition per K tile
-                            accumulate(dq_t[t0:t1], dq_psum, softmax_scale, round_mixed)
-
-                    # dQ round-trips through the output between sections.
-                    store_transposed(dq_t, rows, out_dq[b, h], q_grp0, round_kernel)
-
-            if q_chunks == 1:
-                store_transposed(dk_acc, sec_len, out_dk[b, h_kv], k_sec0, round_kernel)
-                store_transposed(dv_acc, sec_len, out_dv[b, h_kv], k_sec0, round_kernel)
-            elif chunk == 0:  # chunk 0's float32 partial waits in the (float32) output
-                store_transposed(dk_acc, sec_len, out_dk[b, h_kv], k_sec0, False)
-                store_transposed(dv_acc, sec_len, out_dv[b, h_kv], k_sec0, False)
-            else:
-                store_transposed(dk_acc, sec_len, part_dk[unit, chunk - 1], k_sec0, False)
-                store_transposed(dv_acc, sec_len, part_dv[unit, chunk - 1], k_sec0, False)
-
+        item_plan = Plan(Tiling(q_tile, k_tile, k_sub_tile, q_tile_group, d_tile, section_len, q_chunks),
+                         Mask(causal, window, use_packing, key_lo, key_hi),
+                         Precision(round_kernel, round_mixed, dq_via_psum), softmax_scale)
+        bwd_work_item(BwdInputs(q, k, v, o, dy, lse, sinks),
+                      BwdOutputs(dq, dk, dv, dsinks, part_dk, part_dv), item_plan, item, neg_lse, d_sum)
     # Split units: add the other chunks' float32 partials in chunk order, then round once.
     if q_chunks > 1:
         for unit in prange(n_units):
-            b = unit // nheads_kv
-            h_kv = unit % nheads_kv
-            _reduce_partials(out_dk[b, h_kv], part_dk[unit], round_kernel)
-            _reduce_partials(out_dv[b, h_kv], part_dv[unit], round_kernel)
-
-    if num_sinks > 0:
+            reduce_unit_partials(dk, dv, part_dk, part_dv, unit, nheads_kv, round_kernel)
+    if sinks.shape[2] > 0:
         for unit in prange(n_units):
-            b = unit // nheads_kv
-            for r in range(n_rep):
-                h = (unit % nheads_kv) * n_rep + r
-                # Element by element: an array-to-slice assignment would make Numba
-                # compile its shape-formatting error path (~4 s of cold compile).
-                dsinks = compute_dsinks(sinks[b, h], neg_lse[unit, r], d_sum[unit, r], q_tile,
-                                        round_mixed)
-                for i_sink in range(num_sinks):
-                    out_dsinks[b, h, i_sink] = dsinks[i_sink]
+            store_unit_dsinks(sinks, dsinks, unit, nheads_kv, neg_lse[unit], d_sum[unit], q_tile,
+                              round_mixed)

@@ -14,8 +14,7 @@ import numpy as np
 from ..jit import jit
 from ..dtypes import round_to_bf16, widen
 
-__all__ = ["round_if", "clamp_packing_bounds", "load_transposed", "load_scaled", "store_transposed",
-           "required_q_rows", "cut_by_mask"]
+__all__ = ["round_if", "load_transposed", "load_scaled", "store_transposed"]
 
 
 @jit()
@@ -24,23 +23,6 @@ def round_if(x, flag):
     if flag:
         return round_to_bf16(x)
     return x
-
-
-@jit()
-def clamp_packing_bounds(bound_min, bound_max, use_causal_mask, window):
-    """Clamp packing bounds per query row (seed ``flash_attn_bwd:1120-1131``).
-
-    Causal: ``bound_max[q] = min(bound_max[q], q + 1)``; window ``w > 0``:
-    ``bound_min[q] = max(bound_min[q], q - w + 1)``. Returns new arrays.
-    """
-    lo = bound_min.copy()
-    hi = bound_max.copy()
-    if use_causal_mask:
-        for i in range(hi.size):
-            hi[i] = min(hi[i], np.float32(i + 1))
-            if window > 0:
-                lo[i] = max(lo[i], np.float32(i - window + 1))
-    return lo, hi
 
 
 # Rows of a transposed *store* handled per block: the block's rows of the
@@ -102,44 +84,3 @@ def store_transposed(src, count, dst, start, round_out):
         for i_d in range(d_head):
             for i in range(i0, i1):
                 dst[i_d, start + i] = round_if(src[i, i_d], round_out)
-
-
-@jit()
-def required_q_rows(q_grp0, rows, q_tile, k_min, k_max, use_causal_mask, window):
-    """Rows ``[r0, r1)`` of a Q group (relative to ``q_grp0``) whose Q tiles see keys ``k_min..k_max``.
-
-    ``get_required_tiles_mask``: causal skips a Q tile whose last row is
-    before the first key; a window also skips one whose first row is more
-    than ``w - 1`` past the last key. The required tiles are contiguous, so
-    they are returned as one row range, whole Q tiles (the group's last may
-    be short); ``r0 >= r1`` when no tile is required.
-    """
-    n_tiles = (rows + q_tile - 1) // q_tile
-    g_lo = n_tiles
-    g_hi = 0
-    for g in range(n_tiles):
-        q_min = q_grp0 + g * q_tile
-        q_max = q_grp0 + min((g + 1) * q_tile, rows) - 1
-        required = True
-        if use_causal_mask:
-            if q_max < k_min:
-                required = False
-            if window > 0 and k_max < q_min - window + 1:
-                required = False
-        if required:
-            g_lo = min(g_lo, g)
-            g_hi = g + 1
-    if g_lo >= g_hi:
-        return 0, 0
-    return g_lo * q_tile, min(g_hi * q_tile, rows)
-
-
-@jit()
-def cut_by_mask(k_last, q_first, use_causal_mask, window):
-    """True if the causal diagonal (or a window edge) may cut through a tile.
-
-    ``k_last`` is the tile's last key, ``q_first`` its first query row. Such a
-    tile runs in smaller blocks, each on only the part the mask leaves
-    visible; with a window every tile counts as cut.
-    """
-    return use_causal_mask and (k_last > q_first or window > 0)

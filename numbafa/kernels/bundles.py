@@ -1,0 +1,88 @@
+"""Typed argument bundles of the kernels, and the one place they are built.
+
+Numba compiles named tuples as typed records, so the kernels take a few
+bundles instead of dozens of loose, same-typed positional arguments (two
+swapped ints cannot compile into a wrong call any more), and every derived
+value is decided once, here, from the validated problem:
+
+:class:`Tiling`
+    The Neuron tile sizes of the call (:func:`numbafa.tiling.setup_config`)
+    and the CPU's Q-chunk split (:func:`numbafa.schedule.q_chunks`).
+:class:`Mask`
+    Causal, window, packing, and every query's visible key range
+    (:mod:`numbafa.kernels.mask`).
+:class:`Precision`
+    Which tiles are rounded to bf16, and where the PSUM-style accumulations
+    apply (docs/numerics.md).
+:class:`Plan`
+    The three above and ``softmax_scale``: everything but the arrays. Like
+    upstream's ``cfg``, it travels through every helper.
+
+``FwdInputs``/``FwdOutputs`` and ``BwdInputs``/``BwdOutputs`` carry the
+arrays (bf16 inputs as their uint16 bit patterns; outputs float32 holding
+values of the output dtype).
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+
+from ..schedule import q_chunks
+from ..tiling import setup_config
+from .mask import fill_key_ranges
+
+__all__ = ["Tiling", "Mask", "Precision", "Plan", "FwdInputs", "FwdOutputs", "BwdInputs",
+           "BwdOutputs", "make_plan"]
+
+Tiling = namedtuple("Tiling", ["q_tile", "k_tile", "k_sub_tile", "q_tile_group", "d_tile",
+                               "section_len", "q_chunks"])
+Tiling.__doc__ = """Tile sizes (ints): Neuron's Q tile, K tile, transposed K sub-tile, Q tiles per
+group, head-dim tile, KV section length; and the CPU's Q chunks per work unit."""
+
+Mask = namedtuple("Mask", ["causal", "window", "use_packing", "key_lo", "key_hi"])
+Mask.__doc__ = """causal (bool), window (int, already <= seqlen_k; 0: none), use_packing (bool),
+key_lo/key_hi (int32 [seqlen_q]): query q sees keys key_lo[q] <= k < key_hi[q]."""
+
+Precision = namedtuple("Precision", ["round_kernel", "round_mixed", "dq_via_psum"])
+Precision.__doc__ = """round_kernel: tiles written in kernel_dtype are rounded to bf16 (bf16 inputs).
+round_mixed: tiles written in mixed_dtype are too (bf16 inputs, mixed_precision=False): the
+accumulators are bf16 and take one rounded addition from a PSUM tile.
+dq_via_psum: the backward keeps dQ's PSUM as a tile of its own, added once per K tile (bf16
+inputs: dQ is rounded between KV sections, where another float32 order would flip roundings)."""
+
+Plan = namedtuple("Plan", ["tiling", "mask", "precision", "softmax_scale"])
+Plan.__doc__ = "Everything a kernel needs but the arrays; softmax_scale is float32."
+
+FwdInputs = namedtuple("FwdInputs", ["q", "k", "v", "sinks"])
+FwdOutputs = namedtuple("FwdOutputs", ["o", "lse"])
+BwdInputs = namedtuple("BwdInputs", ["q", "k", "v", "o", "dy", "lse", "sinks"])
+BwdOutputs = namedtuple("BwdOutputs", ["dq", "dk", "dv", "dsinks", "part_dk", "part_dv"])
+
+
+def make_plan(prob, backward: bool) -> Plan:
+    """The :class:`Plan` of one validated problem (:class:`numbafa.validation.Problem`).
+
+    ``backward`` selects the backward's Q-chunk rule (bf16 accumulators are
+    never split there; the forward's rows are independent).
+    """
+    bs, _, d_head, seqlen_q = prob.q.shape
+    nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
+    if max(seqlen_q, seqlen_k) >= 2 ** 31:
+        raise ValueError(f"sequence lengths must be below 2**31, got seqlen_q={seqlen_q}, "
+                         f"seqlen_k={seqlen_k}")
+    # Zero-length sequences run the same kernels with empty loops.
+    cfg = setup_config(max(seqlen_q, 1), max(seqlen_k, 1), d_head)
+    round_kernel = bool(prob.is_bf16)
+    round_mixed = round_kernel and not prob.mixed_precision
+    chunks = q_chunks(bs * nheads_kv, seqlen_q, round_mixed if backward else False)
+    tiling = Tiling(cfg.q_tile, cfg.k_tile, cfg.k_sub_tile, cfg.q_tile_group, cfg.d_tile,
+                    cfg.section_len, chunks)
+    key_lo = np.empty(seqlen_q, dtype=np.int32)
+    key_hi = np.empty(seqlen_q, dtype=np.int32)
+    fill_key_ranges(prob.use_causal_mask, prob.window, prob.use_packing, prob.bound_min,
+                    prob.bound_max, seqlen_k, key_lo, key_hi)
+    mask = Mask(bool(prob.use_causal_mask), int(prob.window), bool(prob.use_packing), key_lo, key_hi)
+    precision = Precision(round_kernel, round_mixed, round_kernel)
+    return Plan(tiling, mask, precision, np.float32(prob.softmax_scale))
