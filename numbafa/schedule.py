@@ -1,4 +1,4 @@
-"""The CPU schedule: how one call's work is split over ``prange`` items.
+"""The CPU schedule: how one call's work is split into parallel work items.
 
 Nothing here changes a result bit for a given problem: the split depends on
 the problem only, never on the thread count (docs/architecture.md).
@@ -15,7 +15,7 @@ def q_chunks(n_units: int, seqlen_q: int, bf16_accumulators: bool) -> int:
     """How many parallel items each work unit is split into (forward and backward).
 
     The Neuron kernel shards over ``bs * nheads_kv``. With an odd number of
-    work units (e.g. MQA at batch 1) the last round of ``prange`` leaves a core
+    work units (e.g. MQA at batch 1) the last round of work items leaves a core
     idle on a 2-core machine: one unit of three is half the run. Then every
     unit's Q groups are split in two items (zigzag), which each own their dQ
     rows and, in the backward, a private float32 dK/dV partial summed in a

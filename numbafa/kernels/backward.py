@@ -16,8 +16,10 @@ lines 113-139), which the helpers below cite by step number::
 Shape of the code, as upstream splits ``flash_attn_bwd`` from
 ``_flash_attn_bwd_core``: the schedule is in one place, the math in another.
 
-* :func:`flash_attn_bwd` -- ``prange`` over work items (:mod:`.loops`), then
-  the fixed-order sum of split units' dK/dV partials and the sink gradients;
+* :func:`flash_attn_bwd` -- the launcher: every work item (:mod:`.loops`) on
+  a thread pool (:mod:`numbafa.parallel`), then per unit
+  :func:`bwd_finish_unit`: the fixed-order sum of split units' dK/dV
+  partials and the sink gradients;
 * :func:`bwd_work_item` -- KV sections (dK/dV section accumulators summed
   over every q-head of the GQA group) -> q-heads -> the item's Q groups;
 * :func:`bwd_q_group` -- one Q group of 4 x 128 rows: dQ zeroed on the
@@ -55,12 +57,11 @@ from __future__ import annotations
 from collections import namedtuple
 
 import numpy as np
-from numba import prange
 
 from ..dtypes import round_to_bf16_inplace, widen, widened
 from ..jit import jit
+from ..parallel import parallel_for
 from ..tiling import FLOAT32_MIN
-from .bundles import BwdInputs, BwdOutputs, Mask, Plan, Precision, Tiling
 from .common import load_scaled, load_transposed, round_if, store_transposed
 from .fastexp import expf
 from .loops import decode_item, group_rows, n_q_groups, owns_group
@@ -78,6 +79,9 @@ _ZERO = np.float32(0.0)
 KVSection = namedtuple("KVSection", ["start", "length", "first", "k", "v", "dk_acc", "dv_acc"])
 #: One q-head of a work unit: batch, q-head, its -LSE bias and D rows ``[seqlen_q]``.
 Head = namedtuple("Head", ["batch", "q_head", "neg_lse", "d_sum"])
+#: Per-row statistics of every q-head, ``[n_units, n_rep, seqlen_q]`` float32: the -LSE bias
+#: and D, written on the first KV section by the item owning the rows.
+BwdStats = namedtuple("BwdStats", ["neg_lse", "d_sum"])
 #: One loaded Q group: first row, rows, Q_scaled ``[d, rows]``, dO ``[d, rows]``,
 #: the dQ^T accumulator ``[rows, d]`` and the head's -LSE and D rows.
 QGroup = namedtuple("QGroup", ["start", "rows", "q_s", "dy", "dq_t", "neg_lse", "d_sum"])
@@ -88,17 +92,10 @@ Scratch = namedtuple("Scratch", ["q_s", "dq_t", "s_t", "dp_t", "kd_psum", "dq_ps
 
 
 @jit()
-def load_neg_lse(lse, unit, nheads_kv, round_mixed, out):
-    """The -LSE bias of every q-head of a unit, written in mixed_dtype (upstream 1149-1160).
-
-    ``out[r, i] = -lse[b, h_kv * n_rep + r, i]``.
-    """
-    n_rep, seqlen_q = out.shape
-    b = unit // nheads_kv
-    h0 = (unit % nheads_kv) * n_rep
-    for r in range(n_rep):
-        for i in range(seqlen_q):
-            out[r, i] = round_if(-lse[b, h0 + r, i], round_mixed)
+def load_neg_lse(lse_h, start, count, round_mixed, neg_lse):
+    """The -LSE bias of rows ``start:start+count`` of one q-head, in mixed_dtype (upstream 1149-1160)."""
+    for i in range(start, start + count):
+        neg_lse[i] = round_if(-lse_h[i], round_mixed)
 
 
 @jit()
@@ -296,7 +293,7 @@ def bwd_q_group(ins, outs, plan, sec, head, i_group, scratch):
 
     dQ is zeroed on the first section and reloaded from the output on later
     ones (it round-trips through the output between sections); Q is scaled
-    at load; D is computed on the first section only; then every K tile of
+    at load; the -LSE bias and D are computed on the first section only; then every K tile of
     the section runs :func:`_flash_attn_bwd_core`, and dQ is written back.
     """
     prec = plan.precision
@@ -312,6 +309,7 @@ def bwd_q_group(ins, outs, plan, sec, head, i_group, scratch):
     dy_h = ins.dy[head.batch, head.q_head]
     dy_n = widened(dy_h[:, q_grp0:q_grp0 + rows])
     if sec.first:
+        load_neg_lse(ins.lse[head.batch, head.q_head], q_grp0, rows, prec.round_mixed, head.neg_lse)
         compute_rowsum(ins.o[head.batch, head.q_head], dy_h, q_grp0, rows, plan.tiling.d_tile,
                        head.d_sum, prec)
     qg = QGroup(q_grp0, rows, scratch.q_s, dy_n, dq_t, head.neg_lse, head.d_sum)
@@ -369,11 +367,11 @@ def make_scratch(d_head, seqlen_k, tiling):
 
 
 @jit()
-def bwd_work_item(ins, outs, plan, item, neg_lse, d_sum):
+def bwd_work_item(ins, outs, stats, plan, item):
     """The loop nest of one work item: KV sections -> q-heads -> owned Q groups (upstream 1143-1353).
 
-    ``neg_lse``/``d_sum`` are ``[n_units, n_rep, seqlen_q]``; D is filled in
-    on the first section by whichever item owns the rows.
+    ``stats`` (:data:`BwdStats`) is filled in on the first section by
+    whichever item owns the rows.
     """
     tiling = plan.tiling
     _, nheads, d_head, seqlen_q = ins.q.shape
@@ -388,7 +386,7 @@ def bwd_work_item(ins, outs, plan, item, neg_lse, d_sum):
     for i_section in range(n_sections):
         sec = load_kv_section(ins, batch, kv_head, i_section, tiling.section_len, scratch)
         for r in range(n_rep):
-            head = Head(batch, kv_head * n_rep + r, neg_lse[unit, r], d_sum[unit, r])
+            head = Head(batch, kv_head * n_rep + r, stats.neg_lse[unit, r], stats.d_sum[unit, r])
             for i_group in range(n_groups):
                 if owns_group(i_group, n_groups, chunk, tiling.q_chunks):
                     bwd_q_group(ins, outs, plan, sec, head, i_group, scratch)
@@ -405,15 +403,6 @@ def _reduce_partials(out, parts, round_out):
             for c in range(parts.shape[0]):
                 acc += parts[c, x, j]
             out[x, j] = round_if(acc, round_out)
-
-
-@jit()
-def reduce_unit_partials(dk, dv, part_dk, part_dv, unit, nheads_kv, round_out):
-    """A split unit's dK/dV: chunk 0's partial (in the outputs) plus the others', then rounded once."""
-    batch = unit // nheads_kv
-    kv_head = unit % nheads_kv
-    _reduce_partials(dk[batch, kv_head], part_dk[unit], round_out)
-    _reduce_partials(dv[batch, kv_head], part_dv[unit], round_out)
 
 
 @jit()
@@ -441,22 +430,38 @@ def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, round_mixed):
 
 
 @jit()
-def store_unit_dsinks(sinks, out_dsinks, unit, nheads_kv, neg_lse, d_sum, q_tile, round_mixed):
-    """dsinks of every q-head of a unit (``neg_lse``/``d_sum``: the unit's ``[n_rep, seqlen_q]``)."""
-    n_rep = neg_lse.shape[0]
+def bwd_finish_unit(ins, outs, stats, plan, unit):
+    """After every item: a split unit's dK/dV, then the unit's dsinks (upstream 1355-1405).
+
+    A split unit's chunk 0 left its float32 partial in the outputs; the other
+    chunks' partials are added in chunk order, then rounded once. dsinks
+    needs D and the -LSE bias of every row, so it waits for all items.
+    """
+    nheads_kv = ins.k.shape[1]
     batch = unit // nheads_kv
+    kv_head = unit % nheads_kv
+    prec = plan.precision
+    if plan.tiling.q_chunks > 1:
+        _reduce_partials(outs.dk[batch, kv_head], outs.part_dk[unit], prec.round_kernel)
+        _reduce_partials(outs.dv[batch, kv_head], outs.part_dv[unit], prec.round_kernel)
+    n_rep = stats.neg_lse.shape[1]
     for r in range(n_rep):
-        h = (unit % nheads_kv) * n_rep + r
-        dsinks = compute_dsinks(sinks[batch, h], neg_lse[r], d_sum[r], q_tile, round_mixed)
+        h = kv_head * n_rep + r
+        dsinks = compute_dsinks(ins.sinks[batch, h], stats.neg_lse[unit, r], stats.d_sum[unit, r],
+                                plan.tiling.q_tile, prec.round_mixed)
         # Element by element: an array-to-slice assignment would make Numba
         # compile its shape-formatting error path (~4 s of cold compile).
         for i_sink in range(dsinks.size):
-            out_dsinks[batch, h, i_sink] = dsinks[i_sink]
+            outs.dsinks[batch, h, i_sink] = dsinks[i_sink]
 
 
-@jit(parallel=True)
-def flash_attn_bwd(ins, outs, plan):
+def flash_attn_bwd(ins, outs, plan, n_threads):
     """Flash-attention backward over all ``bs * nheads_kv`` work units.
+
+    The launcher level of upstream ``flash_attn_bwd`` (its SPMD shards):
+    every work item (:func:`bwd_work_item`) on ``n_threads`` threads
+    (:func:`numbafa.parallel.parallel_for`), then every unit's
+    :func:`bwd_finish_unit` where there is something to finish.
 
     Parameters
     ----------
@@ -475,35 +480,13 @@ def flash_attn_bwd(ins, outs, plan):
         excludes: bf16 accumulators cannot be split without changing their
         rounding).
     plan : :data:`~numbafa.kernels.bundles.Plan`
+    n_threads : int
     """
-    # Numba's parfors pass only arrays and scalars into a prange body, so the
-    # bundles are taken apart here and rebuilt inside each loop (no copies).
-    q, k, v, o, dy, lse, sinks = ins
-    dq, dk, dv, dsinks, part_dk, part_dv = outs
-    q_tile, k_tile, k_sub_tile, q_tile_group, d_tile, section_len, q_chunks = plan.tiling
-    causal, window, use_packing, key_lo, key_hi = plan.mask
-    round_kernel, round_mixed, dq_via_psum = plan.precision
-    softmax_scale = plan.softmax_scale
-
-    bs, nheads, _, seqlen_q = q.shape
-    nheads_kv = k.shape[1]
+    bs, nheads, _, seqlen_q = ins.q.shape
+    nheads_kv = ins.k.shape[1]
     n_units = bs * nheads_kv
-    n_rep = nheads // nheads_kv
-    neg_lse = np.empty((n_units, n_rep, seqlen_q), dtype=np.float32)
-    d_sum = np.empty((n_units, n_rep, seqlen_q), dtype=np.float32)
-    for unit in prange(n_units):
-        load_neg_lse(lse, unit, nheads_kv, round_mixed, neg_lse[unit])
-    for item in prange(n_units * q_chunks):
-        item_plan = Plan(Tiling(q_tile, k_tile, k_sub_tile, q_tile_group, d_tile, section_len, q_chunks),
-                         Mask(causal, window, use_packing, key_lo, key_hi),
-                         Precision(round_kernel, round_mixed, dq_via_psum), softmax_scale)
-        bwd_work_item(BwdInputs(q, k, v, o, dy, lse, sinks),
-                      BwdOutputs(dq, dk, dv, dsinks, part_dk, part_dv), item_plan, item, neg_lse, d_sum)
-    # Split units: add the other chunks' float32 partials in chunk order, then round once.
-    if q_chunks > 1:
-        for unit in prange(n_units):
-            reduce_unit_partials(dk, dv, part_dk, part_dv, unit, nheads_kv, round_kernel)
-    if sinks.shape[2] > 0:
-        for unit in prange(n_units):
-            store_unit_dsinks(sinks, dsinks, unit, nheads_kv, neg_lse[unit], d_sum[unit], q_tile,
-                              round_mixed)
+    shape = (n_units, nheads // nheads_kv, seqlen_q)
+    stats = BwdStats(np.empty(shape, dtype=np.float32), np.empty(shape, dtype=np.float32))
+    parallel_for(bwd_work_item, n_units * plan.tiling.q_chunks, (ins, outs, stats, plan), n_threads)
+    if plan.tiling.q_chunks > 1 or ins.sinks.shape[2] > 0:
+        parallel_for(bwd_finish_unit, n_units, (ins, outs, stats, plan), n_threads)

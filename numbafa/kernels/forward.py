@@ -3,7 +3,7 @@
 It produces exactly the statistic the backward consumes: ``lse = max +
 log(sum)`` per query row (sinks included in the sum), in float32.
 
-Loop nest: ``prange`` over ``bs * nheads_kv`` work units (an odd number of
+Loop nest: a thread pool (:mod:`numbafa.parallel`) over ``bs * nheads_kv`` work units (an odd number of
 units, fewer than 9, is split into two items each owning alternate Q groups:
 :func:`numbafa.schedule.q_chunks`; :mod:`.loops`); per unit K and V
 (``[d, seq]``, as given: no transposed copies, BLAS reads them transposed)
@@ -35,11 +35,10 @@ import math
 from collections import namedtuple
 
 import numpy as np
-from numba import prange
 
 from ..dtypes import round_to_bf16_inplace, widened
 from ..jit import jit
-from .bundles import FwdInputs, FwdOutputs, Mask, Plan, Precision, Tiling
+from ..parallel import parallel_for
 from .common import load_scaled, round_if, store_transposed
 from .fastexp import expf
 from .loops import decode_item, group_rows, n_q_groups, owns_group
@@ -275,9 +274,9 @@ def fwd_work_item(ins, outs, plan, item):
                 fwd_q_group(ins, outs, plan, k_n, v_n, head, i_group, scratch)
 
 
-@jit(parallel=True)
-def flash_attn_fwd(ins, outs, plan):
-    """Flash-attention forward over all ``bs * nheads_kv`` work units.
+def flash_attn_fwd(ins, outs, plan, n_threads):
+    """Flash-attention forward over all ``bs * nheads_kv`` work units: every work item
+    (:func:`fwd_work_item`) on ``n_threads`` threads (:func:`numbafa.parallel.parallel_for`).
 
     Parameters
     ----------
@@ -290,18 +289,7 @@ def flash_attn_fwd(ins, outs, plan):
         dtype), ``lse`` float32 ``[bs, nheads, seqlen_q]``.
     plan : :data:`~numbafa.kernels.bundles.Plan`
         Rows are independent, so the Q-chunk split changes no result.
+    n_threads : int
     """
-    # Numba's parfors pass only arrays and scalars into a prange body, so the
-    # bundles are taken apart here and rebuilt inside the loop (no copies).
-    q, k, v, sinks = ins
-    o, lse = outs
-    q_tile, k_tile, k_sub_tile, q_tile_group, d_tile, section_len, q_chunks = plan.tiling
-    causal, window, use_packing, key_lo, key_hi = plan.mask
-    round_kernel, round_mixed, dq_via_psum = plan.precision
-    softmax_scale = plan.softmax_scale
-    n_units = q.shape[0] * k.shape[1]
-    for item in prange(n_units * q_chunks):
-        item_plan = Plan(Tiling(q_tile, k_tile, k_sub_tile, q_tile_group, d_tile, section_len, q_chunks),
-                         Mask(causal, window, use_packing, key_lo, key_hi),
-                         Precision(round_kernel, round_mixed, dq_via_psum), softmax_scale)
-        fwd_work_item(FwdInputs(q, k, v, sinks), FwdOutputs(o, lse), item_plan, item)
+    n_units = ins.q.shape[0] * ins.k.shape[1]
+    parallel_for(fwd_work_item, n_units * plan.tiling.q_chunks, (ins, outs, plan), n_threads)

@@ -1,6 +1,6 @@
 """Loop scaffolding shared by the forward and the backward kernels.
 
-Both kernels run ``prange`` over *work items*: the upstream kernel's work
+Both kernels run over *work items* (:func:`numbafa.parallel.parallel_for`): the upstream kernel's work
 units (one per ``(batch, KV head)``, ``flash_attn_bwd`` lines 1134-1143),
 each split into ``q_chunks`` items when there are few units
 (:func:`numbafa.schedule.q_chunks`). Within an item, the q-heads of the GQA
@@ -18,7 +18,7 @@ __all__ = ["decode_item", "n_q_groups", "owns_group", "group_rows"]
 
 @jit()
 def decode_item(item, q_chunks, nheads_kv):
-    """``(unit, chunk, batch, kv_head)`` of a ``prange`` work item."""
+    """``(unit, chunk, batch, kv_head)`` of a work item."""
     unit = item // q_chunks
     chunk = item % q_chunks
     return unit, chunk, unit // nheads_kv, unit % nheads_kv
