@@ -154,14 +154,15 @@ def backend_info() -> dict:
         Whether the CPU advertises ``avx2``, ``fma``, ``avx512f``,
         ``avx512_bf16`` and ``amx_bf16`` (None off Linux).
     ``cache``
-        Whether kernels use Numba's on-disk cache (``NUMBAFA_CACHE``).
+        Whether the on-disk kernel cache is on and where:
+        :func:`numbafa.jit.cache_info` (``enabled``, ``dir``, ``reason``).
     """
     import numba
     import numpy
     import scipy
 
     from . import __version__
-    from .jit import JIT_FLAGS
+    from .jit import cache_info
 
     try:
         layer = numba.threading_layer()
@@ -185,5 +186,5 @@ def backend_info() -> dict:
         "threads": numba.get_num_threads(),
         "threading_layer": layer,
         "cpu": cpu,
-        "cache": bool(JIT_FLAGS["cache"]),
+        "cache": cache_info(),
     }
