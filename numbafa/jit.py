@@ -46,8 +46,11 @@ directory was compiled from that directory's sources, writes are atomic
 (temporary file, then rename), and a process whose directory disappears just
 compiles again (and recreates it).
 
-Whether the cache is on and where: :func:`cache_info` (also in
-``numbafa.backend_info()["cache"]``).
+Each index and data file carries a SHA-256 of its content. An entry that
+cannot be read back (truncated, garbled, unreadable by this Numba) is deleted
+and its function compiled again, with one :class:`CacheWarning`.
+:func:`cache_info` (also in
+``numbafa.backend_info()["cache"]``) says whether the cache is on and where.
 
 ``NUMBAFA_CACHE=0``
     Compile kernels without the on-disk cache (nothing is read or written).
@@ -74,12 +77,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import io
 import os
 import pathlib
+import pickle
 import re
 import shutil
 import sys
 import tempfile
+import threading
 import warnings
 
 import numba
@@ -215,7 +221,40 @@ JIT_FLAGS: dict = {
 }
 
 
+# -- warnings, once ---------------------------------------------------------------------------
+
+_warned: set = set()          # keys of the CacheWarnings already given in this process
+_warned_lock = threading.Lock()
+
+
+def _warn_once(key, message: str) -> None:
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, CacheWarning, stacklevel=2)
+
+
 # -- the cache classes ------------------------------------------------------------------------
+
+_MAGIC = b"numbafa-cache-1\n"
+
+
+class _CorruptCacheFile(Exception):
+    """A cache file whose checksum does not match its content."""
+
+
+def _seal(payload: bytes) -> bytes:
+    return _MAGIC + hashlib.sha256(payload).digest() + payload
+
+
+def _unseal(raw: bytes, path) -> bytes:
+    head = len(_MAGIC) + 32
+    payload = raw[head:]
+    if raw[:len(_MAGIC)] != _MAGIC or hashlib.sha256(payload).digest() != raw[len(_MAGIC):head]:
+        raise _CorruptCacheFile(f"{os.path.basename(path)}: checksum mismatch ({len(raw)} bytes)")
+    return payload
+
 
 def _cache_path_for(py_file: str) -> str:
     """The directory caching the functions of ``py_file``."""
@@ -258,10 +297,81 @@ class _CacheImpl(_CompileResultCacheImpl):
         self._filename_base = self.get_filename_base(f"{modname}.{qualname}", getattr(sys, "abiflags", ""))
 
 
+class _CheckedFiles(caching.IndexDataCacheFile):
+    """Numba's index + data files, each sealed with a SHA-256 of its content."""
+
+    def _save_index(self, overloads):
+        payload = pickle.dumps(self._version, protocol=-1) + self._dump((self._source_stamp, overloads))
+        with self._open_for_write(self._index_path) as f:
+            f.write(_seal(payload))
+
+    def _load_index(self):
+        try:
+            with open(self._index_path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return {}
+        stream = io.BytesIO(_unseal(raw, self._index_path))
+        if pickle.load(stream) != self._version:
+            return {}  # another Numba's entry: overwritten by the next save
+        stamp, overloads = pickle.loads(stream.read())
+        return overloads if stamp == self._source_stamp else {}
+
+    def _save_data(self, name, data):
+        with self._open_for_write(self._data_path(name)) as f:
+            f.write(_seal(self._dump(data)))
+
+    def _load_data(self, name):
+        path = self._data_path(name)
+        with open(path, "rb") as f:
+            raw = f.read()
+        return pickle.loads(_unseal(raw, path))
+
+
 class _Cache(caching.FunctionCache):
-    """Numba's function cache, located by :class:`_Locator`."""
+    """A Numba function cache that recovers from bad entries.
+
+    A cached entry that cannot be loaded (checksum mismatch, unpickling or
+    LLVM error) is deleted, with one :class:`CacheWarning`; Numba then
+    compiles the function and saves it afresh.
+    """
 
     _impl_class = _CacheImpl
+
+    def __init__(self, py_func):
+        super().__init__(py_func)
+        self._cache_file = _CheckedFiles(cache_path=self._cache_path,
+                                         filename_base=self._impl.filename_base,
+                                         source_stamp=self._impl.locator.get_source_stamp())
+
+    def _load_overload(self, sig, target_context):
+        try:
+            return super()._load_overload(sig, target_context)
+        except Exception as exc:  # any unreadable entry: drop it and compile
+            removed = self._drop_entries()
+            _warn_once(("corrupt", self._cache_path, self._impl.filename_base),
+                       f"numbafa: the kernel cache entry of {self._py_func.__qualname__} in "
+                       f"{self._cache_path} was corrupt or unreadable ({type(exc).__name__}: {exc}); "
+                       f"deleted {removed} file(s), compiling it again")
+            return None
+
+    def _drop_entries(self) -> int:
+        """Delete this function's index and data files; return how many went."""
+        base = self._impl.filename_base
+        data = re.compile(re.escape(base) + r"\.[0-9]+\.nbc$")
+        removed = 0
+        try:
+            names = os.listdir(self._cache_path)
+        except OSError:
+            return 0
+        for name in names:
+            if name == base + ".nbi" or data.match(name):
+                try:
+                    os.unlink(os.path.join(self._cache_path, name))
+                    removed += 1
+                except OSError:
+                    pass
+        return removed
 
 
 def _enable_cache(dispatcher) -> None:

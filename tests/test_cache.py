@@ -1,4 +1,4 @@
-"""The on-disk kernel cache: location, keyed by the sources, no writable place.
+"""The on-disk kernel cache: location, keyed by the sources, recovery from corruption, no writable place.
 
 Every test here works on a copy of the package in a temporary directory (with a
 tiny probe module added, so nothing slow is compiled) and runs it in fresh
@@ -178,6 +178,58 @@ def test_old_hash_directories_are_pruned(tmp_path):
     # the newest old versions survive next to the current one; unrelated entries are never touched
     assert [d.name for d in old[:3]] == [n for n in kept if n.endswith("py30")]
     assert "notes" in kept and len(kept) == 5
+
+
+# -- corruption -------------------------------------------------------------------------------
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _empty(path):
+    path.write_bytes(b"")
+
+
+def _garble(path):
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0xA5 for b in data[middle:middle + 64])
+    path.write_bytes(bytes(data))
+
+
+CORRUPTIONS = {
+    "truncated index": (".nbi", _truncate),
+    "empty index": (".nbi", _empty),
+    "garbled index": (".nbi", _garble),
+    "truncated data": (".nbc", _truncate),
+    "empty data": (".nbc", _empty),
+    "garbled data": (".nbc", _garble),
+}
+
+
+@pytest.fixture(scope="module")
+def populated(tmp_path_factory):
+    """A package copy whose cache holds probe() (compiled once for all corruption modes)."""
+    root = tmp_path_factory.mktemp("populated")
+    site = make_site(root)
+    assert run(root, site)["value"] == 42
+    return root
+
+
+@pytest.mark.parametrize("mode", sorted(CORRUPTIONS))
+def test_corrupted_cache_entry_is_dropped_and_recompiled(populated, tmp_path, mode):
+    root = tmp_path / "root"
+    shutil.copytree(populated, root)
+    suffix, corrupt = CORRUPTIONS[mode]
+    (victim,) = root.rglob(f"_probe.probe-*{suffix}")
+    corrupt(victim)
+    recovered = run(root, root / "site")
+    assert recovered["value"] == 42
+    warned = cache_warnings(recovered)
+    assert len(warned) == 1 and "corrupt" in warned[0] and "probe" in warned[0], recovered
+    again = run(root, root / "site")                          # the next process loads the new entry
+    assert again == {"value": 42, "hits": 1, "warnings": []}
 
 
 # -- nowhere to write -------------------------------------------------------------------------
