@@ -48,8 +48,9 @@ compiles again (and recreates it).
 
 Each index and data file carries a SHA-256 of its content. An entry that
 cannot be read back (truncated, garbled, unreadable by this Numba) is deleted
-and its function compiled again, with one :class:`CacheWarning`.
-:func:`cache_info` (also in
+and its function compiled again, with one :class:`CacheWarning`. A failed save
+(disk full, for example) never fails the computation: one
+:class:`CacheWarning` per process. :func:`cache_info` (also in
 ``numbafa.backend_info()["cache"]``) says whether the cache is on and where.
 
 ``NUMBAFA_CACHE=0``
@@ -329,11 +330,13 @@ class _CheckedFiles(caching.IndexDataCacheFile):
 
 
 class _Cache(caching.FunctionCache):
-    """A Numba function cache that recovers from bad entries.
+    """A Numba function cache that recovers from bad entries and never fails a call.
 
-    A cached entry that cannot be loaded (checksum mismatch, unpickling or
-    LLVM error) is deleted, with one :class:`CacheWarning`; Numba then
-    compiles the function and saves it afresh.
+    * a cached entry that cannot be loaded (checksum mismatch, unpickling or
+      LLVM error) is deleted, with one :class:`CacheWarning`; Numba then
+      compiles the function and saves it afresh;
+    * a save that fails (disk full, directory removed, ...) warns once per
+      process and is otherwise ignored: the compiled code is already in use.
     """
 
     _impl_class = _CacheImpl
@@ -354,6 +357,14 @@ class _Cache(caching.FunctionCache):
                        f"{self._cache_path} was corrupt or unreadable ({type(exc).__name__}: {exc}); "
                        f"deleted {removed} file(s), compiling it again")
             return None
+
+    def save_overload(self, sig, data):
+        try:
+            super().save_overload(sig, data)
+        except Exception as exc:  # the compiled code is in memory already: only the cache misses out
+            _warn_once("save", f"numbafa: could not save compiled code to the kernel cache in "
+                               f"{_CACHE.directory} ({exc}); results are unaffected, but later "
+                               f"processes compile again")
 
     def _drop_entries(self) -> int:
         """Delete this function's index and data files; return how many went."""

@@ -1,4 +1,4 @@
-"""The on-disk kernel cache: location, keyed by the sources, recovery from corruption, no writable place.
+"""The on-disk kernel cache: location, recovery from corruption, no writable place, full disk.
 
 Every test here works on a copy of the package in a temporary directory (with a
 tiny probe module added, so nothing slow is compiled) and runs it in fresh
@@ -268,3 +268,26 @@ def test_unwritable_numbafa_cache_dir_falls_back_to_compiling(tmp_path):
     assert result["value"] == 42
     warned = cache_warnings(result)
     assert len(warned) == 1 and str(tmp_path / "blocker" / "cache") in warned[0], result
+
+
+FULL_DISK = '''\
+import builtins, errno, io, os
+
+def _full(opener):
+    def open_on_a_full_disk(file, mode="r", *args, **kwargs):
+        if any(c in mode for c in "wax") and (".nbi" in str(file) or ".nbc" in str(file)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+        return opener(file, mode, *args, **kwargs)
+    return open_on_a_full_disk
+
+builtins.open, io.open = _full(builtins.open), _full(io.open)
+'''
+
+
+def test_full_disk_does_not_fail_the_computation(tmp_path):
+    site = make_site(tmp_path)
+    result = run(tmp_path, site, FULL_DISK + SCRIPT)
+    assert result["value"] == 42
+    warned = cache_warnings(result)
+    # probe() and offset() both failed to save: one warning for the process
+    assert len(warned) == 1 and "No space left on device" in warned[0], result
