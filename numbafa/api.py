@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .blas import single_threaded_blas
+from .runtime import kernel_call
 from .dtypes import to_bf16_array
 from .schedule import q_chunks
 from .tiling import Q_TILE, setup_config
@@ -75,7 +75,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     bound_min32, bound_max32 = _clamped_bounds(prob)
     o = np.empty((bs, nheads, d_head, seqlen_q), dtype=np.float32)
     lse = np.empty((bs, nheads, seqlen_q), dtype=np.float32)
-    with single_threaded_blas():
+    with kernel_call("forward", prob.dtype.name):
         flash_attn_fwd(prob.q, prob.k, prob.v, prob.sinks, bound_min32, bound_max32,
                        prob.use_packing, prob.use_causal_mask, prob.window,
                        np.float32(prob.softmax_scale), prob.is_bf16,
@@ -166,7 +166,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     part_shape = (bs * nheads_kv, n_chunks - 1, d_head, seqlen_k) if n_chunks > 1 else (1, 1, d_head, 0)
     part_dk = np.empty(part_shape, dtype=np.float32)
     part_dv = np.empty(part_shape, dtype=np.float32)
-    with single_threaded_blas():
+    with kernel_call("backward", prob.dtype.name):
         flash_attn_bwd(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks,
                        bound_min32, bound_max32, prob.use_packing, prob.use_causal_mask,
                        prob.window, np.float32(prob.softmax_scale), round_kernel, round_mixed,

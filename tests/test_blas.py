@@ -12,6 +12,7 @@ from threadpoolctl import threadpool_info
 
 import numbafa
 from numbafa.blas import blas_controller, single_threaded_blas
+from numbafa.runtime import kernel_call
 
 
 def _blas_threads():
@@ -102,6 +103,9 @@ def test_overlapping_calls_keep_the_pin_and_restore_the_users_setting():
     during = _overlap(single_threaded_blas)
     after = _blas_threads()
     assert (during, after) == ({1}, before)
+    # the same through the guard of the kernel calls
+    during = _overlap(lambda: kernel_call("probe", "float32"))
+    assert (during, _blas_threads()) == ({1}, before)
 
 
 def test_a_thread_holding_threadpoolctl_control_is_left_alone():
