@@ -113,10 +113,19 @@ def _env_flag(name: str, default: str) -> bool:
 
 
 def source_hash(package_dir=PACKAGE_DIR) -> str:
-    """SHA-256 (hex) of every ``.py`` file under ``package_dir``: relative path and content."""
+    """SHA-256 (hex) of every ``.py`` file under ``package_dir``: relative path and content.
+
+    Raises
+    ------
+    FileNotFoundError
+        No ``.py`` file there (a zipped or source-less install): nothing to key a cache by.
+    """
     package_dir = pathlib.Path(package_dir)
+    sources = sorted(package_dir.rglob("*.py"))
+    if not sources:
+        raise FileNotFoundError(f"no Python sources under {package_dir}")
     digest = hashlib.sha256()
-    for path in sorted(package_dir.rglob("*.py")):
+    for path in sources:
         digest.update(str(path.relative_to(package_dir).as_posix()).encode() + b"\0")
         digest.update(path.read_bytes())
         digest.update(b"\0")
@@ -171,22 +180,27 @@ def _resolve_cache() -> _CacheConfig:
     root, origin = _cache_root()
     how = ("set NUMBAFA_CACHE_DIR (or NUMBA_CACHE_DIR) to a writable directory to cache them, "
            "or NUMBAFA_CACHE=0 to compile without a cache silently")
-    if root is None:
-        reason = f"no cache directory ({origin}); {how}"
+    try:
+        digest = source_hash()
+    except FileNotFoundError as exc:
+        reason = f"cannot key the cache by the package sources ({exc})"
     else:
-        version = f"numba{numba.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
-        directory = root / f"{source_hash()[:16]}-{version}"
-        try:
-            new = not directory.is_dir()
-            directory.mkdir(parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=directory).close()
-            os.utime(directory)  # last used: pruning keeps the recently used ones
-        except OSError as exc:
-            reason = f"cannot write the cache directory {directory} (from {origin}): {exc}; {how}"
+        if root is None:
+            reason = f"no cache directory ({origin}); {how}"
         else:
-            if new:
-                _prune(root, directory)
-            return _CacheConfig(True, directory, f"from {origin}")
+            version = f"numba{numba.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+            directory = root / f"{digest[:16]}-{version}"
+            try:
+                new = not directory.is_dir()
+                directory.mkdir(parents=True, exist_ok=True)
+                tempfile.TemporaryFile(dir=directory).close()
+                os.utime(directory)  # last used: pruning keeps the recently used ones
+            except OSError as exc:
+                reason = f"cannot write the cache directory {directory} (from {origin}): {exc}; {how}"
+            else:
+                if new:
+                    _prune(root, directory)
+                return _CacheConfig(True, directory, f"from {origin}")
     warnings.warn(f"numbafa: kernels are compiled in every process (tens of seconds per kernel "
                   f"and dtype): {reason}", CacheWarning, stacklevel=2)
     return _CacheConfig(False, None, reason)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
+
 from numbafa import jit as jit_policy
 
 PACKAGE = pathlib.Path(jit_policy.__file__).parent
@@ -54,6 +56,8 @@ def test_source_hash_changes_when_any_source_changes(tmp_path):
     assert second != first
     (pkg / "a.py").rename(pkg / "c.py")                           # a rename too
     assert jit_policy.source_hash(pkg) not in (first, second)
+    with pytest.raises(FileNotFoundError):                       # no sources: nothing to key by
+        jit_policy.source_hash(tmp_path / "empty")
 
 
 def test_the_package_uses_its_own_cache_directory():
