@@ -16,13 +16,14 @@ the whole process (the user's ``np.dot`` in another thread too) are
 single-threaded; a BLAS thread count set by another thread *during* a call is
 overwritten when the last call ends.
 
-threadpoolctl (>= 3.6) lets only one "controlling" thread change OpenBLAS at a
-time and ignores the others; each change made here behaves like a
-``with threadpool_limits(...)`` of zero length (it takes control only if no
-other thread holds it, and gives it back at once), and only what was really
-changed is restored. A library another thread holds (a ``threadpool_limits``
-context open in the main thread while numbafa runs in workers, say) is left
-alone: the user's explicit setting wins, at the price of oversubscription.
+Recent threadpoolctl (3.8 here) lets only one "controlling" thread change
+OpenBLAS (pthreads builds) at a time and silently ignores the others. Each
+change made here behaves like a ``with threadpool_limits(...)`` of zero
+length (it takes control only if no other thread holds it, and gives it back
+at once), and only what was really changed is restored. A library another
+thread holds (a ``threadpool_limits`` context open in the main thread while
+numbafa runs in workers, say) is left alone: the user's explicit setting
+wins, at the price of oversubscription.
 
 ``threadpoolctl`` only sees libraries that are already loaded, so SciPy's
 BLAS is imported first. Scanning the process for libraries costs about a

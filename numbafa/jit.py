@@ -37,11 +37,13 @@ It is never a shared temporary directory: compiled code is loaded and run, so
 it must live somewhere only the user can write. If the chosen directory cannot
 be created or written (read-only home, for example), kernels are compiled in
 every process instead and one :class:`CacheWarning` says so; set
-``NUMBAFA_CACHE_DIR`` to a writable directory to get the cache back.
+``NUMBAFA_CACHE_DIR`` to a writable directory to get the cache back. The same
+happens, for want of sources to hash, in a zipped or source-less install.
 
 When a directory for new sources is created, the oldest other source-hash
-directories are deleted, keeping the :data:`KEEP_SOURCE_VERSIONS` most
-recently used. This is safe with concurrent processes: every file of a
+directories under the root are deleted, keeping the
+:data:`KEEP_SOURCE_VERSIONS` most recently used (the new one included; only
+names of that form are ever deleted). This is safe with concurrent processes: every file of a
 directory was compiled from that directory's sources, writes are atomic
 (temporary file, then rename), and a process whose directory disappears just
 compiles again (and recreates it).

@@ -130,7 +130,8 @@ def test_users_own_cached_functions_are_left_alone(tmp_path):
 
 def test_numbafa_cache_0_writes_nothing(tmp_path):
     site = make_site(tmp_path)
-    script = SCRIPT.replace("print(json.dumps({", "import numbafa\nprint(json.dumps({'cache': numbafa.backend_info()['cache'], ")
+    script = SCRIPT.replace("print(json.dumps({",
+                            "import numbafa\nprint(json.dumps({'cache': numbafa.backend_info()['cache'], ")
     result = run(tmp_path, site, script, NUMBAFA_CACHE="0")
     assert result["value"] == 42 and result["warnings"] == []
     assert result["cache"]["enabled"] is False and "NUMBAFA_CACHE=0" in result["cache"]["reason"]
