@@ -5,7 +5,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .blas import single_threaded_blas
+from .runtime import kernel_call
 from .dtypes import to_bf16_array
 from .kernels.backward import flash_attn_bwd
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, make_plan
@@ -70,7 +70,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     plan = make_plan(prob, backward=False)
     o = np.empty((bs, nheads, d_head, seqlen_q), dtype=np.float32)
     lse = np.empty((bs, nheads, seqlen_q), dtype=np.float32)
-    with single_threaded_blas():
+    with kernel_call("forward", prob.dtype.name):
         flash_attn_fwd(FwdInputs(prob.q, prob.k, prob.v, prob.sinks), FwdOutputs(o, lse), plan,
                        numba.get_num_threads())
     return _to_dtype(o, prob.dtype), (lse_to_neuron(lse) if lse_layout == "neuron" else lse)
@@ -154,7 +154,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     outs = BwdOutputs(dq, dk, dv, dsinks, np.empty(part_shape, dtype=np.float32),
                       np.empty(part_shape, dtype=np.float32))
     ins = BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks)
-    with single_threaded_blas():
+    with kernel_call("backward", prob.dtype.name):
         flash_attn_bwd(ins, outs, plan, numba.get_num_threads())
 
     grads = (_to_dtype(dq, prob.dtype), _to_dtype(dk, prob.dtype), _to_dtype(dv, prob.dtype))

@@ -1,10 +1,29 @@
 """BLAS threading around the parallel kernels.
 
 The kernels call BLAS (``np.dot`` inside ``@njit``, which Numba routes to
-SciPy's BLAS) from every ``prange`` thread. A multi-threaded BLAS under a
-multi-threaded ``prange`` oversubscribes the cores, so every kernel call runs
+SciPy's BLAS) from every work-item thread. A multi-threaded BLAS under
+multi-threaded work items oversubscribes the cores, so every kernel call runs
 inside :func:`single_threaded_blas`, which pins the BLAS libraries loaded in
 the process to one thread and restores their previous setting afterwards.
+
+The BLAS thread count is process-wide, so the pin is too: it is reference
+counted under a lock. The first call to enter saves each library's setting and
+pins it to one thread; calls that overlap it (from other Python threads) only
+count; the last one to leave restores exactly what the first one saved. The
+user's own setting therefore comes back once no numbafa kernel runs, however
+the calls of several threads interleave. While any kernel runs, BLAS calls of
+the whole process (the user's ``np.dot`` in another thread too) are
+single-threaded; a BLAS thread count set by another thread *during* a call is
+overwritten when the last call ends.
+
+Recent threadpoolctl (3.8 here) lets only one "controlling" thread change
+OpenBLAS (pthreads builds) at a time and silently ignores the others. Each
+change made here behaves like a ``with threadpool_limits(...)`` of zero
+length (it takes control only if no other thread holds it, and gives it back
+at once), and only what was really changed is restored. A library another
+thread holds (a ``threadpool_limits`` context open in the main thread while
+numbafa runs in workers, say) is left alone: the user's explicit setting
+wins, at the price of oversubscription.
 
 ``threadpoolctl`` only sees libraries that are already loaded, so SciPy's
 BLAS is imported first. Scanning the process for libraries costs about a
@@ -16,8 +35,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import threading
 
 import scipy.linalg  # noqa: F401  -- loads the BLAS Numba's np.dot calls, so it can be pinned
+import threadpoolctl
 from threadpoolctl import ThreadpoolController
 
 __all__ = ["single_threaded_blas", "blas_controller", "backend_info"]
@@ -29,11 +51,73 @@ def blas_controller() -> ThreadpoolController:
     return ThreadpoolController().select(user_api="blas")
 
 
+def _set_threads(libs, counts) -> None:
+    """Set each library's thread count, as a zero-length ``threadpool_limits`` would."""
+    ownership = getattr(threadpoolctl, "CONTROLLING_THREAD_OWNERSHIP", None)
+    if ownership is not None:
+        ownership.increment()
+    try:
+        for lib, count in zip(libs, counts):
+            lib.set_num_threads(count)
+    finally:
+        if ownership is not None:
+            ownership.decrement()  # gives control back unless this thread held it already
+
+
+class _BlasPin:
+    """The process-wide, reference-counted "BLAS on one thread" (see the module docstring)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._active = 0      # kernel calls inside the pin
+        self._saved = []      # (library, thread count) to restore when the last call leaves
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                libs = blas_controller().lib_controllers
+                before = [lib.num_threads for lib in libs]
+                _set_threads(libs, [1] * len(libs))
+                # restore only what really changed (threadpoolctl may have ignored us)
+                self._saved = [(lib, n) for lib, n in zip(libs, before) if n != 1 and lib.num_threads == 1]
+            self._active += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                saved, self._saved = self._saved, []
+                _set_threads([lib for lib, _ in saved], [n for _, n in saved])
+
+    def _after_fork_in_child(self) -> None:
+        # The calls that held the pin belong to threads the child does not have.
+        self._lock = threading.Lock()
+        if self._active:
+            self._active = 0
+            saved, self._saved = self._saved, []
+            try:
+                _set_threads([lib for lib, _ in saved], [n for _, n in saved])
+            except Exception:  # never fail a fork
+                pass
+
+
+_PIN = _BlasPin()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_PIN._after_fork_in_child)
+
+
 @contextlib.contextmanager
 def single_threaded_blas():
-    """Context in which every loaded BLAS runs on one thread (restored on exit)."""
-    with blas_controller().limit(limits=1):
+    """Context in which every loaded BLAS runs on one thread.
+
+    Reference counted across threads: the setting found when the first
+    overlapping call entered is restored when the last one leaves.
+    """
+    _PIN.enter()
+    try:
         yield
+    finally:
+        _PIN.leave()
 
 
 def _cpu_flags():
@@ -55,7 +139,7 @@ def backend_info() -> dict:
 
     ``gemm``
         How tile matmuls are computed: Numba's ``numba_xxgemm`` helper, which
-        calls SciPy's ``cython_blas.sgemm`` (:mod:`numbafa.kernels.gemm`).
+        calls SciPy's ``cython_blas.sgemm`` (:mod:`numbafa.kernels.matmul`).
     ``float32``, ``bfloat16``
         The arithmetic of each input dtype. bf16 values are widened into
         float32 tiles, so the same sgemm gives exact bf16 products with
@@ -64,26 +148,23 @@ def backend_info() -> dict:
         The BLAS libraries threadpoolctl finds (``internal_api``,
         ``version``, ``architecture``, ``filepath``, ``num_threads`` outside
         a kernel call; inside one they are pinned to 1).
-    ``threads``, ``threading_layer``
-        Numba's thread count and layer (the layer is ``None`` until the first
-        parallel kernel ran).
+    ``threads``
+        Threads each kernel call runs its work items on
+        (``numba.get_num_threads()``; :mod:`numbafa.parallel`).
     ``cpu``
         Whether the CPU advertises ``avx2``, ``fma``, ``avx512f``,
         ``avx512_bf16`` and ``amx_bf16`` (None off Linux).
     ``cache``
-        Whether kernels use Numba's on-disk cache (``NUMBAFA_CACHE``).
+        Whether the on-disk kernel cache is on and where:
+        :func:`numbafa.jit.cache_info` (``enabled``, ``dir``, ``reason``).
     """
     import numba
     import numpy
     import scipy
 
     from . import __version__
-    from .jit import JIT_FLAGS
+    from .jit import cache_info
 
-    try:
-        layer = numba.threading_layer()
-    except ValueError:  # no parallel kernel has run yet
-        layer = None
     flags = _cpu_flags()
     cpu = None if flags is None else {
         name: name in flags for name in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")}
@@ -100,7 +181,6 @@ def backend_info() -> dict:
         "bfloat16": "bf16 values in float32 tiles, sgemm: exact bf16 products, float32 accumulation",
         "blas": blas,
         "threads": numba.get_num_threads(),
-        "threading_layer": layer,
         "cpu": cpu,
-        "cache": bool(JIT_FLAGS["cache"]),
+        "cache": cache_info(),
     }

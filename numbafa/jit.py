@@ -1,20 +1,65 @@
 """The JIT policy: every ``@njit`` flag of the package, and its on-disk cache.
 
 Every ``@njit`` in the package is created through :func:`jit`, so its flags
-(``fastmath``, ``cache``, ``error_model``, ...) come from :data:`JIT_FLAGS` and
-nowhere else. ``tests/test_jit.py`` greps the sources for hard-coded flags.
+(``fastmath``, ``error_model``, ``nogil``, the cache) come from :data:`JIT_FLAGS`
+and nowhere else. ``tests/test_jit.py`` greps the sources for hard-coded flags.
 
-Flags are read when a module defining kernels is first imported. To change them,
-set the environment variables below *before* ``import numbafa``:
+Flags are read when this module is first imported (by ``import numbafa``). To
+change them, set the environment variables below *before* ``import numbafa``.
+
+The kernel cache
+----------------
+A cold first call compiles the kernels of its dtype (tens of seconds, see the
+README); with the on-disk cache, a later process loads them in about a second.
+Compiled code is kept in::
+
+    <cache root>/<source hash>-numba<numba version>-py<python version>/
+
+``<source hash>`` is a SHA-256 of every ``.py`` file of the package (path and
+content, computed at import, about a millisecond). Numba stamps each cached
+function with its own file only, so a kernel compiled against an older helper
+in another module would look fresh; keying the whole directory by the package
+sources means code compiled from different sources never shares a file, even
+when an old process (editable install, notebook) saves its code after the
+sources changed. Functions that use :func:`jit` outside the package (tests)
+are cached there too, under ``external/``, stamped by their own file as well.
+The user's own Numba functions are never touched. The ``<cache root>`` is the
+first of:
+
+``NUMBAFA_CACHE_DIR``
+    used as is;
+``NUMBA_CACHE_DIR`` (Numba's own setting)
+    ``$NUMBA_CACHE_DIR/numbafa``;
+the per-user cache directory
+    ``$XDG_CACHE_HOME/numbafa``, else ``~/.cache/numbafa``.
+
+It is never a shared temporary directory: compiled code is loaded and run, so
+it must live somewhere only the user can write. If the chosen directory cannot
+be created or written (read-only home, for example), kernels are compiled in
+every process instead and one :class:`CacheWarning` says so; set
+``NUMBAFA_CACHE_DIR`` to a writable directory to get the cache back. The same
+happens, for want of sources to hash, in a zipped or source-less install.
+
+When a directory for new sources is created, the oldest other source-hash
+directories under the root are deleted, keeping the
+:data:`KEEP_SOURCE_VERSIONS` most recently used (the new one included; only
+names of that form are ever deleted). This is safe with concurrent processes: every file of a
+directory was compiled from that directory's sources, writes are atomic
+(temporary file, then rename), and a process whose directory disappears just
+compiles again (and recreates it).
+
+Each index and data file carries a SHA-256 of its content. An entry that
+cannot be read back (truncated, garbled, unreadable by this Numba) is deleted
+and its function compiled again, with one :class:`CacheWarning`. A failed save
+(disk full, for example) never fails the computation: one
+:class:`CacheWarning` per process. :func:`cache_info` (also in
+``numbafa.backend_info()["cache"]``) says whether the cache is on and where.
 
 ``NUMBAFA_CACHE=0``
-    Compile kernels without Numba's on-disk cache. The cache is on by
-    default: a cold first call compiles the kernels of its dtype (tens of
-    seconds, see README), a cached one loads in about a second. Numba keys each cached function on its own
-    file's timestamp only, so editing a helper in another module would leave
-    a caller's cache stale; :func:`invalidate_stale_cache` therefore clears
-    the package's cache files whenever any of its sources changed
-    (checked once at import, ~1 ms).
+    Compile kernels without the on-disk cache (nothing is read or written).
+
+``NUMBAFA_CACHE_DIR``
+    The cache root, see above.
 
 ``fastmath`` is restricted to ``{"contract"}`` and not configurable: it lets
 LLVM fuse ``a * b + c`` into one FMA (faster, and never less accurate), but
@@ -22,17 +67,46 @@ forbids reassociation, flush-to-zero and "no NaN/inf" assumptions, which
 would make the results depend on the compiler rather than on the algorithm
 (and break the bit tricks of :mod:`numbafa.kernels.fastexp`). The bf16
 rounding points are unaffected: they are explicit integer operations.
+
+Notes
+-----
+The cache plugs into Numba's own caching classes (``numba.core.caching``:
+a cache locator, the compile-result cache, the index/data file), which are
+internal to Numba: ``tests/test_cache.py`` checks the wiring end to end.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import inspect
+import io
 import os
 import pathlib
+import pickle
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import warnings
 
 import numba
+from numba.core import caching
 
-__all__ = ["JIT_FLAGS", "jit", "invalidate_stale_cache"]
+__all__ = ["JIT_FLAGS", "jit", "cache_info", "source_hash", "CacheWarning", "KEEP_SOURCE_VERSIONS"]
+
+#: The package directory: functions defined under it are "the package's".
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+
+#: How many source-hash directories survive pruning (the current one included).
+KEEP_SOURCE_VERSIONS = 4
+
+_HASH_DIR = re.compile(r"^[0-9a-f]{16}-numba[0-9A-Za-z.+_]+-py[0-9]+$")
+
+
+class CacheWarning(UserWarning):
+    """The on-disk kernel cache could not be used as intended; results are unaffected."""
 
 
 def _env_flag(name: str, default: str) -> bool:
@@ -40,40 +114,123 @@ def _env_flag(name: str, default: str) -> bool:
     return value not in ("", "0", "false", "no", "off")
 
 
-def invalidate_stale_cache(package_dir) -> bool:
-    """Delete the Numba cache files under ``package_dir`` if any ``.py`` there changed.
+def source_hash(package_dir=PACKAGE_DIR) -> str:
+    """SHA-256 (hex) of every ``.py`` file under ``package_dir``: relative path and content.
 
-    A SHA-256 of every source file (path and content) is kept in
-    ``__pycache__/numbafa-sources.sha256``. Returns True if caches were
-    cleared. A read-only tree is left alone (Numba then caches elsewhere,
-    and an installed package only changes by reinstalling, which renews
-    every file's timestamp and so every cache entry).
+    Raises
+    ------
+    FileNotFoundError
+        No ``.py`` file there (a zipped or source-less install): nothing to key a cache by.
     """
     package_dir = pathlib.Path(package_dir)
+    sources = sorted(package_dir.rglob("*.py"))
+    if not sources:
+        raise FileNotFoundError(f"no Python sources under {package_dir}")
     digest = hashlib.sha256()
-    for path in sorted(package_dir.rglob("*.py")):
-        digest.update(str(path.relative_to(package_dir)).encode())
+    for path in sources:
+        digest.update(str(path.relative_to(package_dir).as_posix()).encode() + b"\0")
         digest.update(path.read_bytes())
-    marker = package_dir / "__pycache__" / "numbafa-sources.sha256"
-    try:
-        if marker.read_text() == digest.hexdigest():
-            return False
-    except OSError:
-        pass
-    try:
-        for stale in list(package_dir.rglob("__pycache__/*.nbi")) + list(package_dir.rglob("__pycache__/*.nbc")):
-            stale.unlink()
-        marker.parent.mkdir(exist_ok=True)
-        marker.write_text(digest.hexdigest())
-    except OSError:
-        return False
-    return True
+        digest.update(b"\0")
+    return digest.hexdigest()
 
 
-#: Flags shared by every jitted function of the package.
+def _cache_root():
+    """The cache root and the setting it came from, or ``(None, why)``."""
+    explicit = os.environ.get("NUMBAFA_CACHE_DIR", "").strip()
+    if explicit:
+        return pathlib.Path(explicit).expanduser().absolute(), "NUMBAFA_CACHE_DIR"
+    if numba.config.CACHE_DIR:
+        return pathlib.Path(numba.config.CACHE_DIR).expanduser().absolute() / "numbafa", "NUMBA_CACHE_DIR"
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    if xdg and os.path.isabs(xdg):
+        return pathlib.Path(xdg) / "numbafa", "XDG_CACHE_HOME"
+    home = os.path.expanduser("~")
+    if home == "~" or not os.path.isabs(home):
+        return None, "no home directory"
+    return pathlib.Path(home) / ".cache" / "numbafa", "~/.cache"
+
+
+def _prune(root: pathlib.Path, current: pathlib.Path) -> None:
+    """Delete all but the most recently used source-hash directories under ``root``."""
+
+    def last_used(path):
+        try:
+            return path.stat().st_mtime
+        except OSError:
+            return 0.0
+
+    try:
+        others = [p for p in root.iterdir() if p != current and _HASH_DIR.match(p.name) and p.is_dir()]
+    except OSError:
+        return
+    others.sort(key=last_used, reverse=True)
+    for old in others[KEEP_SOURCE_VERSIONS - 1:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CacheConfig:
+    enabled: bool
+    directory: pathlib.Path | None
+    reason: str
+
+
+def _resolve_cache() -> _CacheConfig:
+    """Decide, once per process, whether and where kernels are cached (may warn once)."""
+    if not _env_flag("NUMBAFA_CACHE", "1"):
+        return _CacheConfig(False, None, "disabled by NUMBAFA_CACHE=0")
+    root, origin = _cache_root()
+    how = ("set NUMBAFA_CACHE_DIR (or NUMBA_CACHE_DIR) to a writable directory to cache them, "
+           "or NUMBAFA_CACHE=0 to compile without a cache silently")
+    try:
+        digest = source_hash()
+    except FileNotFoundError as exc:
+        reason = f"cannot key the cache by the package sources ({exc})"
+    else:
+        if root is None:
+            reason = f"no cache directory ({origin}); {how}"
+        else:
+            version = f"numba{numba.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+            directory = root / f"{digest[:16]}-{version}"
+            try:
+                new = not directory.is_dir()
+                directory.mkdir(parents=True, exist_ok=True)
+                tempfile.TemporaryFile(dir=directory).close()
+                os.utime(directory)  # last used: pruning keeps the recently used ones
+            except OSError as exc:
+                reason = f"cannot write the cache directory {directory} (from {origin}): {exc}; {how}"
+            else:
+                if new:
+                    _prune(root, directory)
+                return _CacheConfig(True, directory, f"from {origin}")
+    warnings.warn(f"numbafa: kernels are compiled in every process (tens of seconds per kernel "
+                  f"and dtype): {reason}", CacheWarning, stacklevel=2)
+    return _CacheConfig(False, None, reason)
+
+
+_CACHE = _resolve_cache()
+
+
+def cache_info() -> dict:
+    """Whether the on-disk kernel cache is on, where, and why (JSON-serialisable).
+
+    Returns
+    -------
+    dict
+        ``enabled`` (bool), ``dir`` (the source-hash directory, or None) and
+        ``reason`` (where the directory setting came from, or why the cache
+        is off).
+    """
+    return {"enabled": _CACHE.enabled,
+            "dir": None if _CACHE.directory is None else str(_CACHE.directory),
+            "reason": _CACHE.reason}
+
+
+#: Flags shared by every jitted function of the package. ``cache`` says whether
+#: the on-disk cache is on (see the module docstring); the others go to Numba.
 JIT_FLAGS: dict = {
     "fastmath": frozenset({"contract"}),
-    "cache": _env_flag("NUMBAFA_CACHE", "1"),
+    "cache": _CACHE.enabled,
     # 'numpy' error model: float division by zero gives inf/nan instead of
     # raising, as in NumPy, and lets LLVM vectorise divisions.
     "error_model": "numpy",
@@ -81,20 +238,198 @@ JIT_FLAGS: dict = {
 }
 
 
-if JIT_FLAGS["cache"]:
-    invalidate_stale_cache(pathlib.Path(__file__).parent)
+# -- warnings, once ---------------------------------------------------------------------------
+
+_warned: set = set()          # keys of the CacheWarnings already given in this process
+_warned_lock = threading.Lock()
+
+
+def _warn_once(key, message: str) -> None:
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, CacheWarning, stacklevel=2)
+
+
+# -- the cache classes ------------------------------------------------------------------------
+
+_MAGIC = b"numbafa-cache-1\n"
+
+
+class _CorruptCacheFile(Exception):
+    """A cache file whose checksum does not match its content."""
+
+
+def _seal(payload: bytes) -> bytes:
+    return _MAGIC + hashlib.sha256(payload).digest() + payload
+
+
+def _unseal(raw: bytes, path) -> bytes:
+    head = len(_MAGIC) + 32
+    payload = raw[head:]
+    if raw[:len(_MAGIC)] != _MAGIC or hashlib.sha256(payload).digest() != raw[len(_MAGIC):head]:
+        raise _CorruptCacheFile(f"{os.path.basename(path)}: checksum mismatch ({len(raw)} bytes)")
+    return payload
+
+
+def _cache_path_for(py_file: str) -> str:
+    """The directory caching the functions of ``py_file``."""
+    parent = pathlib.Path(py_file).resolve().parent
+    try:
+        sub = parent.relative_to(PACKAGE_DIR)
+    except ValueError:  # jit() used outside the package (tests): keyed by the folder's path
+        sub = pathlib.Path("external", f"{parent.name}_{hashlib.sha1(str(parent).encode()).hexdigest()[:12]}")
+    return str(_CACHE.directory / sub)
+
+
+class _Locator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
+    """Numba cache locator: the source-hash directory, stamped by the function's own file."""
+
+    def __init__(self, py_func, py_file):
+        self._py_file = py_file
+        self._lineno = py_func.__code__.co_firstlineno
+        self._cache_path = _cache_path_for(py_file)
+
+    def get_cache_path(self):
+        return self._cache_path
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        return cls(py_func, py_file)
+
+
+_CompileResultCacheImpl = getattr(caching, "CompileResultCacheImpl", None) or caching._CompileResultCacheImpl
+
+
+class _CacheImpl(_CompileResultCacheImpl):
+    """Numba's compile-result serialisation with :class:`_Locator` (no locator search)."""
+
+    def __init__(self, py_func):
+        self._lineno = py_func.__code__.co_firstlineno
+        qualname = getattr(py_func, "__qualname__", py_func.__name__)
+        source_path = inspect.getfile(py_func)
+        self._locator = _Locator.from_function(py_func, source_path)
+        modname = os.path.splitext(os.path.basename(source_path))[0]
+        self._filename_base = self.get_filename_base(f"{modname}.{qualname}", getattr(sys, "abiflags", ""))
+
+
+class _CheckedFiles(caching.IndexDataCacheFile):
+    """Numba's index + data files, each sealed with a SHA-256 of its content."""
+
+    def _save_index(self, overloads):
+        payload = pickle.dumps(self._version, protocol=-1) + self._dump((self._source_stamp, overloads))
+        with self._open_for_write(self._index_path) as f:
+            f.write(_seal(payload))
+
+    def _load_index(self):
+        try:
+            with open(self._index_path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return {}
+        stream = io.BytesIO(_unseal(raw, self._index_path))
+        if pickle.load(stream) != self._version:
+            return {}  # another Numba's entry: overwritten by the next save
+        stamp, overloads = pickle.loads(stream.read())
+        return overloads if stamp == self._source_stamp else {}
+
+    def _save_data(self, name, data):
+        with self._open_for_write(self._data_path(name)) as f:
+            f.write(_seal(self._dump(data)))
+
+    def _load_data(self, name):
+        path = self._data_path(name)
+        with open(path, "rb") as f:
+            raw = f.read()
+        return pickle.loads(_unseal(raw, path))
+
+
+class _Cache(caching.FunctionCache):
+    """A Numba function cache that recovers from bad entries and never fails a call.
+
+    * a cached entry that cannot be loaded (checksum mismatch, unpickling or
+      LLVM error) is deleted, with one :class:`CacheWarning`; Numba then
+      compiles the function and saves it afresh;
+    * a save that fails (disk full, directory removed, ...) warns once per
+      process and is otherwise ignored: the compiled code is already in use.
+    """
+
+    _impl_class = _CacheImpl
+
+    def __init__(self, py_func):
+        super().__init__(py_func)
+        self._cache_file = _CheckedFiles(cache_path=self._cache_path,
+                                         filename_base=self._impl.filename_base,
+                                         source_stamp=self._impl.locator.get_source_stamp())
+
+    def _load_overload(self, sig, target_context):
+        try:
+            return super()._load_overload(sig, target_context)
+        except Exception as exc:  # any unreadable entry: drop it and compile
+            removed = self._drop_entries()
+            _warn_once(("corrupt", self._cache_path, self._impl.filename_base),
+                       f"numbafa: the kernel cache entry of {self._py_func.__qualname__} in "
+                       f"{self._cache_path} was corrupt or unreadable ({type(exc).__name__}: {exc}); "
+                       f"deleted {removed} file(s), compiling it again")
+            return None
+
+    def save_overload(self, sig, data):
+        try:
+            super().save_overload(sig, data)
+        except Exception as exc:  # the compiled code is in memory already: only the cache misses out
+            _warn_once("save", f"numbafa: could not save compiled code to the kernel cache in "
+                               f"{_CACHE.directory} ({exc}); results are unaffected, but later "
+                               f"processes compile again")
+
+    def _drop_entries(self) -> int:
+        """Delete this function's index and data files; return how many went."""
+        base = self._impl.filename_base
+        data = re.compile(re.escape(base) + r"\.[0-9]+\.nbc$")
+        removed = 0
+        try:
+            names = os.listdir(self._cache_path)
+        except OSError:
+            return 0
+        for name in names:
+            if name == base + ".nbi" or data.match(name):
+                try:
+                    os.unlink(os.path.join(self._cache_path, name))
+                    removed += 1
+                except OSError:
+                    pass
+        return removed
+
+
+def _enable_cache(dispatcher) -> None:
+    """Give ``dispatcher`` the package's disk cache (what ``cache=True`` does with Numba's)."""
+    try:
+        source = inspect.getfile(dispatcher.py_func)
+    except TypeError:
+        return
+    if os.path.exists(source):  # not for "<stdin>", "<string>", ...
+        dispatcher._cache = _Cache(dispatcher.py_func)
 
 
 def jit(*, parallel: bool = False, inline: bool = False):
-    """Return ``numba.njit`` configured with :data:`JIT_FLAGS`.
+    """Return a decorator like ``numba.njit``, configured with :data:`JIT_FLAGS`.
 
     Parameters
     ----------
     parallel : bool
-        Only the top-level kernels that ``prange`` over work units set this.
+        For kernels with a ``prange`` loop; numbafa's own kernels have none (numbafa.parallel).
     inline : bool
         Inline at the Numba IR level (``inline="always"``): for tiny scalar
         functions called in vectorised inner loops.
     """
-    flags = dict(JIT_FLAGS, fastmath=set(JIT_FLAGS["fastmath"]))
-    return numba.njit(parallel=parallel, inline="always" if inline else "never", **flags)
+    flags = {key: value for key, value in JIT_FLAGS.items() if key != "cache"}
+    flags["fastmath"] = set(flags["fastmath"])
+    njit = numba.njit(parallel=parallel, inline="always" if inline else "never", **flags)
+
+    def decorate(func):
+        dispatcher = njit(func)
+        if JIT_FLAGS["cache"]:
+            _enable_cache(dispatcher)
+        return dispatcher
+
+    return decorate

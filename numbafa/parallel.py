@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import numba
+
 __all__ = ["parallel_for"]
 
 
@@ -37,6 +39,10 @@ def parallel_for(kernel, n_items: int, args: tuple, n_threads: int) -> None:
         Threads to use (at most ``n_items``); 1 runs the items in order in
         the calling thread. Exceptions raised by an item propagate.
     """
+    # Compile (or load from the on-disk cache) once, in the calling thread, before any
+    # item runs: the threads then share the compiled code instead of queueing on Numba's
+    # compiler lock, and the compile announcement (numbafa.runtime) sees its call.
+    kernel.compile(tuple(numba.typeof(a) for a in args) + (numba.types.int64,))
     n_threads = max(1, min(int(n_threads), n_items))
     if n_threads == 1:
         for item in range(n_items):

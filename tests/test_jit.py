@@ -1,4 +1,7 @@
-"""JIT flags live in one place (numbafa.jit); its cache is never stale."""
+"""JIT flags live in one place (numbafa.jit); its cache is keyed by the package sources.
+
+The cache itself (location, recovery, fallbacks) is tested end to end in test_cache.py.
+"""
 
 from __future__ import annotations
 
@@ -39,20 +42,32 @@ def test_fastmath_only_contracts():
     assert set(jit_policy.JIT_FLAGS["fastmath"]) == {"contract"}
 
 
-def test_stale_cache_is_cleared_when_any_source_changes(tmp_path):
+def test_source_hash_changes_when_any_source_changes(tmp_path):
     pkg = tmp_path / "pkg"
-    (pkg / "kernels" / "__pycache__").mkdir(parents=True)
+    (pkg / "kernels").mkdir(parents=True)
     (pkg / "a.py").write_text("x = 1\n")
     (pkg / "kernels" / "b.py").write_text("y = 2\n")
-    cached = pkg / "kernels" / "__pycache__" / "b.f-1.py311.nbi"
-    cached.write_text("index")
-    assert jit_policy.invalidate_stale_cache(pkg)            # first time: no fingerprint yet
-    cached.write_text("index")
-    assert not jit_policy.invalidate_stale_cache(pkg)        # nothing changed: cache kept
-    assert cached.exists()
-    (pkg / "a.py").write_text("x = 2\n")                 # another module's source changed
-    assert jit_policy.invalidate_stale_cache(pkg)
-    assert not cached.exists()
+    first = jit_policy.source_hash(pkg)
+    assert len(first) == 64 and jit_policy.source_hash(pkg) == first
+    (pkg / "kernels" / "b.nbi").write_text("not a source")       # cache files do not count
+    assert jit_policy.source_hash(pkg) == first
+    (pkg / "a.py").write_text("x = 2\n")                         # another module's source changed
+    second = jit_policy.source_hash(pkg)
+    assert second != first
+    (pkg / "a.py").rename(pkg / "c.py")                           # a rename too
+    assert jit_policy.source_hash(pkg) not in (first, second)
+    with pytest.raises(FileNotFoundError):                       # no sources: nothing to key by
+        jit_policy.source_hash(tmp_path / "empty")
+
+
+def test_the_package_uses_its_own_cache_directory():
+    info = jit_policy.cache_info()
+    assert jit_policy.JIT_FLAGS["cache"] is info["enabled"]
+    if info["enabled"]:
+        name = pathlib.Path(info["dir"]).name
+        assert name.startswith(jit_policy.source_hash()[:16] + "-numba")
+        from numbafa.kernels.backward import bwd_work_item
+        assert bwd_work_item.stats.cache_path.startswith(info["dir"])
 
 
 def test_kernel_functions_stay_small():

@@ -1,0 +1,121 @@
+"""The guard around every kernel call: :func:`kernel_call`.
+
+``numbafa.attention_fwd`` and ``numbafa.attention_bwd`` (and so
+``numbafa.attention``) run their kernel inside ``with kernel_call(kernel,
+dtype):``, which
+
+1. pins BLAS to one thread while any kernel runs (:mod:`numbafa.blas`);
+2. announces a real compilation before it starts, once per kernel and dtype.
+
+Thread safety
+-------------
+The public functions may be called from several Python threads at once, and
+the calls run concurrently: each call runs its work items on threads of its
+own (:mod:`numbafa.parallel`), in jitted code that releases the GIL, and
+writes only its own outputs, so results never depend on the interleaving.
+numbafa launches no Numba parallel region (no ``prange``), so it works under
+every Numba threading layer, ``workqueue`` included (which aborts the
+process on concurrent parallel launches). The BLAS pin is shared and
+reference counted (see :mod:`numbafa.blas`). Several calls at once each use
+``numba.get_num_threads()`` threads: more threads than cores in total, which
+is correct but not faster than calling one after the other.
+
+Compile announcement
+--------------------
+The first call of a kernel for a dtype compiles it (roughly tens of seconds)
+unless the on-disk cache (:mod:`numbafa.jit`) holds it. Just before Numba
+starts compiling inside a kernel call, logger ``"numbafa"`` emits one WARNING
+naming the kernel, the dtype and where the compiled code is cached. It is
+triggered by Numba's ``"numba:compile"`` event, which fires only for a real
+compilation (not for a cache load), so it is shown by default exactly when
+there is a wait to explain. WARNING rather than INFO because Python shows
+only WARNING and above when logging is not configured, and a silent
+40-second first call looks like a hang; it happens at most once per kernel
+and dtype per process, and normally once per machine and numbafa version.
+Silence it with ``logging.getLogger("numbafa").setLevel(logging.ERROR)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+
+import numba
+from numba.core import event
+
+from .blas import single_threaded_blas
+from .jit import cache_info
+
+__all__ = ["kernel_call"]
+
+logger = logging.getLogger("numbafa")
+
+class _CompileAnnouncer(event.Listener):
+    """Logs one WARNING per (kernel, dtype) when Numba really compiles inside a kernel call."""
+
+    def __init__(self):
+        self._current = threading.local()   # .call: the (kernel, dtype) this thread runs
+        self._announced = set()              # (kernel, dtype) already announced
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def calling(self, kernel: str, dtype: str):
+        previous = getattr(self._current, "call", None)
+        self._current.call = (kernel, dtype)
+        try:
+            yield
+        finally:
+            self._current.call = previous
+
+    def on_start(self, ev):
+        call = getattr(self._current, "call", None)
+        if call is None:
+            return
+        with self._lock:
+            if call in self._announced:
+                return
+            self._announced.add(call)
+        kernel, dtype = call
+        cache = cache_info()
+        if cache["enabled"]:
+            where = f"the compiled code is cached in {cache['dir']} for later processes"
+        else:
+            where = f"the on-disk cache is off ({cache['reason']}), so every new process compiles again"
+        logger.warning("numbafa: compiling the %s kernel for %s inputs; this happens once per "
+                       "kernel and dtype and takes roughly tens of seconds; %s.", kernel, dtype, where)
+
+    def on_end(self, ev):
+        pass
+
+    def _after_fork_in_child(self):
+        self._lock = threading.Lock()
+
+
+_ANNOUNCER = _CompileAnnouncer()
+event.register("numba:compile", _ANNOUNCER)
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_ANNOUNCER._after_fork_in_child)
+
+
+@contextlib.contextmanager
+def kernel_call(kernel: str, dtype: str):
+    """The context every numbafa kernel runs in.
+
+    Pins BLAS to one thread while it runs (reference counted across
+    threads) and announces a real compilation once per kernel and dtype
+    (logger ``"numbafa"``, WARNING); the kernel is compiled in the calling
+    thread (:func:`numbafa.parallel.parallel_for`). See the module docstring for the thread-safety
+    guarantees.
+
+    Parameters
+    ----------
+    kernel : str
+        The kernel's name for the announcement (``"forward"``, ``"backward"``).
+    dtype : str
+        The input dtype's name (``"float32"``, ``"bfloat16"``).
+    """
+    with single_threaded_blas(), _ANNOUNCER.calling(kernel, dtype):
+        yield

@@ -1,0 +1,195 @@
+"""The guard around every kernel call: threading layers, and the compile announcement."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import numba
+import numpy as np
+import pytest
+
+import numbafa
+
+# Several Python threads calling the backward at once, checked against one call.
+THREADED_CALLS = '''\
+import threading
+import numpy as np
+import numbafa
+
+rng = np.random.default_rng(0)
+q, k, v, o, dy = (rng.standard_normal((1, 2, 64, 256), dtype=np.float32) for _ in range(5))
+lse = np.abs(rng.standard_normal((1, 2, 256), dtype=np.float32)) + 5
+expected = numbafa.attention_bwd(q, k, v, o, dy, lse)
+errors = []
+
+def calls():
+    try:
+        for _ in range(4):
+            got = numbafa.attention_bwd(q, k, v, o, dy, lse)
+            assert all(np.array_equal(a, b) for a, b in zip(got, expected))
+    except Exception as exc:
+        errors.append(repr(exc))
+
+threads = [threading.Thread(target=calls) for _ in range(3)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("calls", errors)
+'''
+
+
+def _run(script, **env):
+    proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, **env),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stderr[-3000:]}"
+    return proc.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("layer", ["workqueue", "default"])
+def test_threads_calling_at_once_get_the_single_call_result(layer):
+    # workqueue is Numba's fallback when neither TBB nor OpenMP is there; it aborts the
+    # process (SIGABRT) on concurrent parallel launches, which numbafa never makes.
+    assert _run(THREADED_CALLS, NUMBA_THREADING_LAYER=layer) == "calls []"
+
+
+GUARDED_PROBE = '''\
+import threading, time
+from numbafa.runtime import kernel_call
+
+inside, overlap = [0], [0]
+lock = threading.Lock()
+
+def calls():
+    for _ in range(20):
+        with kernel_call("probe", "float64"):
+            with lock:
+                inside[0] += 1
+                overlap[0] = max(overlap[0], inside[0])
+            time.sleep(0.002)
+            with lock:
+                inside[0] -= 1
+
+threads = [threading.Thread(target=calls) for _ in range(3)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(overlap[0])
+'''
+
+
+def test_kernel_calls_are_never_serialised():
+    assert int(_run(GUARDED_PROBE, NUMBA_THREADING_LAYER="workqueue")) > 1
+
+
+def test_api_names_kernel_and_dtype(monkeypatch):
+    from numbafa import api, runtime
+
+    calls = []
+
+    def recording(kernel, dtype):
+        calls.append((kernel, dtype))
+        return runtime.kernel_call(kernel, dtype)
+
+    monkeypatch.setattr(api, "kernel_call", recording)
+    q = np.ones((1, 1, 8, 128), np.float32)
+    o, lse = numbafa.attention_fwd(q, q, q)
+    numbafa.attention_bwd(q, q, q, o, q, lse)
+    assert calls == [("forward", "float32"), ("backward", "float32")]
+
+
+def _announcements(records):
+    return [r for r in records if r.name == "numbafa" and "compiling" in r.getMessage()]
+
+
+def test_a_real_compile_is_announced_once_before_it_happens(caplog):
+    from numbafa.runtime import kernel_call
+
+    @numba.njit
+    def fresh(x):
+        return x + 1
+
+    def logged():
+        return _announcements(caplog.records)
+
+    with caplog.at_level(logging.INFO, logger="numbafa"):
+        fresh(1)                                                # compiled outside a kernel call
+        assert logged() == []
+        with kernel_call("announced", "float32"):
+            fresh(1.0)
+        (record,) = logged()
+        assert record.levelno == logging.WARNING
+        message = record.getMessage()
+        assert "announced kernel" in message and "float32" in message and "once" in message
+        assert "cache" in message
+        with kernel_call("announced", "float32"):
+            fresh(2.0)                                          # already compiled: silent
+        with kernel_call("announced", "float32"):
+            fresh(np.float32(1))                                # compiles again, same kernel/dtype
+        assert len(logged()) == 1
+        with kernel_call("announced", "int64"):
+            fresh(np.int8(1))
+        assert len(logged()) == 2 and "int64" in logged()[1].getMessage()
+
+
+def test_announced_by_default_only_when_really_compiling(tmp_path):
+    # No logging configuration: Python's last-resort handler prints the WARNING to
+    # stderr. A later process loads the probe from the cache and stays silent.
+    from test_cache import clean_env, make_site
+
+    site = make_site(tmp_path)
+    script = ("import numbafa._probe as p\nfrom numbafa.runtime import kernel_call\n"
+              "with kernel_call('probe', 'int64'):\n    print(int(p.probe(41)))\n")
+
+    def stderr():
+        proc = subprocess.run([sys.executable, "-c", script], env=clean_env(tmp_path, site),
+                              cwd=tmp_path, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0 and proc.stdout.strip() == "42", proc.stderr
+        return proc.stderr
+
+    cold = stderr()
+    assert "compiling the probe kernel for int64 inputs" in cold, cold
+    assert str(tmp_path / "cache") in cold
+    assert "compiling" not in stderr()
+
+
+FORK_WHILE_HELD = '''\
+import os, threading
+import numbafa.blas
+from numbafa.runtime import kernel_call
+
+entered, release = threading.Event(), threading.Event()
+
+def hold():
+    with kernel_call("probe", "float32"):   # holds the BLAS pin's lock and count
+        entered.set()
+        release.wait(30)
+
+holder = threading.Thread(target=hold)
+holder.start()
+entered.wait(10)
+pid = os.fork()
+if pid == 0:  # the child has no holder thread: its guard must start afresh
+    done = threading.Event()
+
+    def enter():
+        with kernel_call("probe", "float32"):
+            done.set()
+
+    threading.Thread(target=enter, daemon=True).start()
+    os._exit(0 if done.wait(10) else 3)
+_, status = os.waitpid(pid, 0)
+release.set()
+holder.join()
+print(os.waitstatus_to_exitcode(status))
+'''
+
+
+def test_fork_while_a_kernel_call_is_active_does_not_deadlock_the_child():
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork")
+    assert _run(FORK_WHILE_HELD, NUMBA_THREADING_LAYER="workqueue") == "0"
