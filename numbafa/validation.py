@@ -4,6 +4,15 @@ Every contract is checked here, before any kernel runs, and reported as a
 ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape or value)
 that names the argument and gives the expected and the actual value. The
 kernels themselves never validate.
+
+Conventions shared with the upstream NKI kernel:
+
+``softmax_scale``
+    ``None`` or ``0.0`` selects the default ``1 / sqrt(d_head)`` (upstream
+    computes ``softmax_scale or 1 / sqrt(d_head)``). Any other finite value
+    is used as given, negative ones included. The kernels use the scale as
+    a float32, so it must be finite in float32: ``|softmax_scale| <=
+    3.4028235e+38`` (``1e39`` is rejected like NaN and inf).
 """
 
 from __future__ import annotations
@@ -19,6 +28,9 @@ from .config import Q_TILE, jit
 from .dtypes import is_bf16, widen
 
 __all__ = ["Problem", "validate_bwd_inputs", "validate_fwd_inputs"]
+
+#: Largest finite float32, the bound of ``|softmax_scale|``.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 
@@ -82,6 +94,11 @@ def _as_kernel_array(x: np.ndarray) -> np.ndarray:
     return x.view(np.uint16) if is_bf16(x.dtype) else x
 
 
+def _short_repr(x, limit: int = 40) -> str:
+    text = repr(float(x)) if isinstance(x, (float, np.floating)) else repr(x)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _require_array(name: str, x) -> np.ndarray:
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
@@ -112,14 +129,21 @@ def _require_finite(name: str, arr: np.ndarray) -> None:
 
 
 def _validate_scale(softmax_scale, d_head: int) -> float:
+    """The scale the kernels use; ``None`` and 0 select ``1 / sqrt(d_head)`` (upstream's ``or``)."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(d_head)
     if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
-    scale = float(softmax_scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"softmax_scale must be finite, got {scale}")
-    return scale
+    try:
+        scale = float(softmax_scale)
+    except OverflowError:  # an int beyond float64
+        scale = math.inf
+    with np.errstate(over="ignore"):
+        finite = bool(np.isfinite(np.float32(scale)))  # the kernels' value: 1e39 -> inf
+    if not finite:
+        raise ValueError(f"softmax_scale must be finite in float32 (|softmax_scale| <= {FLOAT32_MAX:.8g}), "
+                         f"got {_short_repr(softmax_scale)}")
+    return scale if scale != 0.0 else 1.0 / math.sqrt(d_head)
 
 
 def _validate_window(sliding_window, use_causal_mask: bool, seqlen_k: int) -> int:

@@ -60,8 +60,16 @@ BAD = [
     ({"sliding_window": 64}, ValueError, "sliding_window=64 requires use_causal_mask=True"),
     ({"sliding_window": -1, "use_causal_mask": True}, ValueError, "sliding_window must be >= 0"),
     ({"sliding_window": 64.0, "use_causal_mask": True}, TypeError, "sliding_window must be an int or None, got float"),
-    ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be finite, got nan"),
-    ({"softmax_scale": float("inf")}, ValueError, "softmax_scale must be finite, got inf"),
+    ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be finite in float32 (|softmax_scale| <= "
+                                                  "3.4028235e+38), got nan"),
+    ({"softmax_scale": float("inf")}, ValueError, "softmax_scale must be finite in float32"),
+    # Finite in float64, inf in float32: the kernels' scale.
+    ({"softmax_scale": 1e39}, ValueError, "softmax_scale must be finite in float32 (|softmax_scale| <= "
+                                          "3.4028235e+38), got 1e+39"),
+    ({"softmax_scale": -1e39}, ValueError, "got -1e+39"),
+    ({"softmax_scale": np.float64(3.5e38)}, ValueError, "softmax_scale must be finite in float32"),
+    ({"softmax_scale": 10 ** 400}, ValueError, "softmax_scale must be finite in float32"),
+    ({"softmax_scale": True}, TypeError, "softmax_scale must be a real number or None, got bool"),
     ({"softmax_scale": "0.1"}, TypeError, "softmax_scale must be a real number or None, got str"),
     ({"lse_ref": np.zeros((1, 4, 128, 2), np.float64)}, TypeError, "lse_ref must be float32, got float64"),
     ({"lse_ref": np.zeros((1, 4, 2, 128), np.float32)}, ValueError,
@@ -134,3 +142,38 @@ def test_numpy_bool_flags_accepted():
     inputs = good_inputs()
     a = numbafa.attention_bwd(**inputs, use_causal_mask=np.bool_(True))
     assert a[0].shape == inputs["q_ref"].shape
+
+
+@pytest.mark.parametrize("zero", [0.0, -0.0, 0, np.float32(0.0)])
+def test_zero_scale_means_default_scale(zero):
+    """Upstream NKI computes ``softmax_scale or 1 / sqrt(d_head)``: 0.0 selects the default."""
+    inputs = good_inputs()
+    a = numbafa.attention_bwd(**inputs, softmax_scale=None)
+    b = numbafa.attention_bwd(**inputs, softmax_scale=zero)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    q, k, v = inputs["q_ref"], inputs["k_ref"], inputs["v_ref"]
+    np.testing.assert_array_equal(numbafa.attention_fwd(q, k, v, softmax_scale=zero)[0],
+                                  numbafa.attention_fwd(q, k, v)[0])
+
+
+def test_negative_scale_is_allowed_and_correct():
+    from numbafa import golden
+    from _tolerances import FLOAT32, assert_close
+
+    inputs = good_inputs()
+    q, k, v, dy = inputs["q_ref"], inputs["k_ref"], inputs["v_ref"], inputs["dy_ref"]
+    o, lse = numbafa.attention_fwd(q, k, v, use_causal_mask=True, softmax_scale=-0.3, lse_layout="natural")
+    o_exp, lse_exp = golden.attention_fwd(q, k, v, use_causal_mask=True, softmax_scale=-0.3)
+    assert_close(o, o_exp, FLOAT32, "o")
+    grads = numbafa.attention_bwd(q, k, v, o, dy, lse, use_causal_mask=True, softmax_scale=-0.3)
+    expected = golden.attention_bwd(q, k, v, None, dy, None, use_causal_mask=True, softmax_scale=-0.3)
+    for got, exp, name in zip(grads, expected, ("dq", "dk", "dv")):
+        assert_close(got, exp, FLOAT32, name)
+
+
+def test_validation_documents_the_scale_and_window_conventions():
+    from numbafa import validation
+
+    doc = " ".join(validation.__doc__.split())
+    assert "softmax_scale or 1 / sqrt(d_head)" in doc and "negative" in doc and "float32" in doc
