@@ -13,6 +13,11 @@ Conventions shared with the upstream NKI kernel:
     is used as given, negative ones included. The kernels use the scale as
     a float32, so it must be finite in float32: ``|softmax_scale| <=
     3.4028235e+38`` (``1e39`` is rejected like NaN and inf).
+``sliding_window``
+    ``None`` or any int ``< 1`` (upstream passes ``-1``) means no window,
+    with or without ``use_causal_mask``. A window ``w >= 1`` needs
+    ``use_causal_mask=True`` and is capped at ``seqlen_k``. Bools and
+    non-integers are rejected.
 """
 
 from __future__ import annotations
@@ -147,15 +152,18 @@ def _validate_scale(softmax_scale, d_head: int) -> float:
 
 
 def _validate_window(sliding_window, use_causal_mask: bool, seqlen_k: int) -> int:
+    """The window the kernels use: 0 for none (``None`` or any int < 1, as upstream's -1)."""
     if sliding_window is None:
         return 0
     if isinstance(sliding_window, (bool, np.bool_)) or not isinstance(sliding_window, numbers.Integral):
-        raise TypeError(f"sliding_window must be an int or None, got {type(sliding_window).__name__}")
+        raise TypeError(f"sliding_window must be an int or None (None or a value < 1: no window), got "
+                        f"{type(sliding_window).__name__}")
     window = int(sliding_window)
-    if window < 0:
-        raise ValueError(f"sliding_window must be >= 0 (0 or None: no window), got {window}")
-    if window > 0 and not use_causal_mask:
-        raise ValueError(f"sliding_window={window} requires use_causal_mask=True, got use_causal_mask=False")
+    if window < 1:
+        return 0
+    if not use_causal_mask:
+        raise ValueError(f"sliding_window={window} requires use_causal_mask=True (None or a value < 1: no "
+                         f"window), got use_causal_mask=False")
     return min(window, seqlen_k)
 
 

@@ -57,9 +57,13 @@ BAD = [
     ({"k_ref": np.zeros((1, 2, 16, 128), np.float32), "v_ref": np.zeros((1, 2, 16, 128), np.float32),
       "use_causal_mask": True}, ValueError,
      "use_causal_mask=True requires seqlen_q == seqlen_k, got seqlen_q=256, seqlen_k=128"),
-    ({"sliding_window": 64}, ValueError, "sliding_window=64 requires use_causal_mask=True"),
-    ({"sliding_window": -1, "use_causal_mask": True}, ValueError, "sliding_window must be >= 0"),
-    ({"sliding_window": 64.0, "use_causal_mask": True}, TypeError, "sliding_window must be an int or None, got float"),
+    ({"sliding_window": 64}, ValueError,
+     "sliding_window=64 requires use_causal_mask=True (None or a value < 1: no window), got use_causal_mask=False"),
+    ({"sliding_window": 64.0, "use_causal_mask": True}, TypeError,
+     "sliding_window must be an int or None (None or a value < 1: no window), got float"),
+    ({"sliding_window": -1.0}, TypeError, "sliding_window must be an int or None"),
+    ({"sliding_window": True, "use_causal_mask": True}, TypeError,
+     "sliding_window must be an int or None (None or a value < 1: no window), got bool"),
     ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be finite in float32 (|softmax_scale| <= "
                                                   "3.4028235e+38), got nan"),
     ({"softmax_scale": float("inf")}, ValueError, "softmax_scale must be finite in float32"),
@@ -144,6 +148,22 @@ def test_numpy_bool_flags_accepted():
     assert a[0].shape == inputs["q_ref"].shape
 
 
+@pytest.mark.parametrize("window", [-1, -7, 0, np.int64(-1), np.int32(0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_below_one_means_no_window(window, causal):
+    """Upstream NKI passes sliding_window=-1 for 'no window', with or without causal."""
+    inputs = good_inputs()
+    a = numbafa.attention_bwd(**inputs, use_causal_mask=causal)
+    b = numbafa.attention_bwd(**inputs, use_causal_mask=causal, sliding_window=window)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    o, lse = numbafa.attention_fwd(inputs["q_ref"], inputs["k_ref"], inputs["v_ref"], use_causal_mask=causal,
+                                   sliding_window=window)
+    o0, lse0 = numbafa.attention_fwd(inputs["q_ref"], inputs["k_ref"], inputs["v_ref"], use_causal_mask=causal)
+    np.testing.assert_array_equal(o, o0)
+    np.testing.assert_array_equal(lse, lse0)
+
+
 @pytest.mark.parametrize("zero", [0.0, -0.0, 0, np.float32(0.0)])
 def test_zero_scale_means_default_scale(zero):
     """Upstream NKI computes ``softmax_scale or 1 / sqrt(d_head)``: 0.0 selects the default."""
@@ -177,3 +197,4 @@ def test_validation_documents_the_scale_and_window_conventions():
 
     doc = " ".join(validation.__doc__.split())
     assert "softmax_scale or 1 / sqrt(d_head)" in doc and "negative" in doc and "float32" in doc
+    assert "sliding_window" in doc and "< 1" in doc
