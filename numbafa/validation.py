@@ -18,6 +18,11 @@ Conventions shared with the upstream NKI kernel:
     with or without ``use_causal_mask``. A window ``w >= 1`` needs
     ``use_causal_mask=True`` and is capped at ``seqlen_k``. Bools and
     non-integers are rejected.
+Empty problems
+    ``bs = 0`` and ``seqlen_q = seqlen_k = 0`` are valid, as empty arrays
+    are in NumPy: the outputs are empty arrays of the right shapes.
+    ``nheads``, ``nheads_kv`` and ``d_head`` describe the model and must be
+    ``>= 1`` (with ``d_head = 0`` the default scale would be ``1 / 0``).
 """
 
 from __future__ import annotations
@@ -225,7 +230,8 @@ def _validate_sinks(sinks_ref, bs: int, nheads: int):
             raise ValueError(f"sinks_ref must have shape ({bs}, {nheads}, num_sinks >= 1), got {s.shape}")
     else:
         raise ValueError(f"sinks_ref must be [bs, nheads] or [bs, nheads, num_sinks], got shape {s.shape}")
-    s32 = np.ascontiguousarray(s.astype(np.float32)).reshape(bs, nheads, -1)
+    num_sinks = 1 if s.ndim == 2 else s.shape[2]  # explicit: -1 is ambiguous when bs == 0
+    s32 = np.ascontiguousarray(s.astype(np.float32)).reshape(bs, nheads, num_sinks)
     _require_finite("sinks_ref", s32)
     return s32, tuple(s.shape), s.dtype
 

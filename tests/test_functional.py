@@ -95,3 +95,22 @@ def test_training_gradients_match_finite_differences():
             numeric = (up - down) / (2 * eps)
             # measured: <= 0.3 % (float32 loss, eps 1e-2); a 5 % error in any weight fails
             assert abs(numeric - g[pos]) <= 1e-2 * abs(g[pos]), (key, pos, numeric, g[pos])
+
+
+def _bshd(b=1, s=64, h=4, hkv=2, d=8, seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, s, h, d)).astype(dtype)
+    k, v = (rng.standard_normal((b, s, hkv, d)).astype(dtype) for _ in range(2))
+    return q, k, v
+
+
+Q, K, V = _bshd()
+
+
+def test_empty_batch_through_attention():
+    q, k, v = (x[:0] for x in (Q, K, V))
+    sinks = np.zeros((0, 4, 2), np.float32)
+    o, ctx = numbafa.attention(q, k, v, sinks=sinks, use_causal_mask=True)
+    assert o.shape == q.shape
+    dq, dk, dv, dsinks = ctx.backward(np.zeros_like(o))
+    assert (dq.shape, dk.shape, dv.shape, dsinks.shape) == (q.shape, k.shape, v.shape, sinks.shape)

@@ -198,3 +198,22 @@ def test_validation_documents_the_scale_and_window_conventions():
     doc = " ".join(validation.__doc__.split())
     assert "softmax_scale or 1 / sqrt(d_head)" in doc and "negative" in doc and "float32" in doc
     assert "sliding_window" in doc and "< 1" in doc
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_empty_batch_gives_empty_outputs(with_sinks):
+    """bs = 0 is an empty problem (like seqlen 0): empty outputs of the right shapes."""
+    inputs = {name: x[:0] for name, x in good_inputs().items()}
+    sinks = np.zeros((0, H, 2), np.float32) if with_sinks else None
+    q, k, v = inputs["q_ref"], inputs["k_ref"], inputs["v_ref"]
+    o, lse = numbafa.attention_fwd(q, k, v, sinks_ref=sinks, use_causal_mask=True)
+    assert o.shape == (0, H, D, S) and lse.shape == (0, H, 128, S // 128)
+    grads = numbafa.attention_bwd(q, k, v, o, inputs["dy_ref"], lse, sinks_ref=sinks, use_causal_mask=True)
+    assert [g.shape for g in grads] == [(0, H, D, S), (0, HKV, D, S), (0, HKV, D, S)] + \
+        ([(0, H, 2)] if with_sinks else [])
+
+
+def test_zero_heads_and_head_dim_stay_errors():
+    with pytest.raises(ValueError, match="nheads \\(q_ref.shape\\[1\\]\\) must be >= 1, got 0"):
+        numbafa.attention_fwd(np.zeros((1, 0, 4, 8), np.float32), np.zeros((1, 1, 4, 8), np.float32),
+                              np.zeros((1, 1, 4, 8), np.float32))
