@@ -35,15 +35,27 @@ def _check_layout(layout) -> tuple:
     return _TO_NEURON[layout]
 
 
-def _check_4d(name: str, x) -> np.ndarray:
+#: Axis names of the Neuron layout, the order of every permutation above.
+_NEURON_DIMS = ("batch", "heads", "head_dim", "seq")
+
+
+def _dims(layout: str) -> str:
+    """``"[batch, seq, heads, head_dim]"`` for ``"bshd"``, and so on."""
+    inverse = np.argsort(_check_layout(layout))
+    return "[" + ", ".join(_NEURON_DIMS[i] for i in inverse) + "]"
+
+
+def _check_4d(name: str, x, layout: str) -> np.ndarray:
+    """``x`` must be a 4-D array in ``layout``; messages say so in ``name``."""
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
     if x.ndim != 4:
-        raise ValueError(f"{name} must be 4-D, got shape {x.shape}")
+        where = "" if layout == "neuron" else f" for layout={layout!r}"
+        raise ValueError(f"{name} must be 4-D {_dims(layout)}{where}, got shape {x.shape}")
     return x
 
 
-def to_neuron(x: np.ndarray, layout: str) -> np.ndarray:
+def to_neuron(x: np.ndarray, layout: str, name: str = "x") -> np.ndarray:
     """View of ``x`` in the Neuron layout ``[batch, heads, head_dim, seq]``.
 
     Parameters
@@ -53,15 +65,20 @@ def to_neuron(x: np.ndarray, layout: str) -> np.ndarray:
         ``[batch, heads, seq, head_dim]`` for ``"bhsd"``, or already
         ``[batch, heads, head_dim, seq]`` for ``"neuron"``.
     layout : {"bshd", "bhsd", "neuron"}
+    name : str
+        How error messages call ``x`` (e.g. ``"q"``).
     """
     perm = _check_layout(layout)
-    return np.transpose(_check_4d("x", x), perm)
+    return np.transpose(_check_4d(name, x, layout), perm)
 
 
-def from_neuron(x: np.ndarray, layout: str) -> np.ndarray:
-    """View of a Neuron-layout ``[batch, heads, head_dim, seq]`` array in ``layout``."""
+def from_neuron(x: np.ndarray, layout: str, name: str = "x") -> np.ndarray:
+    """View of a Neuron-layout ``[batch, heads, head_dim, seq]`` array in ``layout``.
+
+    ``name`` is how error messages call ``x``.
+    """
     perm = _check_layout(layout)
-    return np.transpose(_check_4d("x", x), np.argsort(perm))
+    return np.transpose(_check_4d(name, x, "neuron"), np.argsort(perm))
 
 
 def lse_to_natural(lse: np.ndarray) -> np.ndarray:

@@ -29,8 +29,11 @@ def test_bshd_element_mapping():
 def test_bad_layout_and_shapes():
     with pytest.raises(ValueError, match="layout must be one of \\('neuron', 'bshd', 'bhsd'\\), got 'sbhd'"):
         layout.to_neuron(np.zeros((1, 1, 1, 1)), "sbhd")
-    with pytest.raises(ValueError, match="x must be 4-D, got shape \\(1, 1, 1\\)"):
+    with pytest.raises(ValueError, match="x must be 4-D \\[batch, heads, head_dim, seq\\], got shape \\(1, 1, 1\\)"):
         layout.from_neuron(np.zeros((1, 1, 1)), "bshd")
+    with pytest.raises(ValueError, match="^q must be 4-D \\[batch, heads, seq, head_dim\\] for layout='bhsd', got "
+                                         "shape \\(1, 1, 1\\)$"):
+        layout.to_neuron(np.zeros((1, 1, 1)), "bhsd", name="q")
     with pytest.raises(TypeError, match="x must be a numpy.ndarray, got list"):
         layout.to_neuron([1, 2], "bshd")
 
