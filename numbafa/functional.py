@@ -6,18 +6,39 @@
 
 The context keeps what the backward needs -- q, k, v, o, lse and the
 options -- and nothing quadratic in the sequence length (never P).
+
+Errors name the caller's arguments (``q``, ``do``, ...) and give shapes in
+the caller's layout: when :func:`numbafa.attention_fwd` or
+:func:`numbafa.attention_bwd` reject an input, the same checks run again in
+the caller's terms (:mod:`numbafa.validation`), which costs nothing on the
+normal path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import numpy as np
 
 from .api import attention_bwd, attention_fwd
 from .layout import LAYOUTS, from_neuron, to_neuron
+from .validation import validate_bwd_inputs, validate_fwd_inputs
 
 __all__ = ["attention", "AttentionContext"]
+
+#: The caller's names of the kernels' arguments, for the messages.
+_FWD_NAMES = {"q_ref": "q", "k_ref": "k", "v_ref": "v", "sinks_ref": "sinks"}
+_BWD_NAMES = {**_FWD_NAMES, "o_ref": "o", "dy_ref": "do", "lse_ref": "ctx.lse"}
+
+
+def _error_of(check: Callable[[], object]) -> Optional[Exception]:
+    """The TypeError/ValueError ``check`` raises, or None."""
+    try:
+        check()
+    except (TypeError, ValueError) as error:
+        return error
+    return None
 
 
 @dataclass(frozen=True)
@@ -56,14 +77,27 @@ class AttentionContext:
         dq, dk, dv : arrays in the caller's layout and dtype (dk/dv summed over
             the q-heads sharing a KV head)
         dsinks : shape and dtype of the sinks (only when sinks were given)
+
+        Raises
+        ------
+        TypeError, ValueError
+            A bad ``do``, named ``do``, with shapes in the caller's layout.
         """
         if not isinstance(do, np.ndarray):
             raise TypeError(f"do must be a numpy.ndarray, got {type(do).__name__}")
         expected = from_neuron(self.o, self.layout).shape
         if do.shape != expected:
             raise ValueError(f"do must have the shape of o {expected}, got {do.shape}")
-        grads = attention_bwd(self.q, self.k, self.v, self.o, to_neuron(do, self.layout), self.lse,
-                              **self.options)
+        don = to_neuron(do, self.layout, name="do")
+        try:
+            grads = attention_bwd(self.q, self.k, self.v, self.o, don, self.lse, **self.options)
+        except (TypeError, ValueError):
+            named = _error_of(lambda: validate_bwd_inputs(
+                self.q, self.k, self.v, self.o, don, self.lse, **self.options, names=_BWD_NAMES,
+                layout=self.layout))
+            if named is None:
+                raise
+            raise named from None
         return tuple(from_neuron(g, self.layout) for g in grads[:3]) + tuple(grads[3:])
 
 
@@ -86,12 +120,25 @@ def attention(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_ma
     o : ndarray in ``layout`` (a view of a Neuron-layout array), the inputs' dtype
     ctx : AttentionContext
         ``ctx.backward(do)`` gives the gradients.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`numbafa.attention_fwd`, naming ``q``, ``k``, ``v``,
+        ``sinks``, ... with shapes and axes in ``layout``.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    qn, kn, vn = (to_neuron(x, layout) for x in (q, k, v))
+    qn, kn, vn = (to_neuron(x, layout, name=name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     options = dict(sinks_ref=sinks, bound_min=bound_min, bound_max=bound_max,
                    use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
                    softmax_scale=softmax_scale, sliding_window=sliding_window)
-    o, lse = attention_fwd(qn, kn, vn, lse_layout="natural", **options)
+    try:
+        o, lse = attention_fwd(qn, kn, vn, lse_layout="natural", **options)
+    except (TypeError, ValueError):
+        named = _error_of(lambda: validate_fwd_inputs(qn, kn, vn, **options, names=_FWD_NAMES,
+                                                      layout=layout))
+        if named is None:
+            raise
+        raise named from None
     return from_neuron(o, layout), AttentionContext(qn, kn, vn, o, lse, options, layout)

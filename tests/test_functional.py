@@ -105,6 +105,48 @@ def _bshd(b=1, s=64, h=4, hkv=2, d=8, seed=0, dtype=np.float32):
 
 
 Q, K, V = _bshd()
+NAMED_ERRORS = [
+    # (arguments of numbafa.attention, exception, the whole message or its start)
+    (dict(q=Q.tolist()), TypeError, "q must be a numpy.ndarray, got list"),
+    (dict(k=K[0]), ValueError, "k must be 4-D [batch, seq, heads, head_dim] for layout='bshd', got shape (64, 2, 8)"),
+    (dict(q=Q.astype(np.float64)), TypeError, "q must be float32 or bfloat16 (ml_dtypes.bfloat16), got float64"),
+    (dict(v=V.astype(np.float64)), TypeError, "v must have the dtype of q (float32), got float64"),
+    (dict(k=K[..., :4]), ValueError, "k must have shape (1, seqlen_k, nheads_kv, 8) to match q, got (1, 64, 2, 4)"),
+    (dict(v=V[:, :32]), ValueError, "v must have shape (1, 64, 2, 8) (same as k), got (1, 32, 2, 8)"),
+    (dict(k=np.zeros((1, 64, 3, 8), np.float32), v=np.zeros((1, 64, 3, 8), np.float32)), ValueError,
+     "nheads (4) must be a multiple of nheads_kv (k.shape[2]), got nheads_kv=3"),
+    (dict(q=Q[..., :0], k=K[..., :0], v=V[..., :0]), ValueError, "d_head (q.shape[3]) must be >= 1, got 0"),
+    (dict(k=K[:, :32], v=V[:, :32], use_causal_mask=True), ValueError,
+     "use_causal_mask=True requires seqlen_q == seqlen_k, got seqlen_q=64, seqlen_k=32"),
+    (dict(q=np.where(np.arange(8) == 3, np.nan, Q).astype(np.float32)), ValueError,
+     "q must be finite, got 256 NaN/inf element(s) of 2048"),
+    (dict(sinks=np.zeros((1, 3), np.float32)), ValueError,
+     "sinks must have shape (1, 4) ([bs, nheads] or [bs, nheads, num_sinks]), got (1, 3)"),
+    (dict(sinks=np.zeros((1, 4), np.float64)), TypeError, "sinks must be float32 or bfloat16, got float64"),
+    (dict(bound_min=np.zeros(64, np.float32)), ValueError,
+     "bound_min and bound_max must be given together, got only bound_min"),
+]
+
+
+@pytest.mark.parametrize("changes,exc,message", NAMED_ERRORS, ids=[e[2][:50] for e in NAMED_ERRORS])
+def test_errors_name_the_callers_arguments(changes, exc, message):
+    args = {**dict(q=Q, k=K, v=V), **changes}
+    with pytest.raises(exc) as info:
+        numbafa.attention(**args)
+    assert str(info.value).startswith(message)
+    assert "_ref" not in str(info.value)
+    # One clean error: no 'During handling of the above exception' chain.
+    assert info.value.__context__ is None or info.value.__suppress_context__
+
+
+def test_backward_errors_name_do():
+    _, ctx = numbafa.attention(Q, Q[:, :, :2], Q[:, :, :2])
+    with pytest.raises(TypeError, match=r"^do must have the dtype of q \(float32\), got float64$"):
+        ctx.backward(Q.astype(np.float64))
+    bad = Q.copy()
+    bad[0, 5, 1, 2] = np.inf
+    with pytest.raises(ValueError, match=r"^do must be finite, got 1 NaN/inf element\(s\) of 2048$"):
+        ctx.backward(bad)
 
 
 def test_empty_batch_through_attention():

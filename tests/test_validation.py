@@ -217,3 +217,21 @@ def test_zero_heads_and_head_dim_stay_errors():
     with pytest.raises(ValueError, match="nheads \\(q_ref.shape\\[1\\]\\) must be >= 1, got 0"):
         numbafa.attention_fwd(np.zeros((1, 0, 4, 8), np.float32), np.zeros((1, 1, 4, 8), np.float32),
                               np.zeros((1, 1, 4, 8), np.float32))
+
+
+def test_display_names_and_layout_in_messages():
+    """What numbafa.attention relies on: messages in the caller's names and layout."""
+    from numbafa import layout
+    from numbafa.validation import validate_fwd_inputs
+
+    q = np.zeros((1, 256, 4, 16), np.float32)           # bshd
+    k = np.zeros((1, 256, 2, 8), np.float32)
+    names = {"q_ref": "q", "k_ref": "k", "v_ref": "v", "sinks_ref": "sinks"}
+    qn, kn = layout.to_neuron(q, "bshd"), layout.to_neuron(k, "bshd")
+    with pytest.raises(ValueError) as info:
+        validate_fwd_inputs(qn, kn, kn, names=names, layout="bshd")
+    assert str(info.value) == "k must have shape (1, seqlen_k, nheads_kv, 16) to match q, got (1, 256, 2, 8)"
+    with pytest.raises(ValueError, match=r"^d_head \(q.shape\[3\]\) must be >= 1, got 0$"):
+        validate_fwd_inputs(qn[:, :, :0], kn[:, :, :0], kn[:, :, :0], names=names, layout="bshd")
+    with pytest.raises(TypeError, match=r"^v must have the dtype of q \(float32\), got float64$"):
+        validate_fwd_inputs(qn, qn, qn.astype(np.float64), names=names, layout="bshd")
