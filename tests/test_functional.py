@@ -149,6 +149,31 @@ def test_backward_errors_name_do():
         ctx.backward(bad)
 
 
+WATCHED = ["q", "k", "v", "o", "sinks", "bound_min", "bound_max"]
+
+
+@pytest.mark.parametrize("changed", WATCHED)
+def test_inputs_changed_in_place_before_backward_are_detected(changed):
+    """The context keeps views of the caller's arrays: an in-place change would silently change
+    the gradients, so the backward compares checksums taken by the forward."""
+    q, k, v = (x.copy() for x in (Q, K, V))
+    arrays = dict(q=q, k=k, v=v, sinks=np.ones((1, 4), np.float32),
+                  bound_min=np.zeros(64, np.float32), bound_max=np.full(64, 64, np.float32))
+    o, ctx = numbafa.attention(**arrays, use_causal_mask=True)
+    do = np.ones_like(o)
+    first = ctx.backward(do)
+    again = ctx.backward(do)                       # unchanged inputs: fine, and deterministic
+    for x, y in zip(first, again):
+        np.testing.assert_array_equal(x, y)
+    target = o if changed == "o" else arrays[changed]
+    target[(0,) * target.ndim] += 1.0              # one element, in place
+    with pytest.raises(ValueError) as info:
+        ctx.backward(do)
+    message = str(info.value)
+    assert message.startswith(f"{changed} was modified in place after numbafa.attention() returned")
+    assert "CRC-32 0x" in message and "at the forward" in message and "now" in message
+
+
 def test_empty_batch_through_attention():
     q, k, v = (x[:0] for x in (Q, K, V))
     sinks = np.zeros((0, 4, 2), np.float32)
