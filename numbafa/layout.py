@@ -10,6 +10,8 @@ arrays and copy tile by tile as they load.
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 from .config import Q_TILE
@@ -22,6 +24,7 @@ __all__ = [
     "lse_to_neuron",
     "cu_seqlens_to_bounds",
     "lse_from_cte",
+    "MAX_BOUND",
 ]
 
 #: Axis permutation from each layout to the Neuron layout [b, h, d, s].
@@ -109,12 +112,32 @@ def lse_to_neuron(lse: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(lse.reshape(bs, h, seq // Q_TILE, Q_TILE).transpose(0, 1, 3, 2))
 
 
+#: Largest row count of packing bounds: float32 holds every integer up to 2**24 exactly.
+MAX_BOUND = 2 ** 24
+
+
+def _check_cu_seqlens(cu_seqlens) -> np.ndarray:
+    """``cu_seqlens`` as int64, after checking kind, order and range (any integer dtype)."""
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.size < 1 or not np.issubdtype(cu.dtype, np.integer):
+        raise ValueError(f"cu_seqlens must be a 1-D integer array [num_seqs + 1], got "
+                         f"{cu.dtype} array of shape {cu.shape}")
+    # Compare neighbours, not np.diff: on unsigned dtypes the difference wraps around.
+    if cu[0] != 0 or np.any(cu[1:] < cu[:-1]):
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()[:8]}"
+                         f"{'...' if cu.size > 8 else ''}")
+    if cu[-1] > MAX_BOUND:  # before the cast: a uint64 beyond int64 must not wrap
+        raise ValueError(f"cu_seqlens[-1] must be <= 2**24 = {MAX_BOUND} (float32 bounds are exact "
+                         f"integers up to there), got {int(cu[-1])}")
+    return cu.astype(np.int64)
+
+
 def cu_seqlens_to_bounds(cu_seqlens, seqlen=None):
     """Packing bounds from flash-attn style cumulative sequence lengths.
 
     Parameters
     ----------
-    cu_seqlens : 1-D integer array ``[num_seqs + 1]``
+    cu_seqlens : 1-D integer array ``[num_seqs + 1]``, any integer dtype
         ``0 = cu[0] <= cu[1] <= ... <= cu[-1]``; sequence ``i`` occupies
         rows ``cu[i] .. cu[i+1] - 1`` of the packed batch.
     seqlen : int, optional
@@ -125,18 +148,28 @@ def cu_seqlens_to_bounds(cu_seqlens, seqlen=None):
     -------
     bound_min, bound_max : float32 ``[seqlen]``
         Query ``r`` attends keys ``bound_min[r] <= j < bound_max[r]``.
+
+    Raises
+    ------
+    TypeError
+        ``seqlen`` is not an int (a float such as 5.7 is not truncated).
+    ValueError
+        ``cu_seqlens`` is not a 1-D integer array starting at 0 and
+        non-decreasing, ``seqlen < cu[-1]``, or a row count above 2**24
+        (beyond it float32 bounds are not exact).
     """
-    cu = np.asarray(cu_seqlens)
-    if cu.ndim != 1 or cu.size < 1 or not np.issubdtype(cu.dtype, np.integer):
-        raise ValueError(f"cu_seqlens must be a 1-D integer array [num_seqs + 1], got "
-                         f"{cu.dtype} array of shape {cu.shape}")
-    if cu[0] != 0 or np.any(np.diff(cu) < 0):
-        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()[:8]}"
-                         f"{'...' if cu.size > 8 else ''}")
+    cu = _check_cu_seqlens(cu_seqlens)
     total = int(cu[-1])
-    seqlen = total if seqlen is None else int(seqlen)
+    if seqlen is None:
+        seqlen = total
+    elif isinstance(seqlen, (bool, np.bool_)) or not isinstance(seqlen, numbers.Integral):
+        raise TypeError(f"seqlen must be an int or None, got {type(seqlen).__name__} {seqlen!r}")
+    seqlen = int(seqlen)
     if seqlen < total:
         raise ValueError(f"seqlen must be >= cu_seqlens[-1] = {total}, got {seqlen}")
+    if seqlen > MAX_BOUND:
+        raise ValueError(f"seqlen must be <= 2**24 = {MAX_BOUND} (float32 bounds are exact integers up "
+                         f"to there), got {seqlen}")
     lengths = np.diff(cu)
     bound_min = np.zeros(seqlen, dtype=np.float32)
     bound_max = np.zeros(seqlen, dtype=np.float32)

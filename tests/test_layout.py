@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -67,10 +69,33 @@ def test_cu_seqlens_to_bounds():
     (np.array([0, 5, 3]), {}, "must start at 0 and be non-decreasing"),
     (np.array([0.0, 3.0]), {}, "must be a 1-D integer array"),
     (np.array([0, 3]), {"seqlen": 2}, "seqlen must be >= cu_seqlens\\[-1\\] = 3, got 2"),
+    # Unsigned arrays: np.diff wraps around, the order check must not rely on it.
+    (np.array([0, 5, 3], np.uint32), {}, "must start at 0 and be non-decreasing, got \\[0, 5, 3\\]"),
+    (np.array([0, 5, 3], np.uint64), {}, "must start at 0 and be non-decreasing"),
+    (np.array([0, 2 ** 63 + 5], np.uint64), {}, "cu_seqlens\\[-1\\] must be <= 2\\*\\*24 = 16777216"),
+    (np.array([0, 3]), {"seqlen": 2 ** 24 + 1}, "seqlen must be <= 2\\*\\*24 = 16777216 \\(float32 bounds"),
 ])
 def test_cu_seqlens_errors(cu, kw, message):
     with pytest.raises(ValueError, match=message):
         layout.cu_seqlens_to_bounds(cu, **kw)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64, np.int8, np.int32, np.int64])
+def test_cu_seqlens_any_integer_dtype(dtype):
+    bmin, bmax = layout.cu_seqlens_to_bounds(np.array([0, 3, 3, 7], dtype), seqlen=np.int64(9))
+    np.testing.assert_array_equal(bmin, [0, 0, 0, 3, 3, 3, 3, 0, 0])
+    np.testing.assert_array_equal(bmax, [3, 3, 3, 7, 7, 7, 7, 0, 0])
+
+
+@pytest.mark.parametrize("seqlen,message", [
+    (5.7, "seqlen must be an int or None, got float 5.7"),
+    (5.0, "seqlen must be an int or None, got float 5.0"),
+    (True, "seqlen must be an int or None, got bool True"),
+    ("5", "seqlen must be an int or None, got str '5'"),
+])
+def test_cu_seqlens_seqlen_must_be_an_int(seqlen, message):
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        layout.cu_seqlens_to_bounds(np.array([0, 3]), seqlen=seqlen)
 
 
 def test_packed_attention_equals_separate_attention():
