@@ -185,11 +185,31 @@ def lse_from_cte(neg_max, sum_recip):
     reciprocal row sum ``sum_recip = 1 / sum(exp(s - max))``; then
     ``lse = max + log(sum) = -(neg_max + log(sum_recip))`` (seed: the torch
     golden's line 230). Shapes are kept; the result is float32.
+    ``sum_recip = 0`` gives ``lse = +inf`` (a row that attends to nothing).
+
+    Raises
+    ------
+    ValueError
+        Different shapes, NaN in either input, a negative ``sum_recip``
+        (no real log), or ``neg_max = +inf`` with ``sum_recip = 0``
+        (``inf - inf``): pairs that have no lse.
     """
     neg_max = np.asarray(neg_max, dtype=np.float64)
     sum_recip = np.asarray(sum_recip, dtype=np.float64)
     if neg_max.shape != sum_recip.shape:
         raise ValueError(f"neg_max and sum_recip must have the same shape, got {neg_max.shape} and "
                          f"{sum_recip.shape}")
+    for name, x in (("neg_max", neg_max), ("sum_recip", sum_recip)):
+        n_nan = int(np.isnan(x).sum())
+        if n_nan:
+            raise ValueError(f"{name} must not contain NaN, got {n_nan} NaN element(s)")
+    negative = sum_recip < 0
+    if negative.any():
+        raise ValueError(f"sum_recip must be >= 0 (a reciprocal row sum), got {int(negative.sum())} negative "
+                         f"element(s), e.g. {float(sum_recip[negative].flat[0])}")
+    undefined = (neg_max == np.inf) & (sum_recip == 0)
+    if undefined.any():
+        raise ValueError(f"neg_max = +inf with sum_recip = 0 has no lse (inf - inf), at "
+                         f"{int(undefined.sum())} element(s)")
     with np.errstate(divide="ignore"):
         return (-(neg_max + np.log(sum_recip))).astype(np.float32)

@@ -129,3 +129,21 @@ def test_golden_forward_agrees_with_layout_helper():
     _, natural = golden.attention_fwd(q, k, v)
     _, neuron = golden.attention_fwd(q, k, v, lse_layout="neuron")
     np.testing.assert_array_equal(layout.lse_to_neuron(natural), neuron)
+
+
+@pytest.mark.parametrize("neg_max,sum_recip,message", [
+    ([0.0, 1.0], [0.5, -0.25], "sum_recip must be >= 0 (a reciprocal row sum), got 1 negative element(s), e.g. -0.25"),
+    ([np.nan, 1.0], [0.5, 0.5], "neg_max must not contain NaN, got 1 NaN element(s)"),
+    ([0.0, 1.0], [np.nan, 0.5], "sum_recip must not contain NaN, got 1 NaN element(s)"),
+    # +inf + log(0) = inf - inf: no lse exists for that pair.
+    ([np.inf, 1.0], [0.0, 0.5], "neg_max = +inf with sum_recip = 0 has no lse (inf - inf), at 1 element(s)"),
+])
+def test_lse_from_cte_rejects_what_has_no_lse(neg_max, sum_recip, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        layout.lse_from_cte(np.array(neg_max), np.array(sum_recip))
+
+
+def test_lse_from_cte_keeps_empty_rows():
+    """sum_recip = 0 still gives lse = +inf (the backward's "attends to nothing" marker)."""
+    lse = layout.lse_from_cte(np.array([3.0, -1.0]), np.array([0.0, 1.0]))
+    np.testing.assert_array_equal(lse, [np.inf, 1.0])
