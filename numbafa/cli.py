@@ -3,16 +3,17 @@
 Default: batch 1, 8 q-heads, 2 KV heads, seqlen 2048, head_dim 128, causal,
 float32 and bf16 (``mixed_precision=True``). For each dtype it runs
 ``attention_fwd`` and ``attention_bwd`` (the first call, which compiles,
-is reported on its own), times ``--repeats`` calls of each, and checks
-the outputs of the first KV-head group of batch 0 (all of its q-heads, all
-rows) against the float64 golden. Exit code 0: all checks pass; 1: a check
-failed; 2: bad options.
+is reported on its own), times
+``--repeats`` calls of each, and checks the outputs of the first KV-head
+group of batch 0 (all of its q-heads, all rows) against the float64 golden.
+Exit code 0: all checks pass; 1: a check failed; 2: bad options.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -24,15 +25,34 @@ from .blas import backend_info
 from .dtypes import bf16_dtype
 from .layout import cu_seqlens_to_bounds
 
-#: Acceptance rule: max|a - e| <= 1e-5 + rtol * max|e|, rtol per (dtype, output); the
-#: values of tests/_tolerances.py.
+#: Acceptance rule: max|a - e| <= ATOL + rtol * max|e|, rtol per (dtype, output); the
+#: values of tests/_tolerances.py. Shown as max|a - e| / max|e| <= rtol + ATOL / max|e|.
+ATOL = 1e-5
 RTOL = {"float32": 1e-4, "bf16": 2e-2}
 RTOL_LSE = {"float32": 1e-5, "bf16": 2e-2}
 
+DESCRIPTION = """\
+Forward + backward of numbafa's flash attention on a built-in default shape,
+timed and checked against the float64 golden."""
+EPILOG = """\
+example: numbafa --seqlen 4096 --head-dim 64 --dtype bf16 --json
 
-def _within_rule(dtype: str, output: str, err: float, scale: float) -> bool:
+Exit status: 0 all checks passed, 1 a check failed, 2 bad options.
+"""
+
+
+def _rule(dtype: str, output: str, err: float, scale: float) -> dict:
+    """The acceptance rule for one output, and its relative form for display.
+
+    ``max_rel_err = max|a - e| / max|e|`` passes when ``<= rel_bound = rtol +
+    ATOL / max|e|``, which is the rule itself. When ``max|e| = 0`` there is no
+    relative error (both are None) and the rule is ``max|a - e| <= ATOL``.
+    """
     rtol = RTOL_LSE[dtype] if output == "lse" else RTOL[dtype]
-    return err <= 1e-5 + rtol * scale
+    ok = bool(err <= ATOL + rtol * scale)
+    if scale > 0:
+        return dict(max_abs_err=err, max_rel_err=err / scale, rel_bound=rtol + ATOL / scale, ok=ok)
+    return dict(max_abs_err=err, max_rel_err=None, rel_bound=None, ok=ok)
 
 
 def _positive_int(text: str) -> int:
@@ -56,20 +76,28 @@ def _lengths(text: str) -> tuple:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="numbafa", description=__doc__.splitlines()[0],
-                                epilog="Example: numbafa --seqlen 4096 --head-dim 64 --dtype bf16 --json")
-    p.add_argument("--batch", type=_positive_int, default=1)
-    p.add_argument("--heads", type=_positive_int, default=8, help="q heads (default 8)")
-    p.add_argument("--kv-heads", type=_positive_int, default=2, help="KV heads (default 2)")
-    p.add_argument("--seqlen", type=_positive_int, default=2048)
-    p.add_argument("--head-dim", type=_positive_int, default=128)
-    p.add_argument("--dtype", choices=("float32", "bf16", "both"), default="both")
-    p.add_argument("--mask", choices=("causal", "full"), default="causal")
-    p.add_argument("--window", type=_positive_int, default=None, help="sliding window (causal only)")
-    p.add_argument("--sinks", type=_positive_int, default=None, help="attention sinks per head")
+    p = argparse.ArgumentParser(prog="numbafa", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=_positive_int, default=1, help="batch size (default: %(default)s)")
+    p.add_argument("--heads", type=_positive_int, default=8, help="query heads (default: %(default)s)")
+    p.add_argument("--kv-heads", type=_positive_int, default=2,
+                   help="KV heads; --heads must be a multiple (default: %(default)s)")
+    p.add_argument("--seqlen", type=_positive_int, default=2048,
+                   help="sequence length of q and k (default: %(default)s)")
+    p.add_argument("--head-dim", type=_positive_int, default=128, help="head dimension (default: %(default)s)")
+    p.add_argument("--dtype", choices=("float32", "bf16", "both"), default="both",
+                   help="input dtype; bf16 runs with mixed_precision=True (default: %(default)s)")
+    p.add_argument("--mask", choices=("causal", "full"), default="causal",
+                   help="causal or full attention (default: %(default)s)")
+    p.add_argument("--window", type=_positive_int, default=None,
+                   help="sliding window in keys, needs --mask causal (default: no window)")
+    p.add_argument("--sinks", type=_positive_int, default=None,
+                   help="attention sinks per head (default: no sinks)")
     p.add_argument("--packing", type=_lengths, default=None,
-                   help="pack sequences of these lengths (summing to --seqlen), e.g. 1000,1048")
-    p.add_argument("--repeats", type=_positive_int, default=5, help="timed calls per pass (median)")
+                   help="pack sequences of these lengths (summing to --seqlen), e.g. 1000,1048 "
+                        "(default: one sequence)")
+    p.add_argument("--repeats", type=_positive_int, default=5,
+                   help="timed calls per pass; the median is reported (default: %(default)s)")
     p.add_argument("--no-check", action="store_true", help="skip the golden check")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.add_argument("--info", action="store_true",
@@ -86,6 +114,10 @@ def _check_options(p: argparse.ArgumentParser, args) -> None:
     if args.packing is not None and sum(args.packing) != args.seqlen:
         p.error(f"--packing lengths sum to {sum(args.packing)}, expected --seqlen {args.seqlen}")
 
+
+# ---------------------------------------------------------------------------
+# Progress (stderr: stdout holds the table or the JSON).
+# ---------------------------------------------------------------------------
 
 class Progress:
     """A one-line progress bar on stderr (plain lines when stderr is not a terminal)."""
@@ -106,6 +138,10 @@ class Progress:
         print(f"{prefix}[{bar}] {self.done}/{self.total} {label:<40}", end=end, file=sys.stderr, flush=True)
 
 
+# ---------------------------------------------------------------------------
+# The run.
+# ---------------------------------------------------------------------------
+
 def _median_ms(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -115,11 +151,16 @@ def _median_ms(fn, repeats: int) -> float:
     return float(np.median(times)) * 1e3
 
 
-def _max_rel(actual, expected) -> tuple:
+def _errors(actual, expected) -> tuple:
+    """``(max|a - e|, max|e|)``; equal infinities are no error, NaN propagates."""
     a = np.asarray(actual, np.float64)
-    err = float(np.abs(a - expected).max()) if a.size else 0.0
-    scale = float(np.abs(expected).max()) if a.size else 0.0
-    return err, scale
+    e = np.asarray(expected, np.float64)
+    if not a.size:
+        return 0.0, 0.0
+    with np.errstate(invalid="ignore"):
+        diff = np.where(a == e, 0.0, np.abs(a - e))
+    finite = np.abs(e[np.isfinite(e)])
+    return float(diff.max()), float(finite.max()) if finite.size else 0.0
 
 
 def run(args, progress: Progress) -> list:
@@ -157,16 +198,24 @@ def run(args, progress: Progress) -> list:
             progress.step(f"{name}: golden check")
         for pass_name, ms, flops, outs in (("forward", fwd_ms, fwd_flops, ("o", "lse")),
                                            ("backward", bwd_ms, 2.5 * fwd_flops, ("dq", "dk", "dv", "dsinks"))):
-            rec = dict(dtype=name, pass_=pass_name, ms=ms, gflops=flops / ms / 1e6,
-                       first_call_s=first, shape=dict(batch=b, heads=h, kv_heads=hkv, seqlen=s, head_dim=d),
-                       mask=args.mask, window=args.window, sinks=args.sinks,
-                       packing=list(args.packing) if args.packing else None)
-            checked = {k_: errors[k_] for k_ in outs if k_ in errors}
-            if checked:
-                rec["max_abs_err"] = {k_: e for k_, (e, _) in checked.items()}
-                rec["ok"] = all(_within_rule(name, k_, e, sc) for k_, (e, sc) in checked.items())
+            rec = {"dtype": name, "pass": pass_name, "ms": ms, "gflops": flops / ms / 1e6,
+                   "first_call_s": first, "shape": dict(batch=b, heads=h, kv_heads=hkv, seqlen=s, head_dim=d),
+                   "mask": args.mask, "window": args.window, "sinks": args.sinks,
+                   "packing": list(args.packing) if args.packing else None}
+            rec.update(_summary(name, {out: errors[out] for out in outs if out in errors}))
             records.append(rec)
     return records
+
+
+def _summary(dtype: str, errors: dict) -> dict:
+    """The check fields of one record (none when unchecked)."""
+    if not errors:
+        return {}
+    rules = {out: _rule(dtype, out, err, scale) for out, (err, scale) in errors.items()}
+    fields = {key: {out: r[key] for out, r in rules.items()} for key in ("max_abs_err", "max_rel_err", "rel_bound")}
+    fields["failed"] = [out for out, r in rules.items() if not r["ok"]]
+    fields["ok"] = not fields["failed"]
+    return fields
 
 
 def _check(q, k, v, o, lse, dy, grads, opts, hkv) -> dict:
@@ -180,14 +229,44 @@ def _check(q, k, v, o, lse, dy, grads, opts, hkv) -> dict:
                  sliding_window=opts["sliding_window"])
     o_exp, lse_exp = golden.attention_fwd(sub(q), k[:1, :1], v[:1, :1], **gopts)
     lse_nat = lse if lse.ndim == 3 else lse.transpose(0, 1, 3, 2).reshape(lse.shape[0], lse.shape[1], -1)
-    errors = {"o": _max_rel(sub(o), o_exp), "lse": _max_rel(sub(lse_nat), lse_exp)}
+    errors = {"o": _errors(sub(o), o_exp), "lse": _errors(sub(lse_nat), lse_exp)}
     expected = golden.attention_bwd(sub(q), k[:1, :1], v[:1, :1], None, sub(dy), None,
                                     sinks_ref=gopts.pop("sinks"), **gopts)
     got = (sub(grads[0]), grads[1][:1, :1], grads[2][:1, :1]) + \
         ((grads[3][:1, heads],) if len(grads) > 3 else ())
     for name, g, e in zip(("dq", "dk", "dv", "dsinks"), got, expected):
-        errors[name] = _max_rel(g, e)
+        errors[name] = _errors(g, e)
     return errors
+
+
+# ---------------------------------------------------------------------------
+# Output.
+# ---------------------------------------------------------------------------
+
+def _failures(records) -> tuple:
+    """(number of checks, ["float32 dq", ...] of the failed ones)."""
+    n = sum(len(r.get("max_abs_err", {})) for r in records)
+    return n, [f"{r['dtype']} {out}" for r in records for out in r.get("failed", [])]
+
+
+def _verdict(records) -> str:
+    n, failed = _failures(records)
+    if not n:
+        return "not checked (--no-check)"
+    if not failed:
+        return f"all {n} checks passed"
+    by_dtype = {}
+    for item in failed:
+        dtype, out = item.split(" ")
+        by_dtype.setdefault(dtype, []).append(out)
+    return f"{len(failed)} of {n} checks FAILED: " + "; ".join(f"{d} {', '.join(o)}" for d, o in by_dtype.items())
+
+
+def _format_error(r: dict, out: str) -> str:
+    rel, bound = r["max_rel_err"][out], r["rel_bound"][out]
+    if rel is None:  # max|e| = 0: the absolute rule
+        return f"{out}={r['max_abs_err'][out]:.1e} abs (<={ATOL:.1e})"
+    return f"{out}={rel:.1e} (<={bound:.1e})"
 
 
 def _print_table(records) -> None:
@@ -197,12 +276,31 @@ def _print_table(records) -> None:
           f"k/v [{sh['batch']}, {sh['kv_heads']}, {sh['head_dim']}, {sh['seqlen']}], {r0['mask']}"
           + (f", window {r0['window']}" if r0["window"] else "") + (f", {r0['sinks']} sinks" if r0["sinks"] else "")
           + (f", packed {r0['packing']}" if r0["packing"] else ""))
-    print(f"{'dtype':8} {'pass':9} {'median ms':>10} {'GFLOP/s':>8} {'1st call s':>10}  max|err| vs float64 golden")
+    print(f"{'dtype':8} {'pass':9} {'median ms':>10} {'GFLOP/s':>8} {'1st call s':>10}  "
+          f"max|a-e|/max|e| (bound) vs float64 golden")
     for r in records:
-        errs = ", ".join(f"{k}={v:.1e}" for k, v in r.get("max_abs_err", {}).items()) or "not checked"
+        errs = ", ".join(_format_error(r, out) for out in r.get("max_abs_err", {})) or "not checked"
         status = "" if "ok" not in r else ("  ok" if r["ok"] else "  FAIL")
-        print(f"{r['dtype']:8} {r['pass_']:9} {r['ms']:10.1f} {r['gflops']:8.1f} {r['first_call_s']:10.1f}  "
+        print(f"{r['dtype']:8} {r['pass']:9} {r['ms']:10.1f} {r['gflops']:8.1f} {r['first_call_s']:10.1f}  "
               f"{errs}{status}")
+    print(_verdict(records))
+
+
+def _json_safe(x):
+    """NaN and infinities -> None: JSON has no such numbers."""
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def _print_json(records) -> None:
+    n, failed = _failures(records)
+    doc = {"version": __version__, "ok": not failed, "checks": n, "checks_failed": failed, "results": records}
+    print(json.dumps(_json_safe(doc), indent=2, allow_nan=False))
 
 
 def main(argv=None) -> int:
@@ -216,7 +314,7 @@ def main(argv=None) -> int:
     progress = Progress(n_dtypes * (3 if args.no_check else 4), enabled=not args.json)
     records = run(args, progress)
     if args.json:
-        print(json.dumps({"version": __version__, "results": records}, indent=2))
+        _print_json(records)
     else:
         _print_table(records)
     return 0 if all(r.get("ok", True) for r in records) else 1

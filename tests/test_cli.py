@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -16,16 +17,23 @@ def test_table_and_exit_code_zero(capsys):
     out = capsys.readouterr().out
     assert "float32  forward" in out and "float32  backward" in out and "FAIL" not in out
     assert out.count(" ok") == 2
+    # The pass rule is relative: the table shows max|a-e|/max|e| next to its bound.
+    assert "max|a-e|/max|e| (bound)" in out
+    assert re.search(r"dq=\d\.\de-\d\d \(<=\d\.\de-\d\d\)", out), out
+    assert out.rstrip().splitlines()[-1] == "all 5 checks passed"
 
 
 def test_json_output(capsys):
     assert cli.main(SMALL + ["--json", "--dtype", "bf16", "--sinks", "2", "--packing", "100,156",
                              "--window", "64"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    passes = {(r["dtype"], r["pass_"]) for r in doc["results"]}
+    passes = {(r["dtype"], r["pass"]) for r in doc["results"]}
     assert passes == {("bf16", "forward"), ("bf16", "backward")}
-    back = next(r for r in doc["results"] if r["pass_"] == "backward")
+    assert doc["ok"] is True and doc["checks"] == 6 and doc["checks_failed"] == []
+    back = next(r for r in doc["results"] if r["pass"] == "backward")
     assert set(back["max_abs_err"]) == {"dq", "dk", "dv", "dsinks"} and back["ok"] is True
+    assert set(back["max_rel_err"]) == set(back["rel_bound"]) == set(back["max_abs_err"])
+    assert all(back["max_rel_err"][k] <= back["rel_bound"][k] for k in back["max_rel_err"])
     assert back["gflops"] > 0 and back["packing"] == [100, 156]
 
 
@@ -44,7 +52,9 @@ def test_no_check_skips_golden(capsys):
 def test_failed_check_gives_exit_code_one(capsys, monkeypatch):
     monkeypatch.setattr(cli, "RTOL", {"float32": -1.0, "bf16": -1.0})
     assert cli.main(SMALL + ["--dtype", "float32"]) == 1
-    assert "FAIL" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "FAIL" in out
+    assert out.rstrip().splitlines()[-1] == "4 of 5 checks FAILED: float32 o, dq, dk, dv"
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -60,3 +70,21 @@ def test_bad_options_exit_2(argv, message, capsys):
         cli.main(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_no_check_verdict(capsys):
+    assert cli.main(SMALL + ["--no-check", "--dtype", "float32"]) == 0
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == "not checked (--no-check)"
+
+
+def test_help_is_plain_text_with_defaults(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out
+    flat = " ".join(out.split())
+    for default in ("(default: 1)", "(default: 8)", "(default: 2)", "(default: 2048)", "(default: 128)",
+                    "(default: both)", "(default: causal)", "(default: 5)"):
+        assert default in flat, default
+    assert "Exit status: 0" in flat
