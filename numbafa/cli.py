@@ -5,8 +5,9 @@ float32 and bf16 (``mixed_precision=True``). For each dtype it runs
 ``attention_fwd`` and ``attention_bwd`` (the first call, which compiles,
 is reported on its own), times
 ``--repeats`` calls of each, and checks the outputs of the first KV-head
-group of batch 0 (all of its q-heads, all rows) against the float64 golden.
-Exit code 0: all checks pass; 1: a check failed; 2: bad options.
+group of batch 0 (all of its q-heads, all rows) against the float64 golden,
+computed in blocks of query rows so that its memory does not grow with
+seqlen**2. Exit code 0: all checks pass; 1: a check failed; 2: bad options.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ from .layout import cu_seqlens_to_bounds
 ATOL = 1e-5
 RTOL = {"float32": 1e-4, "bf16": 2e-2}
 RTOL_LSE = {"float32": 1e-5, "bf16": 2e-2}
+
+#: Score entries (query rows x keys) the golden check materialises at once: a float64
+#: block of 32 MiB, a few of them alive at a time.
+CHECK_BLOCK_ENTRIES = 1 << 22
 
 DESCRIPTION = """\
 Forward + backward of numbafa's flash attention on a built-in default shape,
@@ -218,20 +223,67 @@ def _summary(dtype: str, errors: dict) -> dict:
     return fields
 
 
+def _row_bounds(seqlen_q: int, seqlen_k: int, opts: dict) -> tuple:
+    """Key bounds ``[lo, hi)`` of each query row that equal the options' mask.
+
+    Causal keeps ``j <= i``, a window ``w`` also ``j >= i - w + 1``, packing
+    ``bound_min[i] <= j < bound_max[i]`` (clamped by the two before), as in
+    :func:`numbafa.golden.allowed_mask`. As explicit bounds they stay right
+    for any block of rows.
+    """
+    rows = np.arange(seqlen_q, dtype=np.float64)
+    packing = opts.get("bound_min") is not None
+    lo = np.asarray(opts["bound_min"], np.float64) if packing else np.zeros(seqlen_q)
+    hi = np.asarray(opts["bound_max"], np.float64) if packing else np.full(seqlen_q, float(seqlen_k))
+    window = min(opts.get("sliding_window") or 0, seqlen_k)
+    if opts.get("use_causal_mask"):
+        hi = np.minimum(hi, rows + 1)
+        if window > 0:
+            lo = np.maximum(lo, rows - window + 1)
+    return lo, hi
+
+
+def _golden_blocked(q, k, v, dy, sinks, opts, block_rows: int) -> tuple:
+    """The float64 golden forward and backward, ``block_rows`` query rows at a time.
+
+    Rows are independent in the forward and in dq; dk, dv and dsinks are sums
+    over rows. So the blocks give the full golden's results with score
+    matrices of ``block_rows x seqlen_k`` instead of ``seqlen_q x seqlen_k``.
+
+    Returns
+    -------
+    o, lse (natural layout), (dq, dk, dv[, dsinks]) : float64
+    """
+    seqlen_q = q.shape[3]
+    lo, hi = _row_bounds(seqlen_q, k.shape[3], opts)
+    o, dq = np.zeros(q.shape), np.zeros(q.shape)
+    lse = np.zeros(q.shape[:2] + (seqlen_q,))
+    dk, dv = np.zeros(k.shape), np.zeros(v.shape)
+    dsinks = None if sinks is None else np.zeros(np.shape(sinks))
+    for r0 in range(0, seqlen_q, block_rows):
+        rows = slice(r0, min(r0 + block_rows, seqlen_q))
+        bounds = dict(bound_min=lo[rows], bound_max=hi[rows])
+        o[..., rows], lse[..., rows] = golden.attention_fwd(q[..., rows], k, v, sinks=sinks, **bounds)
+        grads = golden.attention_bwd(q[..., rows], k, v, None, dy[..., rows], None, sinks_ref=sinks, **bounds)
+        dq[..., rows] = grads[0]
+        dk += grads[1]
+        dv += grads[2]
+        if dsinks is not None:
+            dsinks += grads[3]
+    return o, lse, (dq, dk, dv) + (() if dsinks is None else (dsinks,))
+
+
 def _check(q, k, v, o, lse, dy, grads, opts, hkv) -> dict:
     """Errors of batch 0, KV head 0 (all its q-heads) against the float64 golden."""
     n_rep = q.shape[1] // hkv
     heads = slice(0, n_rep)
     sub = lambda x: x[:1, heads]  # noqa: E731
     sinks = opts.get("sinks_ref")
-    gopts = dict(sinks=None if sinks is None else sinks[:1, heads], bound_min=opts.get("bound_min"),
-                 bound_max=opts.get("bound_max"), use_causal_mask=opts["use_causal_mask"],
-                 sliding_window=opts["sliding_window"])
-    o_exp, lse_exp = golden.attention_fwd(sub(q), k[:1, :1], v[:1, :1], **gopts)
+    sinks = None if sinks is None else sinks[:1, heads]
+    block_rows = max(1, CHECK_BLOCK_ENTRIES // max(k.shape[3], 1))
+    o_exp, lse_exp, expected = _golden_blocked(sub(q), k[:1, :1], v[:1, :1], sub(dy), sinks, opts, block_rows)
     lse_nat = lse if lse.ndim == 3 else lse.transpose(0, 1, 3, 2).reshape(lse.shape[0], lse.shape[1], -1)
     errors = {"o": _errors(sub(o), o_exp), "lse": _errors(sub(lse_nat), lse_exp)}
-    expected = golden.attention_bwd(sub(q), k[:1, :1], v[:1, :1], None, sub(dy), None,
-                                    sinks_ref=gopts.pop("sinks"), **gopts)
     got = (sub(grads[0]), grads[1][:1, :1], grads[2][:1, :1]) + \
         ((grads[3][:1, heads],) if len(grads) > 3 else ())
     for name, g, e in zip(("dq", "dk", "dv", "dsinks"), got, expected):

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 
-from numbafa import cli
+from numbafa import cli, golden
+from numbafa.layout import cu_seqlens_to_bounds
 
 SMALL = ["--heads", "4", "--kv-heads", "2", "--seqlen", "256", "--head-dim", "32", "--repeats", "1"]
 
@@ -88,3 +90,33 @@ def test_help_is_plain_text_with_defaults(capsys):
                     "(default: both)", "(default: causal)", "(default: 5)"):
         assert default in flat, default
     assert "Exit status: 0" in flat
+
+
+def test_blocked_golden_equals_the_full_golden(monkeypatch):
+    rng = np.random.default_rng(1)
+    n_rep, d, s = 2, 16, 200
+    q, dy = (rng.standard_normal((1, n_rep, d, s)) for _ in range(2))
+    k, v = (rng.standard_normal((1, 1, d, s)) for _ in range(2))
+    sinks = rng.standard_normal((1, n_rep, 2))
+    bmin, bmax = cu_seqlens_to_bounds(np.array([0, 90, 200]))
+    opts = dict(use_causal_mask=True, sliding_window=50, bound_min=bmin, bound_max=bmax)
+    o_exp, lse_exp = golden.attention_fwd(q, k, v, sinks=sinks, **opts)
+    grads_exp = golden.attention_bwd(q, k, v, None, dy, None, sinks_ref=sinks, **opts)
+    rows = []
+    real_fwd = golden.attention_fwd
+    monkeypatch.setattr(golden, "attention_fwd", lambda q, *a, **kw: rows.append(q.shape[3]) or real_fwd(q, *a, **kw))
+    o, lse, grads = cli._golden_blocked(q, k, v, dy, sinks, opts, block_rows=37)
+    assert max(rows) == 37 and sum(rows) == s
+    np.testing.assert_allclose(o, o_exp, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(lse, lse_exp, rtol=1e-12)
+    for got, exp in zip(grads, grads_exp):
+        np.testing.assert_allclose(got, exp, rtol=1e-11, atol=1e-13)
+
+
+def test_check_runs_in_blocks_of_query_rows(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "CHECK_BLOCK_ENTRIES", 256 * 100)
+    rows = []
+    real_fwd = golden.attention_fwd
+    monkeypatch.setattr(golden, "attention_fwd", lambda q, *a, **kw: rows.append(q.shape[3]) or real_fwd(q, *a, **kw))
+    assert cli.main(SMALL + ["--dtype", "float32", "--window", "40", "--sinks", "1"]) == 0
+    assert max(rows) == 100 and sum(rows) == 256
