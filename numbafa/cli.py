@@ -7,7 +7,11 @@ is reported on its own), times
 ``--repeats`` calls of each, and checks the outputs of the first KV-head
 group of batch 0 (all of its q-heads, all rows) against the float64 golden,
 computed in blocks of query rows so that its memory does not grow with
-seqlen**2. Exit code 0: all checks pass; 1: a check failed; 2: bad options.
+seqlen**2. Before running, the memory the arrays need is estimated; a size
+that cannot fit is refused.
+
+Exit code 0: all checks pass; 1: a check failed; 2: bad options, or a size
+that does not fit in memory (a one-line message, no traceback).
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -24,7 +30,7 @@ from . import __version__, golden
 from .api import attention_bwd, attention_fwd
 from .blas import backend_info
 from .dtypes import bf16_dtype
-from .layout import cu_seqlens_to_bounds
+from .layout import MAX_BOUND, cu_seqlens_to_bounds
 
 #: Acceptance rule: max|a - e| <= ATOL + rtol * max|e|, rtol per (dtype, output); the
 #: values of tests/_tolerances.py. Shown as max|a - e| / max|e| <= rtol + ATOL / max|e|.
@@ -42,7 +48,8 @@ timed and checked against the float64 golden."""
 EPILOG = """\
 example: numbafa --seqlen 4096 --head-dim 64 --dtype bf16 --json
 
-Exit status: 0 all checks passed, 1 a check failed, 2 bad options.
+Exit status: 0 all checks passed, 1 a check failed, 2 bad options or a size
+that does not fit in memory.
 """
 
 
@@ -118,6 +125,67 @@ def _check_options(p: argparse.ArgumentParser, args) -> None:
         p.error("--window needs --mask causal")
     if args.packing is not None and sum(args.packing) != args.seqlen:
         p.error(f"--packing lengths sum to {sum(args.packing)}, expected --seqlen {args.seqlen}")
+    if args.packing is not None and args.seqlen > MAX_BOUND:
+        p.error(f"--packing needs --seqlen <= {MAX_BOUND} (float32 bounds), got {args.seqlen}")
+
+
+# ---------------------------------------------------------------------------
+# Memory: estimated up front, so that an impossible size is a message, not a traceback.
+# ---------------------------------------------------------------------------
+
+def _estimate_bytes(args) -> int:
+    """Peak memory of :func:`run`, roughly (one dtype at a time; float32, the larger).
+
+    In units of a q-sized array ``Q = batch * heads * head_dim * seqlen`` and a
+    k-sized one ``K``: q and dy (drawn in float64 first), k, v, o and the
+    gradients kept, plus the outputs and float32 dK/dV partials of the timed
+    calls; the golden check adds float64 copies of one KV group and a few
+    row blocks of CHECK_BLOCK_ENTRIES scores.
+    """
+    q = args.batch * args.heads * args.head_dim * args.seqlen
+    k = args.batch * args.kv_heads * args.head_dim * args.seqlen
+    sinks = args.batch * args.heads * (args.sinks or 0)
+    total = 4 * (6 * q + 8 * k + sinks) + 8 * 2 * args.seqlen
+    if not args.no_check:
+        group = (args.heads // args.kv_heads) * args.head_dim * args.seqlen
+        total += 8 * (6 * group + 6 * args.head_dim * args.seqlen + 8 * max(CHECK_BLOCK_ENTRIES, args.seqlen))
+    return total
+
+
+def _available_bytes() -> Optional[int]:
+    """Memory available to this process: MemAvailable (Linux), else the physical memory, else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _human(n: float) -> str:
+    """``976.6 KiB``, ``2.8 GiB``, ..."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+    i = min(len(units) - 1, int(math.log(max(n, 1), 1024)))
+    return f"{n / 1024 ** i:.1f} {units[i]}" if i else f"{int(n)} B"
+
+
+_REDUCE = "reduce --seqlen, --heads, --kv-heads, --batch or --head-dim"
+
+
+def _check_memory(p: argparse.ArgumentParser, args) -> None:
+    """Exit 2 with one line if the arrays cannot fit in the available memory."""
+    need, available = _estimate_bytes(args), _available_bytes()
+    if available is None or need <= available:
+        return
+    unchecked = _estimate_bytes(argparse.Namespace(**{**vars(args), "no_check": True}))
+    hint = " (or add --no-check)" if unchecked <= available else ""
+    p.exit(2, f"{p.prog}: error: this problem needs about {_human(need)} of memory, only "
+              f"{_human(available)} available; {_REDUCE}{hint}\n")
 
 
 # ---------------------------------------------------------------------------
@@ -132,6 +200,10 @@ class Progress:
         self.enabled = enabled
         self.tty = sys.stderr.isatty()
 
+    def _bar_open(self) -> bool:
+        """True while a terminal bar line is drawn without its newline."""
+        return self.enabled and self.tty and 0 < self.done < self.total
+
     def step(self, label: str) -> None:
         if not self.enabled:
             return
@@ -141,6 +213,11 @@ class Progress:
         end = "" if self.tty and self.done < self.total else "\n"
         prefix = "\r" if self.tty else ""
         print(f"{prefix}[{bar}] {self.done}/{self.total} {label:<40}", end=end, file=sys.stderr, flush=True)
+
+    def end_line(self) -> None:
+        """Finish a terminal bar line drawn without its newline, if any."""
+        if self._bar_open():
+            print(file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------
@@ -362,9 +439,15 @@ def main(argv=None) -> int:
         print(json.dumps(backend_info(), indent=2))
         return 0
     _check_options(parser, args)
+    _check_memory(parser, args)
     n_dtypes = 2 if args.dtype == "both" else 1
     progress = Progress(n_dtypes * (3 if args.no_check else 4), enabled=not args.json)
-    records = run(args, progress)
+    try:
+        records = run(args, progress)
+    except MemoryError:
+        progress.end_line()
+        parser.exit(2, f"{parser.prog}: error: out of memory (estimated need about "
+                       f"{_human(_estimate_bytes(args))}); {_REDUCE}\n")
     if args.json:
         _print_json(records)
     else:

@@ -92,6 +92,64 @@ def test_help_is_plain_text_with_defaults(capsys):
     assert "Exit status: 0" in flat
 
 
+def one_line_error(capsys, argv, code=2):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == code
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("numbafa: error: "), captured.err
+    return lines[0]
+
+
+def test_impossible_size_exits_2_with_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "run", lambda *a: pytest.fail("an impossible size must not run"))
+    line = one_line_error(capsys, ["--seqlen", "1000000000000"])
+    assert "this problem needs about" in line and "bytes of memory" not in line and "available" in line
+
+
+def test_size_beyond_available_memory_exits_2(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_available_bytes", lambda: 10 ** 6)
+    monkeypatch.setattr(cli, "run", lambda *a: pytest.fail("must not run"))
+    line = one_line_error(capsys, SMALL)
+    assert "only 976.6 KiB available" in line
+
+
+def test_memory_message_suggests_no_check_only_when_it_helps(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "run", lambda *a: pytest.fail("must not run"))
+    args = cli.build_parser().parse_args(SMALL)
+    unchecked = cli._estimate_bytes(cli.build_parser().parse_args(SMALL + ["--no-check"]))
+    assert unchecked < cli._estimate_bytes(args)
+    monkeypatch.setattr(cli, "_available_bytes", lambda: unchecked)
+    assert one_line_error(capsys, SMALL).endswith("(or add --no-check)")
+    monkeypatch.setattr(cli, "_available_bytes", lambda: unchecked - 1)
+    assert "--no-check" not in one_line_error(capsys, SMALL)
+
+
+def test_memory_error_during_run_exits_2(capsys, monkeypatch):
+    def run(*args):
+        raise MemoryError()
+    monkeypatch.setattr(cli, "run", run)
+    line = one_line_error(capsys, SMALL + ["--dtype", "float32"])
+    assert "out of memory" in line
+
+
+def test_estimate_counts_the_arrays():
+    def estimate(seqlen, *flags):
+        return cli._estimate_bytes(cli.build_parser().parse_args(["--seqlen", str(seqlen), *flags]))
+
+    q_bytes = 8 * 128 * 8192 * 4
+    assert 4 * q_bytes < estimate(8192, "--no-check") < 20 * q_bytes
+
+    def check_bytes(seqlen):
+        return estimate(seqlen) - estimate(seqlen, "--no-check")
+    # The blocked golden check: measured peak 396 MiB at seqlen 8192 (the unblocked one took 2.97 GB),
+    # and linear in seqlen, not quadratic.
+    assert 396 * 2 ** 20 < check_bytes(8192) < 2 ** 30
+    assert check_bytes(32768) < 4 * check_bytes(8192)
+
+
 def test_blocked_golden_equals_the_full_golden(monkeypatch):
     rng = np.random.default_rng(1)
     n_rep, d, s = 2, 16, 200
