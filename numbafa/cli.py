@@ -2,8 +2,8 @@
 
 Default: batch 1, 8 q-heads, 2 KV heads, seqlen 2048, head_dim 128, causal,
 float32 and bf16 (``mixed_precision=True``). For each dtype it runs
-``attention_fwd`` and ``attention_bwd`` (the first call, which compiles,
-is reported on its own), times
+``attention_fwd`` and ``attention_bwd`` (the first call, which compiles or
+loads the kernels, is announced on stderr and reported on its own), times
 ``--repeats`` calls of each, and checks the outputs of the first KV-head
 group of batch 0 (all of its q-heads, all rows) against the float64 golden,
 computed in blocks of query rows so that its memory does not grow with
@@ -24,12 +24,16 @@ import sys
 import time
 from typing import Optional
 
+import numba
 import numpy as np
 
 from . import __version__, golden
 from .api import attention_bwd, attention_fwd
 from .blas import backend_info
+from .config import JIT_FLAGS
 from .dtypes import bf16_dtype
+from .kernels.backward import flash_attn_bwd
+from .kernels.forward import flash_attn_fwd
 from .layout import MAX_BOUND, cu_seqlens_to_bounds
 
 #: Acceptance rule: max|a - e| <= ATOL + rtol * max|e|, rtol per (dtype, output); the
@@ -42,6 +46,9 @@ RTOL_LSE = {"float32": 1e-5, "bf16": 2e-2}
 #: block of 32 MiB, a few of them alive at a time.
 CHECK_BLOCK_ENTRIES = 1 << 22
 
+#: The dtype of the arrays the kernels receive, per --dtype (bf16 arrives as its uint16 bits).
+_KERNEL_DTYPE = {"float32": np.dtype(np.float32), "bf16": np.dtype(np.uint16)}
+
 DESCRIPTION = """\
 Forward + backward of numbafa's flash attention on a built-in default shape,
 timed and checked against the float64 golden."""
@@ -49,7 +56,8 @@ EPILOG = """\
 example: numbafa --seqlen 4096 --head-dim 64 --dtype bf16 --json
 
 Exit status: 0 all checks passed, 1 a check failed, 2 bad options or a size
-that does not fit in memory.
+that does not fit in memory. The first call of each dtype compiles the
+kernels (about 40 s, once: they are cached on disk).
 """
 
 
@@ -189,7 +197,7 @@ def _check_memory(p: argparse.ArgumentParser, args) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Progress (stderr: stdout holds the table or the JSON).
+# Progress and the compile announcement (stderr: stdout holds the table or the JSON).
 # ---------------------------------------------------------------------------
 
 class Progress:
@@ -218,6 +226,59 @@ class Progress:
         """Finish a terminal bar line drawn without its newline, if any."""
         if self._bar_open():
             print(file=sys.stderr, flush=True)
+
+    def note(self, text: str) -> None:
+        """A message on a line of its own (always shown, also with --json)."""
+        self.end_line()
+        print(text, file=sys.stderr, flush=True)
+
+
+def _holds(signatures, kernel_dtype: np.dtype) -> bool:
+    """Whether one of the kernel signatures takes q as an array of ``kernel_dtype``."""
+    nb_dtype = numba.from_dtype(kernel_dtype)
+    return any(len(sig) and getattr(sig[0], "dtype", None) == nb_dtype for sig in signatures)
+
+
+def _kernel_state(kernel_dtype: np.dtype) -> str:
+    """Where the first call for ``kernel_dtype`` takes the forward and backward kernels from.
+
+    ``"loaded"``: compiled in this process already; ``"cached"``: fresh in
+    Numba's on-disk cache; ``"uncached"``: neither, the call compiles;
+    ``"cache off"``: ``NUMBAFA_CACHE=0``; ``"unknown"``: the cache index
+    could not be read (it is Numba-internal).
+    """
+    kernels = (flash_attn_fwd, flash_attn_bwd)
+    if all(_holds(kernel.signatures, kernel_dtype) for kernel in kernels):
+        return "loaded"
+    if not JIT_FLAGS["cache"]:
+        return "cache off"
+    try:  # Numba internals (0.60 - 0.61): any failure only means "unknown".
+        indexes = [kernel._cache._cache_file._load_index() for kernel in kernels]
+    except Exception:  # noqa: BLE001
+        return "unknown"
+    cached = all(_holds([key[0] for key in index], kernel_dtype) for index in indexes)
+    return "cached" if cached else "uncached"
+
+
+def _cache_dir() -> Optional[str]:
+    try:
+        return str(flash_attn_fwd._cache._cache_path)  # Numba-internal, as above
+    except AttributeError:
+        return None
+
+
+def _compile_notice(name: str, state: str) -> Optional[str]:
+    """The line announcing a first call that compiles or loads kernels (None if loaded)."""
+    where = _cache_dir()
+    if state == "loaded":
+        return None
+    if state == "cache off":
+        return f"compiling {name} kernels (about 40 s; not cached: NUMBAFA_CACHE=0)"
+    if state == "cached" and where:
+        return f"loading cached {name} kernels from {where}"
+    if state == "uncached" and where:
+        return f"compiling {name} kernels (first run only, about 40 s; cached in {where})"
+    return f"compiling {name} kernels unless cached (first run only, about 40 s)"
 
 
 # ---------------------------------------------------------------------------
@@ -265,11 +326,14 @@ def run(args, progress: Progress) -> list:
         k, v = (rng.standard_normal((b, hkv, d, s)).astype(dtype) for _ in range(2))
         dy = rng.standard_normal((b, h, d, s)).astype(dtype)
         lse_layout = "neuron" if s % 128 == 0 else "natural"
+        notice = _compile_notice(name, _kernel_state(_KERNEL_DTYPE[name]))
+        if notice:
+            progress.note(notice)
         t0 = time.perf_counter()
         o, lse = attention_fwd(q, k, v, lse_layout=lse_layout, **opts)
         grads = attention_bwd(q, k, v, o, dy, lse, **opts)
         first = time.perf_counter() - t0
-        progress.step(f"{name}: first calls (JIT compile)")
+        progress.step(f"{name}: first calls")
         fwd_ms = _median_ms(lambda: attention_fwd(q, k, v, lse_layout=lse_layout, **opts), args.repeats)
         progress.step(f"{name}: forward x{args.repeats}")
         bwd_ms = _median_ms(lambda: attention_bwd(q, k, v, o, dy, lse, **opts), args.repeats)

@@ -178,3 +178,33 @@ def test_check_runs_in_blocks_of_query_rows(capsys, monkeypatch):
     monkeypatch.setattr(golden, "attention_fwd", lambda q, *a, **kw: rows.append(q.shape[3]) or real_fwd(q, *a, **kw))
     assert cli.main(SMALL + ["--dtype", "float32", "--window", "40", "--sinks", "1"]) == 0
     assert max(rows) == 100 and sum(rows) == 256
+
+
+@pytest.mark.parametrize("state,expected", [
+    ("uncached", "compiling float32 kernels (first run only, about 40 s; cached in "),
+    ("cached", "loading cached float32 kernels from "),
+    ("cache off", "compiling float32 kernels (about 40 s; not cached: NUMBAFA_CACHE=0)"),
+    ("unknown", "compiling float32 kernels unless cached (first run only, about 40 s)"),
+])
+def test_compile_notice_on_stderr_before_the_first_call(state, expected, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_kernel_state", lambda kernel_dtype: state)
+    before_first_call = []
+    real_fwd = cli.attention_fwd
+
+    def fwd(*args, **kwargs):
+        if not before_first_call:
+            before_first_call.append(capsys.readouterr())
+        return real_fwd(*args, **kwargs)
+    monkeypatch.setattr(cli, "attention_fwd", fwd)
+    assert cli.main(SMALL + ["--dtype", "float32", "--json", "--no-check"]) == 0
+    before = before_first_call[0]
+    assert expected in before.err and before.out == ""
+    json.loads(capsys.readouterr().out)                 # stdout: one JSON document, nothing else
+
+
+def test_no_notice_when_kernels_are_loaded(capsys):
+    assert cli.main(SMALL + ["--dtype", "float32", "--no-check"]) == 0
+    assert cli._kernel_state(np.dtype(np.float32)) == "loaded"
+    capsys.readouterr()
+    assert cli.main(SMALL + ["--dtype", "float32", "--no-check"]) == 0
+    assert "kernels" not in capsys.readouterr().err
