@@ -5,19 +5,52 @@
     dq, dk, dv = ctx.backward(do)         # (+ dsinks when sinks were given)
 
 The context keeps what the backward needs -- q, k, v, o, lse and the
-options -- and nothing quadratic in the sequence length (never P).
+options -- and nothing quadratic in the sequence length (never P). It keeps
+*views* of the caller's arrays, not copies, so it also keeps a CRC-32 of
+each of them: an array changed in place between the forward and the
+backward is reported instead of silently changing the gradients.
+
+Errors name the caller's arguments (``q``, ``do``, ...) and give shapes in
+the caller's layout: when :func:`numbafa.attention_fwd` or
+:func:`numbafa.attention_bwd` reject an input, the same checks run again in
+the caller's terms (:mod:`numbafa.validation`), which costs nothing on the
+normal path.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import zlib
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import numpy as np
 
 from .api import attention_bwd, attention_fwd
 from .layout import LAYOUTS, from_neuron, to_neuron
+from .validation import validate_bwd_inputs, validate_fwd_inputs
 
 __all__ = ["attention", "AttentionContext"]
+
+#: The caller's names of the kernels' arguments, for the messages.
+_FWD_NAMES = {"q_ref": "q", "k_ref": "k", "v_ref": "v", "sinks_ref": "sinks"}
+_BWD_NAMES = {**_FWD_NAMES, "o_ref": "o", "dy_ref": "do", "lse_ref": "ctx.lse"}
+#: Option keys (as attention_fwd names them) of the arrays the checksums cover, and their names.
+_WATCHED_OPTIONS = {"sinks_ref": "sinks", "bound_min": "bound_min", "bound_max": "bound_max"}
+
+
+def _crc32(x: np.ndarray) -> int:
+    """CRC-32 of the array's bytes in C order (a contiguous copy first if it is a strided view)."""
+    return zlib.crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+
+
+def _error_of(check: Callable[[], object]) -> Optional[Exception]:
+    """The TypeError/ValueError ``check`` raises, or None."""
+    try:
+        check()
+    except (TypeError, ValueError) as error:
+        return error
+    return None
 
 
 @dataclass(frozen=True)
@@ -33,6 +66,10 @@ class AttentionContext:
         Keyword arguments shared by forward and backward (sinks, bounds, mask, scale, ...).
     layout : str
         Layout of the caller's arrays, used for ``do`` and the gradients.
+    checksums : dict
+        CRC-32 of q, k, v, o (and sinks, bound_min, bound_max when given),
+        taken by the forward; :meth:`backward` raises ``ValueError`` if one
+        of these arrays changed since. Empty: no check.
     """
 
     q: np.ndarray
@@ -42,6 +79,28 @@ class AttentionContext:
     lse: np.ndarray
     options: dict = field(default_factory=dict)
     layout: str = "bshd"
+    checksums: dict = field(default_factory=dict)
+
+    def _watched(self) -> dict:
+        """The arrays the checksums cover, by the caller's names, as the caller holds them."""
+        arrays = {name: from_neuron(x, self.layout) for name, x in
+                  (("q", self.q), ("k", self.k), ("v", self.v))}
+        arrays["o"] = self.o  # ours, returned to the caller as a view
+        for key, name in _WATCHED_OPTIONS.items():
+            if isinstance(self.options.get(key), np.ndarray):
+                arrays[name] = self.options[key]
+        return arrays
+
+    def _check_unchanged(self) -> None:
+        arrays = self._watched()
+        for name, expected in self.checksums.items():
+            actual = _crc32(arrays[name])
+            if actual != expected:
+                raise ValueError(
+                    f"{name} was modified in place after numbafa.attention() returned (CRC-32 "
+                    f"0x{expected:08x} at the forward, 0x{actual:08x} now): the context keeps views of "
+                    f"the forward's arrays, so the gradients would mix old and new values; pass a copy to "
+                    f"attention() or call it again after the change")
 
     def backward(self, do):
         """Gradients of the loss with respect to q, k, v (and sinks).
@@ -56,14 +115,30 @@ class AttentionContext:
         dq, dk, dv : arrays in the caller's layout and dtype (dk/dv summed over
             the q-heads sharing a KV head)
         dsinks : shape and dtype of the sinks (only when sinks were given)
+
+        Raises
+        ------
+        TypeError, ValueError
+            A bad ``do`` (named ``do``), or an input of the forward (``q``,
+            ``k``, ``v``, ``o``, ``sinks``, ``bound_min``, ``bound_max``)
+            changed in place since the forward.
         """
         if not isinstance(do, np.ndarray):
             raise TypeError(f"do must be a numpy.ndarray, got {type(do).__name__}")
         expected = from_neuron(self.o, self.layout).shape
         if do.shape != expected:
             raise ValueError(f"do must have the shape of o {expected}, got {do.shape}")
-        grads = attention_bwd(self.q, self.k, self.v, self.o, to_neuron(do, self.layout), self.lse,
-                              **self.options)
+        self._check_unchanged()
+        don = to_neuron(do, self.layout, name="do")
+        try:
+            grads = attention_bwd(self.q, self.k, self.v, self.o, don, self.lse, **self.options)
+        except (TypeError, ValueError):
+            named = _error_of(lambda: validate_bwd_inputs(
+                self.q, self.k, self.v, self.o, don, self.lse, **self.options, names=_BWD_NAMES,
+                layout=self.layout))
+            if named is None:
+                raise
+            raise named from None
         return tuple(from_neuron(g, self.layout) for g in grads[:3]) + tuple(grads[3:])
 
 
@@ -85,13 +160,29 @@ def attention(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_ma
     -------
     o : ndarray in ``layout`` (a view of a Neuron-layout array), the inputs' dtype
     ctx : AttentionContext
-        ``ctx.backward(do)`` gives the gradients.
+        ``ctx.backward(do)`` gives the gradients. Do not change q, k, v, o,
+        sinks or the bounds in place before it: it raises ``ValueError``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`numbafa.attention_fwd`, naming ``q``, ``k``, ``v``,
+        ``sinks``, ... with shapes and axes in ``layout``.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    qn, kn, vn = (to_neuron(x, layout) for x in (q, k, v))
+    qn, kn, vn = (to_neuron(x, layout, name=name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     options = dict(sinks_ref=sinks, bound_min=bound_min, bound_max=bound_max,
                    use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
                    softmax_scale=softmax_scale, sliding_window=sliding_window)
-    o, lse = attention_fwd(qn, kn, vn, lse_layout="natural", **options)
-    return from_neuron(o, layout), AttentionContext(qn, kn, vn, o, lse, options, layout)
+    try:
+        o, lse = attention_fwd(qn, kn, vn, lse_layout="natural", **options)
+    except (TypeError, ValueError):
+        named = _error_of(lambda: validate_fwd_inputs(qn, kn, vn, **options, names=_FWD_NAMES,
+                                                      layout=layout))
+        if named is None:
+            raise
+        raise named from None
+    ctx = AttentionContext(qn, kn, vn, o, lse, options, layout)
+    checksums = {name: _crc32(x) for name, x in ctx._watched().items()}
+    return from_neuron(o, layout), dataclasses.replace(ctx, checksums=checksums)

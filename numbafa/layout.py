@@ -10,6 +10,8 @@ arrays and copy tile by tile as they load.
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 from .tiling import Q_TILE
@@ -22,6 +24,7 @@ __all__ = [
     "lse_to_neuron",
     "cu_seqlens_to_bounds",
     "lse_from_cte",
+    "MAX_BOUND",
 ]
 
 #: Axis permutation from each layout to the Neuron layout [b, h, d, s].
@@ -35,15 +38,27 @@ def _check_layout(layout) -> tuple:
     return _TO_NEURON[layout]
 
 
-def _check_4d(name: str, x) -> np.ndarray:
+#: Axis names of the Neuron layout, the order of every permutation above.
+_NEURON_DIMS = ("batch", "heads", "head_dim", "seq")
+
+
+def _dims(layout: str) -> str:
+    """``"[batch, seq, heads, head_dim]"`` for ``"bshd"``, and so on."""
+    inverse = np.argsort(_check_layout(layout))
+    return "[" + ", ".join(_NEURON_DIMS[i] for i in inverse) + "]"
+
+
+def _check_4d(name: str, x, layout: str) -> np.ndarray:
+    """``x`` must be a 4-D array in ``layout``; messages say so in ``name``."""
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
     if x.ndim != 4:
-        raise ValueError(f"{name} must be 4-D, got shape {x.shape}")
+        where = "" if layout == "neuron" else f" for layout={layout!r}"
+        raise ValueError(f"{name} must be 4-D {_dims(layout)}{where}, got shape {x.shape}")
     return x
 
 
-def to_neuron(x: np.ndarray, layout: str) -> np.ndarray:
+def to_neuron(x: np.ndarray, layout: str, name: str = "x") -> np.ndarray:
     """View of ``x`` in the Neuron layout ``[batch, heads, head_dim, seq]``.
 
     Parameters
@@ -53,15 +68,20 @@ def to_neuron(x: np.ndarray, layout: str) -> np.ndarray:
         ``[batch, heads, seq, head_dim]`` for ``"bhsd"``, or already
         ``[batch, heads, head_dim, seq]`` for ``"neuron"``.
     layout : {"bshd", "bhsd", "neuron"}
+    name : str
+        How error messages call ``x`` (e.g. ``"q"``).
     """
     perm = _check_layout(layout)
-    return np.transpose(_check_4d("x", x), perm)
+    return np.transpose(_check_4d(name, x, layout), perm)
 
 
-def from_neuron(x: np.ndarray, layout: str) -> np.ndarray:
-    """View of a Neuron-layout ``[batch, heads, head_dim, seq]`` array in ``layout``."""
+def from_neuron(x: np.ndarray, layout: str, name: str = "x") -> np.ndarray:
+    """View of a Neuron-layout ``[batch, heads, head_dim, seq]`` array in ``layout``.
+
+    ``name`` is how error messages call ``x``.
+    """
     perm = _check_layout(layout)
-    return np.transpose(_check_4d("x", x), np.argsort(perm))
+    return np.transpose(_check_4d(name, x, "neuron"), np.argsort(perm))
 
 
 def lse_to_natural(lse: np.ndarray) -> np.ndarray:
@@ -92,12 +112,32 @@ def lse_to_neuron(lse: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(lse.reshape(bs, h, seq // Q_TILE, Q_TILE).transpose(0, 1, 3, 2))
 
 
+#: Largest row count of packing bounds: float32 holds every integer up to 2**24 exactly.
+MAX_BOUND = 2 ** 24
+
+
+def _check_cu_seqlens(cu_seqlens) -> np.ndarray:
+    """``cu_seqlens`` as int64, after checking kind, order and range (any integer dtype)."""
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.size < 1 or not np.issubdtype(cu.dtype, np.integer):
+        raise ValueError(f"cu_seqlens must be a 1-D integer array [num_seqs + 1], got "
+                         f"{cu.dtype} array of shape {cu.shape}")
+    # Compare neighbours, not np.diff: on unsigned dtypes the difference wraps around.
+    if cu[0] != 0 or np.any(cu[1:] < cu[:-1]):
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()[:8]}"
+                         f"{'...' if cu.size > 8 else ''}")
+    if cu[-1] > MAX_BOUND:  # before the cast: a uint64 beyond int64 must not wrap
+        raise ValueError(f"cu_seqlens[-1] must be <= 2**24 = {MAX_BOUND} (float32 bounds are exact "
+                         f"integers up to there), got {int(cu[-1])}")
+    return cu.astype(np.int64)
+
+
 def cu_seqlens_to_bounds(cu_seqlens, seqlen=None):
     """Packing bounds from flash-attn style cumulative sequence lengths.
 
     Parameters
     ----------
-    cu_seqlens : 1-D integer array ``[num_seqs + 1]``
+    cu_seqlens : 1-D integer array ``[num_seqs + 1]``, any integer dtype
         ``0 = cu[0] <= cu[1] <= ... <= cu[-1]``; sequence ``i`` occupies
         rows ``cu[i] .. cu[i+1] - 1`` of the packed batch.
     seqlen : int, optional
@@ -108,18 +148,28 @@ def cu_seqlens_to_bounds(cu_seqlens, seqlen=None):
     -------
     bound_min, bound_max : float32 ``[seqlen]``
         Query ``r`` attends keys ``bound_min[r] <= j < bound_max[r]``.
+
+    Raises
+    ------
+    TypeError
+        ``seqlen`` is not an int (a float such as 5.7 is not truncated).
+    ValueError
+        ``cu_seqlens`` is not a 1-D integer array starting at 0 and
+        non-decreasing, ``seqlen < cu[-1]``, or a row count above 2**24
+        (beyond it float32 bounds are not exact).
     """
-    cu = np.asarray(cu_seqlens)
-    if cu.ndim != 1 or cu.size < 1 or not np.issubdtype(cu.dtype, np.integer):
-        raise ValueError(f"cu_seqlens must be a 1-D integer array [num_seqs + 1], got "
-                         f"{cu.dtype} array of shape {cu.shape}")
-    if cu[0] != 0 or np.any(np.diff(cu) < 0):
-        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()[:8]}"
-                         f"{'...' if cu.size > 8 else ''}")
+    cu = _check_cu_seqlens(cu_seqlens)
     total = int(cu[-1])
-    seqlen = total if seqlen is None else int(seqlen)
+    if seqlen is None:
+        seqlen = total
+    elif isinstance(seqlen, (bool, np.bool_)) or not isinstance(seqlen, numbers.Integral):
+        raise TypeError(f"seqlen must be an int or None, got {type(seqlen).__name__} {seqlen!r}")
+    seqlen = int(seqlen)
     if seqlen < total:
         raise ValueError(f"seqlen must be >= cu_seqlens[-1] = {total}, got {seqlen}")
+    if seqlen > MAX_BOUND:
+        raise ValueError(f"seqlen must be <= 2**24 = {MAX_BOUND} (float32 bounds are exact integers up "
+                         f"to there), got {seqlen}")
     lengths = np.diff(cu)
     bound_min = np.zeros(seqlen, dtype=np.float32)
     bound_max = np.zeros(seqlen, dtype=np.float32)
@@ -135,11 +185,31 @@ def lse_from_cte(neg_max, sum_recip):
     reciprocal row sum ``sum_recip = 1 / sum(exp(s - max))``; then
     ``lse = max + log(sum) = -(neg_max + log(sum_recip))`` (seed: the torch
     golden's line 230). Shapes are kept; the result is float32.
+    ``sum_recip = 0`` gives ``lse = +inf`` (a row that attends to nothing).
+
+    Raises
+    ------
+    ValueError
+        Different shapes, NaN in either input, a negative ``sum_recip``
+        (no real log), or ``neg_max = +inf`` with ``sum_recip = 0``
+        (``inf - inf``): pairs that have no lse.
     """
     neg_max = np.asarray(neg_max, dtype=np.float64)
     sum_recip = np.asarray(sum_recip, dtype=np.float64)
     if neg_max.shape != sum_recip.shape:
         raise ValueError(f"neg_max and sum_recip must have the same shape, got {neg_max.shape} and "
                          f"{sum_recip.shape}")
+    for name, x in (("neg_max", neg_max), ("sum_recip", sum_recip)):
+        n_nan = int(np.isnan(x).sum())
+        if n_nan:
+            raise ValueError(f"{name} must not contain NaN, got {n_nan} NaN element(s)")
+    negative = sum_recip < 0
+    if negative.any():
+        raise ValueError(f"sum_recip must be >= 0 (a reciprocal row sum), got {int(negative.sum())} negative "
+                         f"element(s), e.g. {float(sum_recip[negative].flat[0])}")
+    undefined = (neg_max == np.inf) & (sum_recip == 0)
+    if undefined.any():
+        raise ValueError(f"neg_max = +inf with sum_recip = 0 has no lse (inf - inf), at "
+                         f"{int(undefined.sum())} element(s)")
     with np.errstate(divide="ignore"):
         return (-(neg_max + np.log(sum_recip))).astype(np.float32)

@@ -95,3 +95,89 @@ def test_training_gradients_match_finite_differences():
             numeric = (up - down) / (2 * eps)
             # measured: <= 0.3 % (float32 loss, eps 1e-2); a 5 % error in any weight fails
             assert abs(numeric - g[pos]) <= 1e-2 * abs(g[pos]), (key, pos, numeric, g[pos])
+
+
+def _bshd(b=1, s=64, h=4, hkv=2, d=8, seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, s, h, d)).astype(dtype)
+    k, v = (rng.standard_normal((b, s, hkv, d)).astype(dtype) for _ in range(2))
+    return q, k, v
+
+
+Q, K, V = _bshd()
+NAMED_ERRORS = [
+    # (arguments of numbafa.attention, exception, the whole message or its start)
+    (dict(q=Q.tolist()), TypeError, "q must be a numpy.ndarray, got list"),
+    (dict(k=K[0]), ValueError, "k must be 4-D [batch, seq, heads, head_dim] for layout='bshd', got shape (64, 2, 8)"),
+    (dict(q=Q.astype(np.float64)), TypeError, "q must be float32 or bfloat16 (ml_dtypes.bfloat16), got float64"),
+    (dict(v=V.astype(np.float64)), TypeError, "v must have the dtype of q (float32), got float64"),
+    (dict(k=K[..., :4]), ValueError, "k must have shape (1, seqlen_k, nheads_kv, 8) to match q, got (1, 64, 2, 4)"),
+    (dict(v=V[:, :32]), ValueError, "v must have shape (1, 64, 2, 8) (same as k), got (1, 32, 2, 8)"),
+    (dict(k=np.zeros((1, 64, 3, 8), np.float32), v=np.zeros((1, 64, 3, 8), np.float32)), ValueError,
+     "nheads (4) must be a multiple of nheads_kv (k.shape[2]), got nheads_kv=3"),
+    (dict(q=Q[..., :0], k=K[..., :0], v=V[..., :0]), ValueError, "d_head (q.shape[3]) must be >= 1, got 0"),
+    (dict(k=K[:, :32], v=V[:, :32], use_causal_mask=True), ValueError,
+     "use_causal_mask=True requires seqlen_q == seqlen_k, got seqlen_q=64, seqlen_k=32"),
+    (dict(q=np.where(np.arange(8) == 3, np.nan, Q).astype(np.float32)), ValueError,
+     "q must be finite, got 256 NaN/inf element(s) of 2048"),
+    (dict(sinks=np.zeros((1, 3), np.float32)), ValueError,
+     "sinks must have shape (1, 4) ([bs, nheads] or [bs, nheads, num_sinks]), got (1, 3)"),
+    (dict(sinks=np.zeros((1, 4), np.float64)), TypeError, "sinks must be float32 or bfloat16, got float64"),
+    (dict(bound_min=np.zeros(64, np.float32)), ValueError,
+     "bound_min and bound_max must be given together, got only bound_min"),
+]
+
+
+@pytest.mark.parametrize("changes,exc,message", NAMED_ERRORS, ids=[e[2][:50] for e in NAMED_ERRORS])
+def test_errors_name_the_callers_arguments(changes, exc, message):
+    args = {**dict(q=Q, k=K, v=V), **changes}
+    with pytest.raises(exc) as info:
+        numbafa.attention(**args)
+    assert str(info.value).startswith(message)
+    assert "_ref" not in str(info.value)
+    # One clean error: no 'During handling of the above exception' chain.
+    assert info.value.__context__ is None or info.value.__suppress_context__
+
+
+def test_backward_errors_name_do():
+    _, ctx = numbafa.attention(Q, Q[:, :, :2], Q[:, :, :2])
+    with pytest.raises(TypeError, match=r"^do must have the dtype of q \(float32\), got float64$"):
+        ctx.backward(Q.astype(np.float64))
+    bad = Q.copy()
+    bad[0, 5, 1, 2] = np.inf
+    with pytest.raises(ValueError, match=r"^do must be finite, got 1 NaN/inf element\(s\) of 2048$"):
+        ctx.backward(bad)
+
+
+WATCHED = ["q", "k", "v", "o", "sinks", "bound_min", "bound_max"]
+
+
+@pytest.mark.parametrize("changed", WATCHED)
+def test_inputs_changed_in_place_before_backward_are_detected(changed):
+    """The context keeps views of the caller's arrays: an in-place change would silently change
+    the gradients, so the backward compares checksums taken by the forward."""
+    q, k, v = (x.copy() for x in (Q, K, V))
+    arrays = dict(q=q, k=k, v=v, sinks=np.ones((1, 4), np.float32),
+                  bound_min=np.zeros(64, np.float32), bound_max=np.full(64, 64, np.float32))
+    o, ctx = numbafa.attention(**arrays, use_causal_mask=True)
+    do = np.ones_like(o)
+    first = ctx.backward(do)
+    again = ctx.backward(do)                       # unchanged inputs: fine, and deterministic
+    for x, y in zip(first, again):
+        np.testing.assert_array_equal(x, y)
+    target = o if changed == "o" else arrays[changed]
+    target[(0,) * target.ndim] += 1.0              # one element, in place
+    with pytest.raises(ValueError) as info:
+        ctx.backward(do)
+    message = str(info.value)
+    assert message.startswith(f"{changed} was modified in place after numbafa.attention() returned")
+    assert "CRC-32 0x" in message and "at the forward" in message and "now" in message
+
+
+def test_empty_batch_through_attention():
+    q, k, v = (x[:0] for x in (Q, K, V))
+    sinks = np.zeros((0, 4, 2), np.float32)
+    o, ctx = numbafa.attention(q, k, v, sinks=sinks, use_causal_mask=True)
+    assert o.shape == q.shape
+    dq, dk, dv, dsinks = ctx.backward(np.zeros_like(o))
+    assert (dq.shape, dk.shape, dv.shape, dsinks.shape) == (q.shape, k.shape, v.shape, sinks.shape)

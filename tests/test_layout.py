@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -29,8 +31,11 @@ def test_bshd_element_mapping():
 def test_bad_layout_and_shapes():
     with pytest.raises(ValueError, match="layout must be one of \\('neuron', 'bshd', 'bhsd'\\), got 'sbhd'"):
         layout.to_neuron(np.zeros((1, 1, 1, 1)), "sbhd")
-    with pytest.raises(ValueError, match="x must be 4-D, got shape \\(1, 1, 1\\)"):
+    with pytest.raises(ValueError, match="x must be 4-D \\[batch, heads, head_dim, seq\\], got shape \\(1, 1, 1\\)"):
         layout.from_neuron(np.zeros((1, 1, 1)), "bshd")
+    with pytest.raises(ValueError, match="^q must be 4-D \\[batch, heads, seq, head_dim\\] for layout='bhsd', got "
+                                         "shape \\(1, 1, 1\\)$"):
+        layout.to_neuron(np.zeros((1, 1, 1)), "bhsd", name="q")
     with pytest.raises(TypeError, match="x must be a numpy.ndarray, got list"):
         layout.to_neuron([1, 2], "bshd")
 
@@ -64,10 +69,33 @@ def test_cu_seqlens_to_bounds():
     (np.array([0, 5, 3]), {}, "must start at 0 and be non-decreasing"),
     (np.array([0.0, 3.0]), {}, "must be a 1-D integer array"),
     (np.array([0, 3]), {"seqlen": 2}, "seqlen must be >= cu_seqlens\\[-1\\] = 3, got 2"),
+    # Unsigned arrays: np.diff wraps around, the order check must not rely on it.
+    (np.array([0, 5, 3], np.uint32), {}, "must start at 0 and be non-decreasing, got \\[0, 5, 3\\]"),
+    (np.array([0, 5, 3], np.uint64), {}, "must start at 0 and be non-decreasing"),
+    (np.array([0, 2 ** 63 + 5], np.uint64), {}, "cu_seqlens\\[-1\\] must be <= 2\\*\\*24 = 16777216"),
+    (np.array([0, 3]), {"seqlen": 2 ** 24 + 1}, "seqlen must be <= 2\\*\\*24 = 16777216 \\(float32 bounds"),
 ])
 def test_cu_seqlens_errors(cu, kw, message):
     with pytest.raises(ValueError, match=message):
         layout.cu_seqlens_to_bounds(cu, **kw)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64, np.int8, np.int32, np.int64])
+def test_cu_seqlens_any_integer_dtype(dtype):
+    bmin, bmax = layout.cu_seqlens_to_bounds(np.array([0, 3, 3, 7], dtype), seqlen=np.int64(9))
+    np.testing.assert_array_equal(bmin, [0, 0, 0, 3, 3, 3, 3, 0, 0])
+    np.testing.assert_array_equal(bmax, [3, 3, 3, 7, 7, 7, 7, 0, 0])
+
+
+@pytest.mark.parametrize("seqlen,message", [
+    (5.7, "seqlen must be an int or None, got float 5.7"),
+    (5.0, "seqlen must be an int or None, got float 5.0"),
+    (True, "seqlen must be an int or None, got bool True"),
+    ("5", "seqlen must be an int or None, got str '5'"),
+])
+def test_cu_seqlens_seqlen_must_be_an_int(seqlen, message):
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        layout.cu_seqlens_to_bounds(np.array([0, 3]), seqlen=seqlen)
 
 
 def test_packed_attention_equals_separate_attention():
@@ -101,3 +129,21 @@ def test_golden_forward_agrees_with_layout_helper():
     _, natural = golden.attention_fwd(q, k, v)
     _, neuron = golden.attention_fwd(q, k, v, lse_layout="neuron")
     np.testing.assert_array_equal(layout.lse_to_neuron(natural), neuron)
+
+
+@pytest.mark.parametrize("neg_max,sum_recip,message", [
+    ([0.0, 1.0], [0.5, -0.25], "sum_recip must be >= 0 (a reciprocal row sum), got 1 negative element(s), e.g. -0.25"),
+    ([np.nan, 1.0], [0.5, 0.5], "neg_max must not contain NaN, got 1 NaN element(s)"),
+    ([0.0, 1.0], [np.nan, 0.5], "sum_recip must not contain NaN, got 1 NaN element(s)"),
+    # +inf + log(0) = inf - inf: no lse exists for that pair.
+    ([np.inf, 1.0], [0.0, 0.5], "neg_max = +inf with sum_recip = 0 has no lse (inf - inf), at 1 element(s)"),
+])
+def test_lse_from_cte_rejects_what_has_no_lse(neg_max, sum_recip, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        layout.lse_from_cte(np.array(neg_max), np.array(sum_recip))
+
+
+def test_lse_from_cte_keeps_empty_rows():
+    """sum_recip = 0 still gives lse = +inf (the backward's "attends to nothing" marker)."""
+    lse = layout.lse_from_cte(np.array([3.0, -1.0]), np.array([0.0, 1.0]))
+    np.testing.assert_array_equal(lse, [np.inf, 1.0])

@@ -57,11 +57,23 @@ BAD = [
     ({"k_ref": np.zeros((1, 2, 16, 128), np.float32), "v_ref": np.zeros((1, 2, 16, 128), np.float32),
       "use_causal_mask": True}, ValueError,
      "use_causal_mask=True requires seqlen_q == seqlen_k, got seqlen_q=256, seqlen_k=128"),
-    ({"sliding_window": 64}, ValueError, "sliding_window=64 requires use_causal_mask=True"),
-    ({"sliding_window": -1, "use_causal_mask": True}, ValueError, "sliding_window must be >= 0"),
-    ({"sliding_window": 64.0, "use_causal_mask": True}, TypeError, "sliding_window must be an int or None, got float"),
-    ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be finite, got nan"),
-    ({"softmax_scale": float("inf")}, ValueError, "softmax_scale must be finite, got inf"),
+    ({"sliding_window": 64}, ValueError,
+     "sliding_window=64 requires use_causal_mask=True (None or a value < 1: no window), got use_causal_mask=False"),
+    ({"sliding_window": 64.0, "use_causal_mask": True}, TypeError,
+     "sliding_window must be an int or None (None or a value < 1: no window), got float"),
+    ({"sliding_window": -1.0}, TypeError, "sliding_window must be an int or None"),
+    ({"sliding_window": True, "use_causal_mask": True}, TypeError,
+     "sliding_window must be an int or None (None or a value < 1: no window), got bool"),
+    ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be finite in float32 (|softmax_scale| <= "
+                                                  "3.4028235e+38), got nan"),
+    ({"softmax_scale": float("inf")}, ValueError, "softmax_scale must be finite in float32"),
+    # Finite in float64, inf in float32: the kernels' scale.
+    ({"softmax_scale": 1e39}, ValueError, "softmax_scale must be finite in float32 (|softmax_scale| <= "
+                                          "3.4028235e+38), got 1e+39"),
+    ({"softmax_scale": -1e39}, ValueError, "got -1e+39"),
+    ({"softmax_scale": np.float64(3.5e38)}, ValueError, "softmax_scale must be finite in float32"),
+    ({"softmax_scale": 10 ** 400}, ValueError, "softmax_scale must be finite in float32"),
+    ({"softmax_scale": True}, TypeError, "softmax_scale must be a real number or None, got bool"),
     ({"softmax_scale": "0.1"}, TypeError, "softmax_scale must be a real number or None, got str"),
     ({"lse_ref": np.zeros((1, 4, 128, 2), np.float64)}, TypeError, "lse_ref must be float32, got float64"),
     ({"lse_ref": np.zeros((1, 4, 2, 128), np.float32)}, ValueError,
@@ -134,3 +146,92 @@ def test_numpy_bool_flags_accepted():
     inputs = good_inputs()
     a = numbafa.attention_bwd(**inputs, use_causal_mask=np.bool_(True))
     assert a[0].shape == inputs["q_ref"].shape
+
+
+@pytest.mark.parametrize("window", [-1, -7, 0, np.int64(-1), np.int32(0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_below_one_means_no_window(window, causal):
+    """Upstream NKI passes sliding_window=-1 for 'no window', with or without causal."""
+    inputs = good_inputs()
+    a = numbafa.attention_bwd(**inputs, use_causal_mask=causal)
+    b = numbafa.attention_bwd(**inputs, use_causal_mask=causal, sliding_window=window)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    o, lse = numbafa.attention_fwd(inputs["q_ref"], inputs["k_ref"], inputs["v_ref"], use_causal_mask=causal,
+                                   sliding_window=window)
+    o0, lse0 = numbafa.attention_fwd(inputs["q_ref"], inputs["k_ref"], inputs["v_ref"], use_causal_mask=causal)
+    np.testing.assert_array_equal(o, o0)
+    np.testing.assert_array_equal(lse, lse0)
+
+
+@pytest.mark.parametrize("zero", [0.0, -0.0, 0, np.float32(0.0)])
+def test_zero_scale_means_default_scale(zero):
+    """Upstream NKI computes ``softmax_scale or 1 / sqrt(d_head)``: 0.0 selects the default."""
+    inputs = good_inputs()
+    a = numbafa.attention_bwd(**inputs, softmax_scale=None)
+    b = numbafa.attention_bwd(**inputs, softmax_scale=zero)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    q, k, v = inputs["q_ref"], inputs["k_ref"], inputs["v_ref"]
+    np.testing.assert_array_equal(numbafa.attention_fwd(q, k, v, softmax_scale=zero)[0],
+                                  numbafa.attention_fwd(q, k, v)[0])
+
+
+def test_negative_scale_is_allowed_and_correct():
+    from numbafa import golden
+    from _tolerances import FLOAT32, assert_close
+
+    inputs = good_inputs()
+    q, k, v, dy = inputs["q_ref"], inputs["k_ref"], inputs["v_ref"], inputs["dy_ref"]
+    o, lse = numbafa.attention_fwd(q, k, v, use_causal_mask=True, softmax_scale=-0.3, lse_layout="natural")
+    o_exp, lse_exp = golden.attention_fwd(q, k, v, use_causal_mask=True, softmax_scale=-0.3)
+    assert_close(o, o_exp, FLOAT32, "o")
+    grads = numbafa.attention_bwd(q, k, v, o, dy, lse, use_causal_mask=True, softmax_scale=-0.3)
+    expected = golden.attention_bwd(q, k, v, None, dy, None, use_causal_mask=True, softmax_scale=-0.3)
+    for got, exp, name in zip(grads, expected, ("dq", "dk", "dv")):
+        assert_close(got, exp, FLOAT32, name)
+
+
+def test_validation_documents_the_scale_and_window_conventions():
+    from numbafa import validation
+
+    doc = " ".join(validation.__doc__.split())
+    assert "softmax_scale or 1 / sqrt(d_head)" in doc and "negative" in doc and "float32" in doc
+    assert "sliding_window" in doc and "< 1" in doc
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_empty_batch_gives_empty_outputs(with_sinks):
+    """bs = 0 is an empty problem (like seqlen 0): empty outputs of the right shapes."""
+    inputs = {name: x[:0] for name, x in good_inputs().items()}
+    sinks = np.zeros((0, H, 2), np.float32) if with_sinks else None
+    q, k, v = inputs["q_ref"], inputs["k_ref"], inputs["v_ref"]
+    o, lse = numbafa.attention_fwd(q, k, v, sinks_ref=sinks, use_causal_mask=True)
+    assert o.shape == (0, H, D, S) and lse.shape == (0, H, 128, S // 128)
+    grads = numbafa.attention_bwd(q, k, v, o, inputs["dy_ref"], lse, sinks_ref=sinks, use_causal_mask=True)
+    assert [g.shape for g in grads] == [(0, H, D, S), (0, HKV, D, S), (0, HKV, D, S)] + \
+        ([(0, H, 2)] if with_sinks else [])
+
+
+def test_zero_heads_and_head_dim_stay_errors():
+    with pytest.raises(ValueError, match="nheads \\(q_ref.shape\\[1\\]\\) must be >= 1, got 0"):
+        numbafa.attention_fwd(np.zeros((1, 0, 4, 8), np.float32), np.zeros((1, 1, 4, 8), np.float32),
+                              np.zeros((1, 1, 4, 8), np.float32))
+
+
+def test_display_names_and_layout_in_messages():
+    """What numbafa.attention relies on: messages in the caller's names and layout."""
+    from numbafa import layout
+    from numbafa.validation import validate_fwd_inputs
+
+    q = np.zeros((1, 256, 4, 16), np.float32)           # bshd
+    k = np.zeros((1, 256, 2, 8), np.float32)
+    names = {"q_ref": "q", "k_ref": "k", "v_ref": "v", "sinks_ref": "sinks"}
+    qn, kn = layout.to_neuron(q, "bshd"), layout.to_neuron(k, "bshd")
+    with pytest.raises(ValueError) as info:
+        validate_fwd_inputs(qn, kn, kn, names=names, layout="bshd")
+    assert str(info.value) == "k must have shape (1, seqlen_k, nheads_kv, 16) to match q, got (1, 256, 2, 8)"
+    with pytest.raises(ValueError, match=r"^d_head \(q.shape\[3\]\) must be >= 1, got 0$"):
+        validate_fwd_inputs(qn[:, :, :0], kn[:, :, :0], kn[:, :, :0], names=names, layout="bshd")
+    with pytest.raises(TypeError, match=r"^v must have the dtype of q \(float32\), got float64$"):
+        validate_fwd_inputs(qn, qn, qn.astype(np.float64), names=names, layout="bshd")
