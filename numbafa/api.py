@@ -115,10 +115,16 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
         float32 (True) or in bf16 as the hardware does without it (False).
         No effect on float32 inputs.
     softmax_scale : float, optional
-        Score scale, default ``1 / sqrt(d_head)``; folded into Q at load.
+        Score scale, default ``1 / sqrt(d_head)``; folded into Q at load. ``None``
+        or ``0.0`` selects the default (the upstream NKI convention
+        ``softmax_scale or 1 / sqrt(d_head)``); any other finite value is used as
+        given, negative ones included. The kernels use it as a float32, so it
+        must be finite in float32 (``|softmax_scale| <= 3.4028235e+38``).
     sliding_window : int, optional
         Causal only: query ``i`` sees keys ``i - w + 1 .. i`` with
-        ``w = min(sliding_window, seqlen_k)``; ``None`` or 0 for no window.
+        ``w = min(sliding_window, seqlen_k)``. ``None`` or any value ``< 1``
+        (upstream passes ``-1``) means no window, with or without
+        ``use_causal_mask``; a window ``>= 1`` needs ``use_causal_mask=True``.
 
     Returns
     -------
@@ -137,7 +143,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     ValueError
         Inconsistent shapes, causal with ``seqlen_q != seqlen_k``, a window
         without causal, bounds given alone, non-finite inputs, NaN or
-        ``-inf`` in ``lse_ref``, a non-finite ``softmax_scale``.
+        ``-inf`` in ``lse_ref``, a ``softmax_scale`` that is not finite in float32.
     """
     prob = validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min,
                                bound_max, use_causal_mask, mixed_precision, softmax_scale,

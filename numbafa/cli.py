@@ -30,10 +30,10 @@ import numpy as np
 from . import __version__, golden
 from .api import attention_bwd, attention_fwd
 from .blas import backend_info
-from .config import JIT_FLAGS
+from .jit import cache_info
 from .dtypes import bf16_dtype
-from .kernels.backward import flash_attn_bwd
-from .kernels.forward import flash_attn_fwd
+from .kernels.backward import bwd_work_item
+from .kernels.forward import fwd_work_item
 from .layout import MAX_BOUND, cu_seqlens_to_bounds
 
 #: Acceptance rule: max|a - e| <= ATOL + rtol * max|e|, rtol per (dtype, output); the
@@ -233,52 +233,19 @@ class Progress:
         print(text, file=sys.stderr, flush=True)
 
 
-def _holds(signatures, kernel_dtype: np.dtype) -> bool:
-    """Whether one of the kernel signatures takes q as an array of ``kernel_dtype``."""
+def _kernels_loaded(kernel_dtype: np.dtype) -> bool:
+    """Whether this process already holds the forward and backward kernels for ``kernel_dtype``."""
     nb_dtype = numba.from_dtype(kernel_dtype)
-    return any(len(sig) and getattr(sig[0], "dtype", None) == nb_dtype for sig in signatures)
+    return all(any(sig[0].types[0].dtype == nb_dtype for sig in kernel.signatures)
+               for kernel in (fwd_work_item, bwd_work_item))
 
 
-def _kernel_state(kernel_dtype: np.dtype) -> str:
-    """Where the first call for ``kernel_dtype`` takes the forward and backward kernels from.
-
-    ``"loaded"``: compiled in this process already; ``"cached"``: fresh in
-    Numba's on-disk cache; ``"uncached"``: neither, the call compiles;
-    ``"cache off"``: ``NUMBAFA_CACHE=0``; ``"unknown"``: the cache index
-    could not be read (it is Numba-internal).
-    """
-    kernels = (flash_attn_fwd, flash_attn_bwd)
-    if all(_holds(kernel.signatures, kernel_dtype) for kernel in kernels):
-        return "loaded"
-    if not JIT_FLAGS["cache"]:
-        return "cache off"
-    try:  # Numba internals (0.60 - 0.61): any failure only means "unknown".
-        indexes = [kernel._cache._cache_file._load_index() for kernel in kernels]
-    except Exception:  # noqa: BLE001
-        return "unknown"
-    cached = all(_holds([key[0] for key in index], kernel_dtype) for index in indexes)
-    return "cached" if cached else "uncached"
-
-
-def _cache_dir() -> Optional[str]:
-    try:
-        return str(flash_attn_fwd._cache._cache_path)  # Numba-internal, as above
-    except AttributeError:
-        return None
-
-
-def _compile_notice(name: str, state: str) -> Optional[str]:
-    """The line announcing a first call that compiles or loads kernels (None if loaded)."""
-    where = _cache_dir()
-    if state == "loaded":
-        return None
-    if state == "cache off":
-        return f"compiling {name} kernels (about 40 s; not cached: NUMBAFA_CACHE=0)"
-    if state == "cached" and where:
-        return f"loading cached {name} kernels from {where}"
-    if state == "uncached" and where:
-        return f"compiling {name} kernels (first run only, about 40 s; cached in {where})"
-    return f"compiling {name} kernels unless cached (first run only, about 40 s)"
+def _compile_notice(name: str) -> str:
+    """The line announcing the first calls of a dtype (they load or compile the kernels)."""
+    cache = cache_info()
+    where = f"cached in {cache['dir']}" if cache["enabled"] else f"not cached: {cache['reason']}"
+    return (f"first {name} calls: loading the kernels from the on-disk cache, or compiling them "
+            f"(about 20-40 s, once per numbafa version; {where})")
 
 
 # ---------------------------------------------------------------------------
@@ -326,9 +293,8 @@ def run(args, progress: Progress) -> list:
         k, v = (rng.standard_normal((b, hkv, d, s)).astype(dtype) for _ in range(2))
         dy = rng.standard_normal((b, h, d, s)).astype(dtype)
         lse_layout = "neuron" if s % 128 == 0 else "natural"
-        notice = _compile_notice(name, _kernel_state(_KERNEL_DTYPE[name]))
-        if notice:
-            progress.note(notice)
+        if not _kernels_loaded(_KERNEL_DTYPE[name]):
+            progress.note(_compile_notice(name))
         t0 = time.perf_counter()
         o, lse = attention_fwd(q, k, v, lse_layout=lse_layout, **opts)
         grads = attention_bwd(q, k, v, o, dy, lse, **opts)

@@ -40,7 +40,8 @@ def allowed_mask(seqlen_q, seqlen_k, use_causal_mask=False, sliding_window=None,
     """
     i = np.arange(seqlen_q, dtype=np.float64)[:, None]
     j = np.arange(seqlen_k, dtype=np.float64)[None, :]
-    window = min(int(sliding_window), seqlen_k) if sliding_window else 0
+    # Upstream convention: None or any value < 1 (e.g. -1) means no window.
+    window = min(int(sliding_window), seqlen_k) if sliding_window is not None and sliding_window >= 1 else 0
     if bound_min is not None:
         lo = np.asarray(bound_min, dtype=np.float64)[:, None]
         hi = np.asarray(bound_max, dtype=np.float64)[:, None]
@@ -95,7 +96,8 @@ def _setup(q, k, sinks, bound_min, bound_max, use_causal_mask, softmax_scale, sl
     q64, k64 = _f64(q), _f64(k)
     bs, nheads, d_head, seqlen_q = q64.shape
     nheads_kv, seqlen_k = k64.shape[1], k64.shape[3]
-    scale = 1.0 / np.sqrt(d_head) if softmax_scale is None else float(softmax_scale)
+    # Upstream convention: softmax_scale or 1/sqrt(d), so None and 0.0 select the default.
+    scale = 1.0 / np.sqrt(d_head) if not softmax_scale else float(softmax_scale)
     allowed = allowed_mask(seqlen_q, seqlen_k, use_causal_mask, sliding_window, bound_min, bound_max)
     return q64, k64, scale, allowed, _sinks3(sinks, bs, nheads), nheads // nheads_kv
 
@@ -304,7 +306,7 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     lse = np.asarray(lse_ref, dtype=f32)
     if lse.ndim == 4:
         lse = lse.transpose(0, 1, 3, 2).reshape(bs, nheads, seqlen_q)
-    scale = f32(1.0 / np.sqrt(d_head) if softmax_scale is None else softmax_scale)
+    scale = f32(1.0 / np.sqrt(d_head) if not softmax_scale else softmax_scale)
     d_tile, section_len = _neuron_tiling(d_head)
     allowed = allowed_mask(seqlen_q, seqlen_k, use_causal_mask, sliding_window, bound_min, bound_max)
     sink3 = np.zeros((bs, nheads, 0), f32) if sinks_ref is None else \
