@@ -198,7 +198,7 @@ ROUNDING_POINTS = (
     "ds",          # dS in kernel_dtype
     "acc",         # dQ/dK/dV accumulators in mixed_dtype after each addition
     "dq_section",  # dQ written in kernel_dtype between KV sections
-    "sinks",       # p_sink and the dsinks accumulator in mixed_dtype
+    "sinks",       # the sink logits, p_sink, the dsinks accumulator and its sum in mixed_dtype
 )
 
 
@@ -280,8 +280,9 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     -------
     dq, dk, dv[, dsinks] : float32 arrays holding values of the output dtype
         (bf16 values for bf16 inputs; dsinks in the dtype of ``sinks_ref``).
-    budget : tuple of three float64 arrays shaped like dq, dk, dv
-        Only with ``ulp_budget=True`` (zeros for float32 inputs).
+    budget : tuple of float64 arrays shaped like dq, dk, dv (and dsinks)
+        Only with ``ulp_budget=True`` (zeros for float32 inputs). For dsinks
+        with bf16 accumulators: one ulp per rounding of its 128 lanes.
     """
     import ml_dtypes
 
@@ -317,6 +318,7 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     dv = np.zeros_like(dk)
     dsinks = np.zeros(sink3.shape, f32)
     budgets = tuple(np.zeros(x.shape) for x in (dq, dk, dv))
+    dsinks_budget = np.zeros(sink3.shape)
     rounds_kernel = is_bf16
     rounds_mixed = is_bf16 and not mixed_precision
     for b in range(bs):
@@ -356,14 +358,20 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
                     g1 = min(g0 + 512, seqlen_q)
                     dv_acc = dv_flips.rounded(rm(dv_acc + p[g0:g1].T @ dyt[g0:g1], "acc"), rounds_mixed)
                     dk_acc = dk_flips.rounded(rm(dk_acc + ds[g0:g1].T @ qs[g0:g1], "acc"), rounds_mixed)
-                # Sinks: one accumulator lane per row of a 128-row Q tile.
+                # Sinks: loaded into a mixed_dtype tile, one accumulator lane per row of a
+                # 128-row Q tile, the lanes summed into a mixed_dtype tile.
                 for i_sink in range(sink3.shape[2]):
+                    sink = rm(sink3[b, h, i_sink], "sinks")
                     lanes = np.zeros(128, f32)
+                    lane_ulps = np.zeros(128)   # every rounding of a lane precedes the final one
                     for t0 in range(0, seqlen_q, 128):
                         n = min(128, seqlen_q - t0)
-                        p_sink = rm(np.exp(sink3[b, h, i_sink] + neg_lse[t0:t0 + n]), "sinks")
+                        p_sink = rm(np.exp(sink + neg_lse[t0:t0 + n]), "sinks")
                         lanes[:n] = rm(lanes[:n] - p_sink * d_sum[t0:t0 + n], "sinks")
-                    dsinks[b, h, i_sink] = lanes.sum(dtype=f32)
+                        if rounds_mixed:
+                            lane_ulps[:n] += _bf16_ulp(lanes[:n])
+                    dsinks[b, h, i_sink] = rm(lanes.sum(dtype=f32), "sinks")
+                    dsinks_budget[b, h, i_sink] = lane_ulps.sum()
             dk[b, hk] = dk_acc.T
             dv[b, hk] = dv_acc.T
             for flips, acc in ((dk_flips, dk_acc), (dv_flips, dv_acc)):
@@ -372,9 +380,9 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
             budgets[2][b, hk] = dv_flips.total.T
     if is_bf16:  # outputs are written in the kernel dtype (not a point one can disable)
         dq, dk, dv = _bf16_round(dq), _bf16_round(dk), _bf16_round(dv)
-    extra = (budgets,) if ulp_budget else ()
     if sinks_ref is None:
-        return (dq, dk, dv) + extra
+        return (dq, dk, dv) + ((budgets,) if ulp_budget else ())
+    extra = ((budgets + (dsinks_budget.reshape(np.shape(sinks_ref)),),) if ulp_budget else ())
     if np.asarray(sinks_ref).dtype == ml_dtypes.bfloat16:
         dsinks = _bf16_round(dsinks)
     return (dq, dk, dv, dsinks.reshape(np.shape(sinks_ref))) + extra

@@ -411,7 +411,7 @@ def _enable_cache(dispatcher) -> None:
         dispatcher._cache = _Cache(dispatcher.py_func)
 
 
-def jit(*, parallel: bool = False, inline: bool = False):
+def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True):
     """Return a decorator like ``numba.njit``, configured with :data:`JIT_FLAGS`.
 
     Parameters
@@ -421,9 +421,15 @@ def jit(*, parallel: bool = False, inline: bool = False):
     inline : bool
         Inline at the Numba IR level (``inline="always"``): for tiny scalar
         functions called in vectorised inner loops.
+    contract : bool
+        ``False`` turns ``fastmath`` off entirely, so ``a * b + c`` is two
+        roundings, never one fused multiply-add: for functions that emulate a
+        two-operator instruction of the Neuron kernel (``scalar_tensor_tensor``
+        applies its operators in sequence, each result an fp32 value), where
+        a fused rounding could flip a bf16 rounding point (docs/numerics.md).
     """
     flags = {key: value for key, value in JIT_FLAGS.items() if key != "cache"}
-    flags["fastmath"] = set(flags["fastmath"])
+    flags["fastmath"] = set(flags["fastmath"]) if contract else False
     njit = numba.njit(parallel=parallel, inline="always" if inline else "never", **flags)
 
     def decorate(func):

@@ -185,9 +185,15 @@ def recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, qg, plan):
                               plan.precision.round_kernel)
 
 
-@jit()
+@jit(contract=False)
 def accumulate(acc, psum, scale, round_mixed):
-    """``acc = psum * scale + acc`` written in mixed_dtype (one fused op)."""
+    """``acc = psum * scale + acc`` written in mixed_dtype.
+
+    Upstream's ``scalar_tensor_tensor`` (lines 1558-1565): the product is an
+    fp32 value, then the sum, then the one rounding to mixed_dtype -- two
+    fp32 roundings, so this function is compiled without contraction (a fused
+    multiply-add would round once and can flip the bf16 rounding).
+    """
     a = acc.reshape(-1)
     p = psum.reshape(-1)
     if scale == _ONE:
@@ -406,26 +412,38 @@ def _reduce_partials(out, parts, round_out):
 
 
 @jit()
-def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, round_mixed):
-    """``dsinks = -sum_q p_sink * D`` for one q-head (upstream 1355-1405).
+def _sink_probability(sink, neg_lse, round_mixed):
+    """``p_sink = exp(sink + (-LSE))`` in mixed_dtype, with the kernel's one ``expf`` (compiled
+    with the package's flags, as for P, not inside :func:`compute_dsinks`' exact arithmetic)."""
+    return round_if(expf(sink + neg_lse), round_mixed)
 
-    ``p_sink = exp(sink + (-LSE))`` in mixed_dtype; the per-partition
-    accumulator (one per row of a Q tile) does ``acc = acc - p_sink * D`` in
-    mixed_dtype over the Q tiles, then the partitions are summed in float32.
+
+@jit(contract=False)
+def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, round_mixed):
+    """``dsinks = -sum_q p_sink * D`` for one q-head (upstream 1355-1405), in mixed_dtype.
+
+    The sink logits are loaded into a mixed_dtype tile (upstream 1361-1372);
+    ``p_sink = exp(sink + (-LSE))`` is written in mixed_dtype; the
+    per-partition accumulator (one per row of a Q tile) does ``acc = acc -
+    p_sink * D`` (``scalar_tensor_tensor`` with ``reverse1``: the product,
+    then the difference, two fp32 roundings, hence no contraction here) in
+    mixed_dtype over the Q tiles; the partitions are summed in fp32 into a
+    mixed_dtype tile (``tensor_partition_reduce``, upstream 1397-1398).
     """
     seqlen_q = neg_lse.size
     out = np.zeros(sinks_h.size, dtype=np.float32)
     acc = np.empty(q_tile, dtype=np.float32)
     for i_sink in range(sinks_h.size):
+        sink = round_if(sinks_h[i_sink], round_mixed)
         acc[:] = _ZERO
         for q0 in range(0, seqlen_q, q_tile):
             for p in range(min(q_tile, seqlen_q - q0)):
-                p_sink = round_if(expf(sinks_h[i_sink] + neg_lse[q0 + p]), round_mixed)
+                p_sink = _sink_probability(sink, neg_lse[q0 + p], round_mixed)
                 acc[p] = round_if(acc[p] - p_sink * d_sum[q0 + p], round_mixed)
         total = _ZERO
         for p in range(q_tile):
             total += acc[p]
-        out[i_sink] = total
+        out[i_sink] = round_if(total, round_mixed)
     return out
 
 
