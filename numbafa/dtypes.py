@@ -36,6 +36,8 @@ __all__ = [
     "widened",
     "to_bf16_array",
     "from_bf16_array",
+    "as_operand",
+    "narrowed",
 ]
 
 def bf16_dtype() -> np.dtype:
@@ -163,3 +165,51 @@ def to_bf16_array(x: np.ndarray) -> np.ndarray:
     bits = np.empty(src.shape, dtype=np.uint16)
     _f32_to_bf16_bits_array(src, bits)
     return bits.view(bf16_dtype())
+
+
+def as_operand(x, operand):  # pragma: no cover - replaced by the overload inside njit code
+    """An input tile as a GEMM operand of the path ``operand`` marks (its dtype):
+    float32 -> :func:`widened`; uint16 (bf16 bits, the oneDNN path) -> ``x`` itself."""
+    raise NotImplementedError("as_operand is only callable from @njit code")
+
+
+@overload(as_operand)
+def _as_operand_overload(x, operand):
+    from numba import types
+
+    if not isinstance(x, types.Array) or not isinstance(operand, types.Array):
+        return None
+    if operand.dtype == types.float32:
+        return lambda x, operand: widened(x)
+    if operand.dtype == types.uint16 and x.dtype == types.uint16:
+        return lambda x, operand: x
+    return None
+
+
+def narrowed(t, buf, operand):  # pragma: no cover - replaced by the overload inside njit code
+    """A bf16-valued float32 2-D tile as a GEMM operand of the path ``operand`` marks:
+    float32 -> ``t`` itself; uint16 -> its bf16 bits written into the flat uint16 scratch
+    ``buf`` (exact: every value is a bf16 value), returned as a ``t``-shaped view of it."""
+    raise NotImplementedError("narrowed is only callable from @njit code")
+
+
+@overload(narrowed)
+def _narrowed_overload(t, buf, operand):
+    from numba import types
+
+    if not isinstance(operand, types.Array) or not isinstance(t, types.Array) or t.ndim != 2:
+        return None
+    if operand.dtype == types.float32:
+        return lambda t, buf, operand: t
+    if operand.dtype == types.uint16:
+        def impl(t, buf, operand):
+            rows, cols = t.shape
+            out = buf[:rows * cols].reshape(rows, cols)
+            for i in range(rows):
+                src = t[i]
+                dst = out[i]
+                for j in range(cols):
+                    dst[j] = np.uint16(np.float32(src[j]).view(np.uint32) >> np.uint32(16))
+            return out
+        return impl
+    return None

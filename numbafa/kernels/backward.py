@@ -58,7 +58,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ..dtypes import round_to_bf16_inplace, widen, widened
+from ..dtypes import as_operand, narrowed, round_to_bf16_inplace, widen
 from ..jit import jit
 from ..parallel import parallel_for
 from ..tiling import FLOAT32_MIN
@@ -75,20 +75,21 @@ _ONE = np.float32(1.0)
 _ZERO = np.float32(0.0)
 
 #: One KV section of a work item: its first key and length, whether it is the
-#: first section, K and V ``[d, keys]`` (float32), the dK^T/dV^T accumulators.
+#: first section, K and V ``[d, keys]`` (GEMM operands), the dK^T/dV^T accumulators.
 KVSection = namedtuple("KVSection", ["start", "length", "first", "k", "v", "dk_acc", "dv_acc"])
 #: One q-head of a work unit: batch, q-head, its -LSE bias and D rows ``[seqlen_q]``.
 Head = namedtuple("Head", ["batch", "q_head", "neg_lse", "d_sum"])
 #: Per-row statistics of every q-head, ``[n_units, n_rep, seqlen_q]`` float32: the -LSE bias
 #: and D, written on the first KV section by the item owning the rows.
 BwdStats = namedtuple("BwdStats", ["neg_lse", "d_sum"])
-#: One loaded Q group: first row, rows, Q_scaled ``[d, rows]``, dO ``[d, rows]``,
-#: the dQ^T accumulator ``[rows, d]`` and the head's -LSE and D rows.
+#: One loaded Q group: first row, rows, Q_scaled ``[d, rows]`` and dO ``[d, rows]`` (GEMM
+#: operands), the dQ^T accumulator ``[rows, d]`` and the head's -LSE and D rows.
 QGroup = namedtuple("QGroup", ["start", "rows", "q_s", "dy", "dq_t", "neg_lse", "d_sum"])
 #: A block of a K tile: keys ``k0:k0+n_k`` (section-relative), Q rows ``r0:r1`` (group-relative).
 Block = namedtuple("Block", ["k0", "n_k", "r0", "r1"])
 #: Per-item scratch, sized for the largest tiles.
-Scratch = namedtuple("Scratch", ["q_s", "dq_t", "s_t", "dp_t", "kd_psum", "dq_psum", "dk_acc", "dv_acc"])
+Scratch = namedtuple("Scratch", ["q_s", "dq_t", "s_t", "dp_t", "kd_psum", "dq_psum", "dk_acc", "dv_acc",
+                                 "q_op", "p_op", "ds_op"])
 
 
 @jit()
@@ -206,7 +207,7 @@ def accumulate(acc, psum, scale, round_mixed):
 
 @jit()
 def recompute_p_ds(plan, sec, qg, blk, scratch):
-    """Steps 2-4 of one block: returns ``(P^T, dS^T)``, ``[keys, queries]`` views of scratch.
+    """Steps 2-4 of one block: returns ``(P^T, dS^T)``, ``[keys, queries]`` GEMM operands in scratch.
 
     Step 2.1 ``S^T = K^T Q_s`` and Step 3.2 ``dP^T = V^T dO`` (fp32 PSUM),
     then :func:`recompute_softmax_backward` turns them into P^T and dS^T.
@@ -218,7 +219,8 @@ def recompute_p_ds(plan, sec, qg, blk, scratch):
     matmul(sec.k[:, keys], qg.q_s[:, blk.r0:blk.r1], s_t, True, False, _ONE, _ZERO)
     matmul(sec.v[:, keys], qg.dy[:, blk.r0:blk.r1], dp_t, True, False, _ONE, _ZERO)
     recompute_softmax_backward(s_t, dp_t, sec.start + blk.k0, qg.start + blk.r0, qg, plan)
-    return s_t, dp_t
+    # P and dS are bf16-valued here when the inputs are bf16: the oneDNN path takes their bits.
+    return narrowed(s_t, scratch.p_op, plan.operand), narrowed(dp_t, scratch.ds_op, plan.operand)
 
 
 @jit()
@@ -312,26 +314,29 @@ def bwd_q_group(ins, outs, plan, sec, head, i_group, scratch):
     else:
         load_transposed(dq_h, q_grp0, rows, dq_t, _ONE, False)
     load_scaled(q_h, q_grp0, rows, scratch.q_s, plan.softmax_scale, prec.round_kernel)
+    q_op = narrowed(scratch.q_s[:, :rows], scratch.q_op, plan.operand)
     dy_h = ins.dy[head.batch, head.q_head]
-    dy_n = widened(dy_h[:, q_grp0:q_grp0 + rows])
+    dy_n = as_operand(dy_h[:, q_grp0:q_grp0 + rows], plan.operand)
     if sec.first:
         load_neg_lse(ins.lse[head.batch, head.q_head], q_grp0, rows, prec.round_mixed, head.neg_lse)
         compute_rowsum(ins.o[head.batch, head.q_head], dy_h, q_grp0, rows, plan.tiling.d_tile,
                        head.d_sum, prec)
-    qg = QGroup(q_grp0, rows, scratch.q_s, dy_n, dq_t, head.neg_lse, head.d_sum)
+    qg = QGroup(q_grp0, rows, q_op, dy_n, dq_t, head.neg_lse, head.d_sum)
     for k_tile0 in range(0, sec.length, plan.tiling.k_tile):
         _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch)
     store_transposed(dq_t, rows, dq_h, q_grp0, prec.round_kernel)
 
 
 @jit()
-def load_kv_section(ins, batch, kv_head, i_section, section_len, scratch):
-    """K and V of one section ``[d, keys]`` (float32: views; bf16: widened), accumulators zeroed."""
+def load_kv_section(ins, plan, batch, kv_head, i_section, scratch):
+    """K and V of one section ``[d, keys]`` as GEMM operands (float32 inputs and bf16 bits on
+    the oneDNN path: views; bf16 on the BLAS path: widened), accumulators zeroed."""
     seqlen_k = ins.k.shape[3]
+    section_len = plan.tiling.section_len
     start = i_section * section_len
     length = max(0, min(section_len, seqlen_k - start))
-    k_n = widened(ins.k[batch, kv_head][:, start:start + length])
-    v_n = widened(ins.v[batch, kv_head][:, start:start + length])
+    k_n = as_operand(ins.k[batch, kv_head][:, start:start + length], plan.operand)
+    v_n = as_operand(ins.v[batch, kv_head][:, start:start + length], plan.operand)
     scratch.dk_acc[:] = _ZERO
     scratch.dv_acc[:] = _ZERO
     return KVSection(start, length, i_section == 0, k_n, v_n, scratch.dk_acc, scratch.dv_acc)
@@ -358,10 +363,13 @@ def store_kv_section(outs, plan, sec, unit, chunk, batch, kv_head):
 
 
 @jit()
-def make_scratch(d_head, seqlen_k, tiling):
-    """Per-item scratch buffers (:data:`Scratch`), sized for the largest tiles."""
+def make_scratch(d_head, seqlen_k, plan):
+    """Per-item scratch buffers (:data:`Scratch`), sized for the largest tiles; the bf16
+    operand copies (``q_op``, ``p_op``, ``ds_op``) only on the oneDNN path."""
+    tiling = plan.tiling
     q_rows = tiling.q_tile * tiling.q_tile_group
     sec_cap = min(tiling.section_len, seqlen_k)
+    bits = 1 if plan.operand.itemsize == 2 else 0
     return Scratch(np.empty((d_head, q_rows), dtype=np.float32),
                    np.empty((q_rows, d_head), dtype=np.float32),
                    np.empty(tiling.k_tile * q_rows, dtype=np.float32),
@@ -369,7 +377,10 @@ def make_scratch(d_head, seqlen_k, tiling):
                    np.empty(tiling.k_tile * d_head, dtype=np.float32),
                    np.empty(q_rows * d_head, dtype=np.float32),
                    np.empty((sec_cap, d_head), dtype=np.float32),
-                   np.empty((sec_cap, d_head), dtype=np.float32))
+                   np.empty((sec_cap, d_head), dtype=np.float32),
+                   np.empty(bits * d_head * q_rows, dtype=np.uint16),
+                   np.empty(bits * tiling.k_tile * q_rows, dtype=np.uint16),
+                   np.empty(bits * tiling.k_tile * q_rows, dtype=np.uint16))
 
 
 @jit()
@@ -384,13 +395,13 @@ def bwd_work_item(ins, outs, stats, plan, item):
     nheads_kv, seqlen_k = ins.k.shape[1], ins.k.shape[3]
     n_rep = nheads // nheads_kv
     unit, chunk, batch, kv_head = decode_item(item, tiling.q_chunks, nheads_kv)
-    scratch = make_scratch(d_head, seqlen_k, tiling)
+    scratch = make_scratch(d_head, seqlen_k, plan)
     n_groups = n_q_groups(seqlen_q, tiling)
     # A zero-length key sequence still runs one (empty) section, so that D,
     # dQ = 0 and dsinks come from the same code path.
     n_sections = max(1, (seqlen_k + tiling.section_len - 1) // tiling.section_len)
     for i_section in range(n_sections):
-        sec = load_kv_section(ins, batch, kv_head, i_section, tiling.section_len, scratch)
+        sec = load_kv_section(ins, plan, batch, kv_head, i_section, scratch)
         for r in range(n_rep):
             head = Head(batch, kv_head * n_rep + r, stats.neg_lse[unit, r], stats.d_sum[unit, r])
             for i_group in range(n_groups):

@@ -15,8 +15,9 @@ value is decided once, here, from the validated problem:
     Which tiles are rounded to bf16, and where the PSUM-style accumulations
     apply (docs/numerics.md).
 :class:`Plan`
-    The three above and ``softmax_scale``: everything but the arrays. Like
-    upstream's ``cfg``, it travels through every helper.
+    The three above, ``softmax_scale`` and the GEMM operand type (the matmul
+    path, :mod:`numbafa.onednn`): everything but the arrays. Like upstream's
+    ``cfg``, it travels through every helper.
 
 ``FwdInputs``/``FwdOutputs`` and ``BwdInputs``/``BwdOutputs`` carry the
 arrays (bf16 inputs as their uint16 bit patterns; outputs float32 holding
@@ -29,6 +30,7 @@ from collections import namedtuple
 
 import numpy as np
 
+from ..onednn import gemm_path
 from ..schedule import q_chunks
 from ..tiling import setup_config
 from .mask import fill_key_ranges
@@ -52,8 +54,11 @@ accumulators are bf16 and take one rounded addition from a PSUM tile.
 dq_via_psum: the backward keeps dQ's PSUM as a tile of its own, added once per K tile (bf16
 inputs: dQ is rounded between KV sections, where another float32 order would flip roundings)."""
 
-Plan = namedtuple("Plan", ["tiling", "mask", "precision", "softmax_scale"])
-Plan.__doc__ = "Everything a kernel needs but the arrays; softmax_scale is float32."
+Plan = namedtuple("Plan", ["tiling", "mask", "precision", "softmax_scale", "operand"])
+Plan.__doc__ = """Everything a kernel needs but the arrays; softmax_scale is float32. operand: an
+empty array whose dtype is that of the GEMM operand tiles, and so picks the matmul path at
+compile time (numbafa.onednn): float32 (BLAS sgemm; bf16 values widened) or uint16 (bf16
+bits, oneDNN on the bf16 units)."""
 
 FwdInputs = namedtuple("FwdInputs", ["q", "k", "v", "sinks"])
 FwdOutputs = namedtuple("FwdOutputs", ["o", "lse"])
@@ -85,4 +90,6 @@ def make_plan(prob, backward: bool) -> Plan:
                     prob.bound_max, seqlen_k, key_lo, key_hi)
     mask = Mask(bool(prob.use_causal_mask), int(prob.window), bool(prob.use_packing), key_lo, key_hi)
     precision = Precision(round_kernel, round_mixed, round_kernel)
-    return Plan(tiling, mask, precision, np.float32(prob.softmax_scale))
+    bf16_operands = round_kernel and backward and gemm_path()[0] == "onednn-bf16"
+    operand = np.empty(0, dtype=np.uint16 if bf16_operands else np.float32)
+    return Plan(tiling, mask, precision, np.float32(prob.softmax_scale), operand)

@@ -12,6 +12,10 @@ and no call site changes:
 * 2-D float64: BLAS ``dgemm``.
 * 2-D float32 ``a`` and 1-D ``b``, ``c``: a matrix-vector product
   (``np.dot``, BLAS ``sgemv``), ``alpha = 1``, ``beta = 0`` only.
+* 2-D uint16 ``a``, ``b`` (bf16 bit patterns) and float32 ``c``: oneDNN's
+  ``dnnl_gemm_bf16bf16f32`` on the CPU's bf16 units, float32 accumulation
+  (:mod:`numbafa.onednn`, which must have loaded the library first; the
+  kernels only build such tiles on that path).
 
 Why not ``np.dot`` for everything: inside ``@njit`` it always writes
 ``C = A B`` (``beta = 0``) and copies an operand that is not contiguous.
@@ -50,6 +54,18 @@ def _xxgemm(dtype):
                    ptr, ptr, types.intp, ptr, types.intp, ptr, ptr, types.intp))
 
 
+_u16p = types.CPointer(types.uint16)
+_f32p = types.CPointer(types.float32)
+# dnnl_status_t dnnl_gemm_bf16bf16f32(char transa, char transb, dnnl_dim_t M, N, K, float alpha,
+#     const bf16 *A, dnnl_dim_t lda, const bf16 *B, dnnl_dim_t ldb, float beta, float *C,
+#     dnnl_dim_t ldc) -- row-major (oneDNN's dnnl.h).
+_gemm_bf16_fn = types.ExternalFunction(
+    "dnnl_gemm_bf16bf16f32",
+    types.int32(types.char, types.char, types.int64, types.int64, types.int64, types.float32,
+                _u16p, types.int64, _u16p, types.int64, types.float32, _f32p, types.int64))
+# libgomp, which oneDNN runs its GEMMs on: the calling thread's OpenMP thread count.
+_omp_set_num_threads = types.ExternalFunction("omp_set_num_threads", types.void(types.int32))
+_omp_get_max_threads = types.ExternalFunction("omp_get_max_threads", types.int32())
 _sgemm_fn = _xxgemm(types.float32)
 _dgemm_fn = _xxgemm(types.float64)
 _KIND_S = ord("s")
@@ -73,8 +89,7 @@ def _check_operands(a, b, c, trans_a, trans_b):
     b_cols = b.shape[0] if trans_b else b.shape[1]
     if a_rows != m or b_rows != k or b_cols != n:
         raise ValueError("matmul: operand shapes do not match")
-    item = c.itemsize
-    if a.strides[1] != item or b.strides[1] != item or c.strides[1] != item:
+    if a.strides[1] != a.itemsize or b.strides[1] != b.itemsize or c.strides[1] != c.itemsize:
         if min(m, n, k) > 0:
             raise ValueError("matmul: operands need a unit inner stride")
     return m, n, k
@@ -120,6 +135,26 @@ def _dgemm(a, b, c, trans_a, trans_b, alpha, beta):
 
 
 @jit()
+def _gemm_bf16(a, b, c, trans_a, trans_b, alpha, beta):
+    """bf16 ``a``, ``b`` (uint16 bits), float32 ``c``: ``c = alpha op(a) op(b) + beta c`` by oneDNN.
+
+    One thread: the call runs inside a work item, so the calling thread's
+    OpenMP thread count is set to 1 around it (and restored).
+    """
+    m, n, k = _check_operands(a, b, c, trans_a, trans_b)
+    if min(m, n) == 0:
+        return
+    previous = _omp_get_max_threads()
+    _omp_set_num_threads(1)
+    status = _gemm_bf16_fn(_TRANS if trans_a else _NO_TRANS, _TRANS if trans_b else _NO_TRANS,
+                           m, n, k, np.float32(alpha), a.ctypes, _leading_dim(a),
+                           b.ctypes, _leading_dim(b), np.float32(beta), c.ctypes, _leading_dim(c))
+    _omp_set_num_threads(previous)
+    if status != 0:
+        raise RuntimeError("matmul: oneDNN's dnnl_gemm_bf16bf16f32 failed")
+
+
+@jit()
 def _gemv(a, b, c, trans_a, trans_b, alpha, beta):
     """``c = a @ b`` for 2-D ``a`` and 1-D ``b``, ``c`` (``np.dot``: BLAS gemv)."""
     if trans_a or trans_b or alpha != 1 or beta != 0:
@@ -151,7 +186,11 @@ def _matmul_impl(a, b, c):
     dtypes = {a.dtype, b.dtype, c.dtype}
     if a.ndim == 2 and b.ndim == 1 and c.ndim == 1 and dtypes == {types.float32}:
         return _gemv
-    if a.ndim != 2 or b.ndim != 2 or c.ndim != 2 or len(dtypes) != 1:
+    if a.ndim != 2 or b.ndim != 2 or c.ndim != 2:
+        return None
+    if a.dtype == types.uint16 and b.dtype == types.uint16 and c.dtype == types.float32:
+        return _gemm_bf16
+    if len(dtypes) != 1:
         return None
     if dtypes == {types.float32}:
         return _sgemm
