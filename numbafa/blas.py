@@ -138,12 +138,15 @@ def backend_info() -> dict:
     Returns a JSON-serialisable dict:
 
     ``gemm``
-        How tile matmuls are computed: Numba's ``numba_xxgemm`` helper, which
-        calls SciPy's ``cython_blas.sgemm`` (:mod:`numbafa.kernels.matmul`).
+        How tile matmuls are computed (:mod:`numbafa.kernels.matmul`):
+        ``path`` for bf16 inputs (``"onednn-bf16"`` or ``"blas"``) and the
+        ``reason`` it was chosen (:func:`numbafa.onednn.gemm_path`:
+        ``NUMBAFA_GEMM``, the CPU's bf16 units, oneDNN installed).
     ``float32``, ``bfloat16``
-        The arithmetic of each input dtype. bf16 values are widened into
-        float32 tiles, so the same sgemm gives exact bf16 products with
-        float32 accumulation; there is no separate bf16 GEMM backend.
+        The arithmetic of each input dtype: float32 tiles and BLAS sgemm
+        (Numba's ``numba_xxgemm`` -> SciPy's ``cython_blas``); bf16 either
+        as bf16 tiles on the bf16 units (oneDNN) or widened into float32
+        tiles for sgemm, float32 accumulation either way.
     ``blas``
         The BLAS libraries threadpoolctl finds (``internal_api``,
         ``version``, ``architecture``, ``filepath``, ``num_threads`` outside
@@ -164,6 +167,9 @@ def backend_info() -> dict:
 
     from . import __version__
     from .jit import cache_info
+    from .onednn import gemm_path
+
+    path, reason = gemm_path()
 
     flags = _cpu_flags()
     cpu = None if flags is None else {
@@ -176,9 +182,11 @@ def backend_info() -> dict:
         "numba": numba.__version__,
         "numpy": numpy.__version__,
         "scipy": scipy.__version__,
-        "gemm": "numba_xxgemm -> scipy.linalg.cython_blas.sgemm",
-        "float32": "float32 tiles, sgemm, float32 accumulation",
-        "bfloat16": "bf16 values in float32 tiles, sgemm: exact bf16 products, float32 accumulation",
+        "gemm": {"path": path, "reason": reason},
+        "float32": "float32 tiles, sgemm (numba_xxgemm -> scipy.linalg.cython_blas), float32 accumulation",
+        "bfloat16": ("bf16 tiles, oneDNN dnnl_gemm_bf16bf16f32 on the bf16 units, float32 accumulation"
+                     if path == "onednn-bf16" else
+                     "bf16 values in float32 tiles, sgemm: exact bf16 products, float32 accumulation"),
         "blas": blas,
         "threads": numba.get_num_threads(),
         "cpu": cpu,

@@ -1,0 +1,88 @@
+"""The GEMM path for bf16 inputs: dispatch (CPU flags mocked), forcing, and both paths' results."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import numbafa
+from numbafa import blas, golden, onednn
+from numbafa.kernels import bundles
+
+from _problems import Case, make_inputs
+from test_bf16 import faithfulness
+
+BF16 = ml_dtypes.bfloat16
+LIB = "/opt/lib/libdnnl.so.3"
+
+
+@pytest.mark.parametrize("requested, flags, library, path, reason", [
+    ("auto", {"avx2", "fma"}, LIB, "blas", "no bf16 units"),
+    ("auto", {"avx2", "avx512f"}, LIB, "blas", "no bf16 units"),
+    ("auto", {"avx512f", "avx512_bf16"}, None, "blas", "pip install onednn-cpu-gomp"),
+    ("auto", None, LIB, "blas", "no bf16 units"),
+    ("auto", {"avx512_bf16"}, LIB, "onednn-bf16", "avx512_bf16"),
+    ("auto", {"amx_bf16", "amx_tile"}, LIB, "onednn-bf16", "amx_bf16"),
+    ("onednn", {"avx512_bf16", "amx_bf16"}, LIB, "onednn-bf16", LIB),
+    ("blas", {"avx512_bf16"}, LIB, "blas", "NUMBAFA_GEMM=blas"),
+])
+def test_dispatch_by_cpu_flags(requested, flags, library, path, reason, monkeypatch):
+    monkeypatch.setattr(onednn.sys, "platform", "linux")
+    got_path, got_reason = onednn.choose_gemm_path(requested, flags, library)
+    assert got_path == path and reason in got_reason
+
+
+def test_forcing_an_unsupported_path_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="NUMBAFA_GEMM=onednn, but the CPU has no bf16 units"):
+        onednn.choose_gemm_path("onednn", {"avx2"}, LIB)
+    with pytest.raises(RuntimeError, match="oneDNN is not installed"):
+        onednn.choose_gemm_path("onednn", {"avx512_bf16"}, None)
+    with pytest.raises(ValueError, match="NUMBAFA_GEMM must be one of"):
+        onednn.choose_gemm_path("mkl", {"avx512_bf16"}, LIB)
+
+
+def test_forced_onednn_without_bf16_units_fails_the_call_not_the_process(monkeypatch):
+    """The env var is read once per process; here the decision is remade with mocked flags."""
+    monkeypatch.setenv("NUMBAFA_GEMM", "onednn")
+    monkeypatch.setattr(blas, "_cpu_flags", lambda: {"avx2", "fma"})
+    onednn.gemm_path.cache_clear()
+    try:
+        inputs = make_inputs(Case(nheads=1, nheads_kv=1, seqlen_q=128, seqlen_k=128), BF16)
+        with pytest.raises(RuntimeError, match="no bf16 units"):
+            numbafa.attention_bwd(**inputs)
+    finally:
+        onednn.gemm_path.cache_clear()
+
+
+def test_backend_info_names_the_path():
+    info = numbafa.backend_info()
+    assert info["gemm"]["path"] in ("onednn-bf16", "blas") and info["gemm"]["reason"]
+
+
+def test_float32_inputs_never_take_bf16_operands():
+    from numbafa.validation import validate_bwd_inputs
+
+    inputs = make_inputs(Case(seqlen_q=128, seqlen_k=128))
+    plan = bundles.make_plan(validate_bwd_inputs(**inputs), backward=True)
+    assert plan.operand.dtype == np.float32
+
+
+@pytest.mark.skipif(onednn.gemm_path()[0] != "onednn-bf16",
+                    reason=f"the oneDNN path does not run here: {onednn.gemm_path()[1]}")
+@pytest.mark.parametrize("mixed", [True, False])
+def test_both_paths_are_faithful_to_the_numerics_golden(mixed, monkeypatch):
+    """On a CPU with bf16 units the default is oneDNN; the BLAS path is forced for comparison.
+    Both differ from the golden only by float32 summation order (tests/_tolerances.py)."""
+    case = Case(nheads=4, nheads_kv=2, d_head=128, seqlen_q=640, seqlen_k=640, causal=True, num_sinks=1)
+    inputs = make_inputs(case, BF16)
+    *emulated, budgets = golden.attention_bwd_rounded(**inputs, mixed_precision=mixed, ulp_budget=True)
+    results = {"onednn": numbafa.attention_bwd(**inputs, mixed_precision=mixed)}
+    monkeypatch.setattr(bundles, "gemm_path", lambda: ("blas", "forced by the test"))
+    results["blas"] = numbafa.attention_bwd(**inputs, mixed_precision=mixed)
+    for path, got in results.items():
+        for name, g, e, budget in zip(("dq", "dk", "dv"), got, emulated, budgets):
+            identical, excess = faithfulness(g.astype(np.float32), e, budget)
+            assert identical >= 0.99 and excess <= 1.0, (path, name, identical, excess)
+    assert any((a != b).any() for a, b in zip(results["onednn"][:3], results["blas"][:3])), \
+        "the two paths gave identical bits: the oneDNN path did not run"
