@@ -90,6 +90,6 @@ def make_plan(prob, backward: bool) -> Plan:
                     prob.bound_max, seqlen_k, key_lo, key_hi)
     mask = Mask(bool(prob.use_causal_mask), int(prob.window), bool(prob.use_packing), key_lo, key_hi)
     precision = Precision(round_kernel, round_mixed, round_kernel)
-    bf16_operands = round_kernel and backward and gemm_path()[0] == "onednn-bf16"
+    bf16_operands = round_kernel and gemm_path()[0] == "onednn-bf16"
     operand = np.empty(0, dtype=np.uint16 if bf16_operands else np.float32)
     return Plan(tiling, mask, precision, np.float32(prob.softmax_scale), operand)

@@ -36,7 +36,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ..dtypes import round_to_bf16_inplace, widened
+from ..dtypes import as_operand, narrowed, round_to_bf16_inplace
 from ..jit import jit
 from ..parallel import parallel_for
 from .common import load_scaled, round_if, store_transposed
@@ -57,7 +57,7 @@ RowStats = namedtuple("RowStats", ["row_max", "row_sum", "alpha", "acc"])
 FwdHead = namedtuple("FwdHead", ["batch", "q_head", "sink_max", "sink_sum"])
 #: Per-item scratch, sized for the largest tiles (``ones``: the row-sum vector).
 FwdScratch = namedtuple("FwdScratch", ["q_s", "o_acc", "row_max", "row_sum", "alpha", "s", "pv",
-                                       "tile_sum", "ones"])
+                                       "tile_sum", "ones", "q_op", "p_op"])
 
 # Key of -inf under the order-preserving map of float32 bits to int32 used by _row_max.
 _NEG_INF_KEY = np.int32(-2139095041)
@@ -149,13 +149,15 @@ def online_softmax_block(plan, q_cols, k_cols, v_cols, q_abs0, k_abs0, stats, sc
     tile_sum = scratch.tile_sum[:n_q]
     matmul(s, scratch.ones[:n_k], tile_sum, False, False, _ONE, _ZERO)   # rowsum(P) as written
     pv = scratch.pv[:n_q * d_head].reshape(n_q, d_head)
-    matmul(s, v_cols, pv, False, True, _ONE, _ZERO)
+    # P as written (bf16 values for bf16 inputs): its bits are the operand on the oneDNN path.
+    matmul(narrowed(s, scratch.p_op, plan.operand), v_cols, pv, False, True, _ONE, _ZERO)
     rescale_accumulate(stats, pv, tile_sum, plan.precision.round_mixed)
 
 
 @jit()
-def fwd_k_tile(plan, k_n, v_n, q_grp0, rows, k0, scratch):
-    """One K tile's update of a Q group's statistics (``scratch`` rows ``:rows``).
+def fwd_k_tile(plan, q_op, k_n, v_n, q_grp0, k0, scratch):
+    """One K tile's update of a Q group's statistics (``scratch`` rows; ``q_op``: its Q_scaled
+    ``[d, rows]`` as a GEMM operand).
 
     Q tiles the static mask rules out are skipped. A tile the causal diagonal
     (or a window edge) cuts through runs per Q tile, each on the keys its rows
@@ -167,6 +169,7 @@ def fwd_k_tile(plan, k_n, v_n, q_grp0, rows, k0, scratch):
     tiling = plan.tiling
     mask = plan.mask
     seqlen_k = k_n.shape[1]
+    rows = q_op.shape[1]
     n_k = min(tiling.k_tile, seqlen_k - k0)
     r0, r1 = required_q_rows(mask, q_grp0, rows, tiling.q_tile, k0, k0 + n_k - 1)
     if r0 >= r1:
@@ -186,7 +189,7 @@ def fwd_k_tile(plan, k_n, v_n, q_grp0, rows, k0, scratch):
                 continue
         stats = RowStats(scratch.row_max[b0:b1], scratch.row_sum[b0:b1], scratch.alpha[b0:b1],
                          scratch.o_acc[b0:b1])
-        online_softmax_block(plan, scratch.q_s[:, b0:b1], k_n[:, kv0:kv1], v_n[:, kv0:kv1],
+        online_softmax_block(plan, q_op[:, b0:b1], k_n[:, kv0:kv1], v_n[:, kv0:kv1],
                              q_grp0 + b0, kv0, stats, scratch)
 
 
@@ -213,11 +216,12 @@ def fwd_q_group(ins, outs, plan, k_n, v_n, head, i_group, scratch):
     q_h = ins.q[head.batch, head.q_head]
     q_grp0, rows = group_rows(i_group, q_h.shape[1], plan.tiling)
     load_scaled(q_h, q_grp0, rows, scratch.q_s, plan.softmax_scale, plan.precision.round_kernel)
+    q_op = narrowed(scratch.q_s[:, :rows], scratch.q_op, plan.operand)
     scratch.row_max[:rows] = head.sink_max
     scratch.row_sum[:rows] = round_if(head.sink_sum, round_mixed)
     scratch.o_acc[:rows] = _ZERO
     for k0 in range(0, k_n.shape[1], plan.tiling.k_tile):
-        fwd_k_tile(plan, k_n, v_n, q_grp0, rows, k0, scratch)
+        fwd_k_tile(plan, q_op, k_n, v_n, q_grp0, k0, scratch)
     finalize_rows(scratch.o_acc, scratch.row_max, scratch.row_sum, rows,
                   outs.lse[head.batch, head.q_head, q_grp0:q_grp0 + rows])
     store_transposed(scratch.o_acc, rows, outs.o[head.batch, head.q_head], q_grp0,
@@ -237,10 +241,12 @@ def sink_statistics(sinks_h):
 
 
 @jit()
-def make_fwd_scratch(d_head, tiling):
-    """Per-item scratch buffers (:data:`FwdScratch`)."""
+def make_fwd_scratch(d_head, plan):
+    """Per-item scratch buffers (:data:`FwdScratch`); the bf16 operand copies only on the oneDNN path."""
+    tiling = plan.tiling
     q_rows = tiling.q_tile * tiling.q_tile_group
     k_cap = max(tiling.k_tile, 1)
+    bits = 1 if plan.operand.itemsize == 2 else 0
     return FwdScratch(np.empty((d_head, q_rows), dtype=np.float32),
                       np.empty((q_rows, d_head), dtype=np.float32),
                       np.empty(q_rows, dtype=np.float32),
@@ -249,7 +255,9 @@ def make_fwd_scratch(d_head, tiling):
                       np.empty(q_rows * k_cap, dtype=np.float32),
                       np.empty(q_rows * d_head, dtype=np.float32),
                       np.empty(q_rows, dtype=np.float32),
-                      np.ones(k_cap, dtype=np.float32))
+                      np.ones(k_cap, dtype=np.float32),
+                      np.empty(bits * d_head * q_rows, dtype=np.uint16),
+                      np.empty(bits * q_rows * k_cap, dtype=np.uint16))
 
 
 @jit()
@@ -260,10 +268,11 @@ def fwd_work_item(ins, outs, plan, item):
     nheads_kv = ins.k.shape[1]
     n_rep = nheads // nheads_kv
     unit, chunk, batch, kv_head = decode_item(item, tiling.q_chunks, nheads_kv)
-    # K and V stay [d, seq]: float32 inputs are used in place, bf16 ones widened once.
-    k_n = widened(ins.k[batch, kv_head])
-    v_n = widened(ins.v[batch, kv_head])
-    scratch = make_fwd_scratch(d_head, tiling)
+    # K and V stay [d, seq]: float32 inputs (and bf16 bits on the oneDNN path) are used in
+    # place, bf16 ones widened once on the BLAS path.
+    k_n = as_operand(ins.k[batch, kv_head], plan.operand)
+    v_n = as_operand(ins.v[batch, kv_head], plan.operand)
+    scratch = make_fwd_scratch(d_head, plan)
     n_groups = n_q_groups(seqlen_q, tiling)
     for r in range(n_rep):
         h = kv_head * n_rep + r
