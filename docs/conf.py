@@ -69,9 +69,12 @@ html_theme = "pydata_sphinx_theme"
 html_title = f"numbafa {release}"
 html_theme_options = {
     "navigation_with_keys": False,
+    "header_links_before_dropdown": 4,
     "show_toc_level": 2,
 }
 html_static_path: list[str] = []
+# One flat toctree: no left "Section Navigation" column (it would be empty).
+html_sidebars = {"**": []}
 
 
 # --- every public name must be in the API reference --------------------------------
