@@ -47,6 +47,7 @@ nitpick_ignore = [
     ("py:mod", "numbafa.kernels"),
     ("py:mod", "numbafa.kernels.matmul"),
     ("py:mod", "numbafa.parallel"),
+    ("py:func", "numbafa.onednn.gemm_path"),
     ("py:func", "numbafa.jit.cache_info"),
 ]
 
