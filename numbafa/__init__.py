@@ -6,6 +6,8 @@ attention_fwd
     o and lse by an online-softmax kernel, in the backward's convention.
 attention_bwd
     dQ, dK, dV (and dsinks) in the Neuron kernel's contract and numerics.
+dropout_mask
+    The attention-dropout keep mask the kernels draw, materialised.
 attention
     Functional forward for training loops: ``o, ctx = attention(...)``,
     ``grads = ctx.backward(do)``.
@@ -19,11 +21,12 @@ golden
 """
 
 from . import golden, layout
-from .api import attention_bwd, attention_fwd
+from .api import attention_bwd, attention_fwd, dropout_mask
 from .blas import backend_info
 from .functional import AttentionContext, attention
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "AttentionContext", "attention_fwd", "attention_bwd", "backend_info", "golden",
+__all__ = ["attention", "AttentionContext", "attention_fwd", "attention_bwd", "backend_info", "dropout_mask",
+           "golden",
            "layout", "__version__"]

@@ -9,12 +9,16 @@ from .runtime import kernel_call
 from .dtypes import to_bf16_array
 from .kernels.backward import flash_attn_bwd
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, make_plan
+from .kernels.dropout import fill_multipliers, make_dropout
 from .kernels.forward import flash_attn_fwd
 from .tiling import Q_TILE
 from .layout import lse_to_neuron
-from .validation import validate_bwd_inputs, validate_fwd_inputs
+from .validation import validate_bwd_inputs, validate_dropout, validate_fwd_inputs
 
-__all__ = ["attention_fwd", "attention_bwd"]
+__all__ = ["attention_fwd", "attention_bwd", "dropout_mask"]
+
+#: The most elements :func:`dropout_mask` materialises (1 GiB of bools).
+MAX_MASK_ELEMENTS = 2 ** 30
 
 _LSE_LAYOUTS = ("neuron", "natural")
 
@@ -26,7 +30,7 @@ def _to_dtype(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None,
                   use_causal_mask=False, mixed_precision=False, softmax_scale=None,
-                  sliding_window=None, lse_layout="neuron"):
+                  sliding_window=None, lse_layout="neuron", dropout_p=0.0, seed=None, seed_offset=0):
     """Flash-attention forward producing ``o`` and the ``lse`` the backward consumes.
 
     An online-softmax kernel over K tiles of 512 keys: the score matrix is
@@ -45,6 +49,10 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
         ``"neuron"`` (default): lse ``[bs, nheads, 128, seqlen_q // 128]``
         with ``lse[b, h, p, t]`` the LSE of row ``t * 128 + p`` (needs
         ``seqlen_q % 128 == 0``); ``"natural"``: ``[bs, nheads, seqlen_q]``.
+    dropout_p, seed, seed_offset
+        Attention dropout, as in :func:`attention_bwd`: ``o = (P * Z / (1 -
+        dropout_p)) V``; ``lse`` is that of the undropped softmax. Pass the
+        same three values to the backward.
 
     Returns
     -------
@@ -62,7 +70,8 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     if lse_layout not in _LSE_LAYOUTS:
         raise ValueError(f"lse_layout must be one of {_LSE_LAYOUTS}, got {lse_layout!r}")
     prob = validate_fwd_inputs(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max,
-                               use_causal_mask, mixed_precision, softmax_scale, sliding_window)
+                               use_causal_mask, mixed_precision, softmax_scale, sliding_window,
+                               dropout_p, seed, seed_offset)
     bs, nheads, d_head, seqlen_q = prob.q.shape
     if lse_layout == "neuron" and seqlen_q % Q_TILE:
         raise ValueError(f"lse_layout='neuron' needs seqlen_q divisible by {Q_TILE}, got "
@@ -78,7 +87,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
 
 def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
                   bound_max=None, use_causal_mask=False, mixed_precision=False, softmax_scale=None,
-                  sliding_window=None):
+                  sliding_window=None, dropout_p=0.0, seed=None, seed_offset=0):
     """Flash-attention backward, the CPU twin of Neuron's NKI ``attention_bwd``.
 
     Computes dQ, dK, dV (and dsinks) from the forward's output ``o`` and its
@@ -125,6 +134,18 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
         ``w = min(sliding_window, seqlen_k)``. ``None`` or any value ``< 1``
         (upstream passes ``-1``) means no window, with or without
         ``use_causal_mask``; a window ``>= 1`` needs ``use_causal_mask=True``.
+    dropout_p : float in ``[0, 1)``
+        Attention dropout (not in the Neuron kernel; docs/numerics.md): the
+        forward used ``P~ = P * Z / (1 - dropout_p)`` with a keep mask ``Z``
+        (keep probability ``1 - dropout_p``), and the gradients are exact
+        for that forward. 0 (default): no dropout, outputs bit-identical to
+        a call without it.
+    seed : int in ``[0, 2**64)``, required when ``dropout_p > 0``
+    seed_offset : int in ``[0, 2**64)``, default 0
+        ``Z[b, h, i, j]`` is a pure function of ``(seed, seed_offset, b, h,
+        i, j)`` (Philox-4x32-10, :func:`numbafa.dropout_mask`), so the
+        backward draws exactly the forward's mask: pass the forward's values.
+        Change ``seed_offset`` per training step for fresh masks.
 
     Returns
     -------
@@ -143,11 +164,12 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     ValueError
         Inconsistent shapes, causal with ``seqlen_q != seqlen_k``, a window
         without causal, bounds given alone, non-finite inputs, NaN or
-        ``-inf`` in ``lse_ref``, a ``softmax_scale`` that is not finite in float32.
+        ``-inf`` in ``lse_ref``, a ``softmax_scale`` that is not finite in float32,
+        ``dropout_p`` outside ``[0, 1)`` (or NaN), a missing or negative ``seed``.
     """
     prob = validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min,
                                bound_max, use_causal_mask, mixed_precision, softmax_scale,
-                               sliding_window)
+                               sliding_window, dropout_p, seed, seed_offset)
     bs, nheads, d_head, seqlen_q = prob.q.shape
     nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
     plan = make_plan(prob, backward=True)
@@ -167,3 +189,55 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     if prob.sinks_shape is None:
         return grads
     return grads + (_to_dtype(dsinks, prob.sinks_dtype).reshape(prob.sinks_shape),)
+
+
+def dropout_mask(bs, nheads, seqlen_q, seqlen_k, dropout_p, seed, seed_offset=0):
+    """The attention-dropout keep mask the kernels draw, materialised (small shapes).
+
+    ``Z[b, h, i, j]`` is True where query ``i`` of q-head ``h`` in batch
+    ``b`` keeps key ``j``. It is a pure function of ``(seed, seed_offset, b,
+    h, i, j)``: Philox-4x32-10 (docs/numerics.md, "Dropout"), with keep
+    probability ``1 - dropout_p``. :func:`attention_fwd` and
+    :func:`attention_bwd` with the same ``dropout_p``, ``seed`` and
+    ``seed_offset`` use ``P * Z / (1 - dropout_p)`` for every shape, tiling
+    and thread count; the mask does not depend on ``d_head``, the mask
+    options or the dtype.
+
+    Parameters
+    ----------
+    bs, nheads, seqlen_q, seqlen_k : int >= 0
+        Batch, q-heads (not KV heads) and sequence lengths.
+    dropout_p : float in ``[0, 1)``
+    seed, seed_offset : int in ``[0, 2**64)``
+
+    Returns
+    -------
+    bool ndarray ``[bs, nheads, seqlen_q, seqlen_k]`` (all True for ``dropout_p = 0``)
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`attention_bwd` for the dropout arguments; negative sizes;
+        more than ``2**30`` elements.
+    """
+    dims = {"bs": bs, "nheads": nheads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
+    for name, value in dims.items():
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    size = int(bs) * int(nheads) * int(seqlen_q) * int(seqlen_k)
+    if size > MAX_MASK_ELEMENTS:
+        raise ValueError(f"dropout_mask materialises bs * nheads * seqlen_q * seqlen_k elements, at most "
+                         f"{MAX_MASK_ELEMENTS}, got {size}")
+    opts = validate_dropout(dropout_p, seed, seed_offset)
+    out = np.ones((bs, nheads, seqlen_q, seqlen_k), dtype=bool)
+    dropout = make_dropout(opts["dropout_p"], opts["seed"], opts["seed_offset"])
+    if not dropout.active:
+        return out
+    mult = np.empty((seqlen_q, seqlen_k), dtype=np.float32)
+    for b in range(bs):
+        for h in range(nheads):
+            fill_multipliers(mult, False, 0, seqlen_k, 0, seqlen_q, h, b, dropout)
+            out[b, h] = mult != 0
+    return out

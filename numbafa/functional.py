@@ -143,7 +143,8 @@ class AttentionContext:
 
 
 def attention(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False,
-              mixed_precision=False, softmax_scale=None, sliding_window=None, layout="bshd"):
+              mixed_precision=False, softmax_scale=None, sliding_window=None, layout="bshd",
+              dropout_p=0.0, seed=None, seed_offset=0):
     """Attention forward that returns a context for the backward.
 
     Parameters
@@ -155,6 +156,9 @@ def attention(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_ma
     sinks, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale, sliding_window
         As in :func:`numbafa.attention_fwd`.
     layout : {"bshd", "bhsd", "neuron"}
+    dropout_p, seed, seed_offset
+        Attention dropout, as in :func:`numbafa.attention_bwd`; ``ctx.backward``
+        draws the forward's mask again from the same seed and offset.
 
     Returns
     -------
@@ -174,7 +178,8 @@ def attention(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_ma
     qn, kn, vn = (to_neuron(x, layout, name=name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     options = dict(sinks_ref=sinks, bound_min=bound_min, bound_max=bound_max,
                    use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
-                   softmax_scale=softmax_scale, sliding_window=sliding_window)
+                   softmax_scale=softmax_scale, sliding_window=sliding_window, dropout_p=dropout_p,
+                   seed=seed, seed_offset=seed_offset)
     try:
         o, lse = attention_fwd(qn, kn, vn, lse_layout="natural", **options)
     except (TypeError, ValueError):

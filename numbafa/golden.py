@@ -13,7 +13,10 @@ to be *obviously* right rather than fast:
   signature) and uses the textbook softmax backward
   ``dS = P * (dP - rowsum(P * dP))``, not the kernel's ``rowsum(O * dO)``;
 * masked scores are ``-inf`` (not the kernel's float32 minimum); a query row
-  that attends to nothing has ``o = 0``, ``lse = +inf`` and zero gradient.
+  that attends to nothing has ``o = 0``, ``lse = +inf`` and zero gradient;
+* attention dropout materialises its keep mask (:func:`keep_mask`) with a
+  Philox-4x32-10 of its own, in NumPy, and differentiates the dropped
+  forward ``O = (P * Z / (1 - p)) V`` as written.
 
 It shares no code with :mod:`numbafa.kernels`.
 """
@@ -22,7 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["attention_fwd", "attention_bwd", "attention_bwd_rounded", "allowed_mask", "ROUNDING_POINTS"]
+__all__ = ["attention_fwd", "attention_bwd", "attention_bwd_rounded", "allowed_mask", "keep_mask",
+           "ROUNDING_POINTS"]
 
 
 def _f64(x):
@@ -56,6 +60,59 @@ def allowed_mask(seqlen_q, seqlen_k, use_causal_mask=False, sliding_window=None,
         if window:
             allowed &= j >= i - window + 1
     return allowed
+
+
+def philox(counter, key, rounds=10):
+    """Philox-4x32 (Salmon et al., SC 2011) on NumPy arrays.
+
+    ``counter``: four uint64 arrays (32-bit words, broadcastable), ``key``:
+    two; returns four uint64 arrays. Each round bumps the key first (from the
+    second round on), then multiplies words 0 and 2 by the Philox constants
+    and mixes the high halves with the other words and the key.
+    """
+    mask = np.uint64(0xFFFFFFFF)
+    c = [np.asarray(x, dtype=np.uint64) for x in counter]
+    k = [np.uint64(key[0]), np.uint64(key[1])]
+    for r in range(rounds):
+        if r:
+            k = [(k[0] + np.uint64(0x9E3779B9)) & mask, (k[1] + np.uint64(0xBB67AE85)) & mask]
+        hi_lo_0 = c[0] * np.uint64(0xD2511F53)
+        hi_lo_1 = c[2] * np.uint64(0xCD9E8D57)
+        c = [(hi_lo_1 >> np.uint64(32)) ^ c[1] ^ k[0], hi_lo_1 & mask,
+             (hi_lo_0 >> np.uint64(32)) ^ c[3] ^ k[1], hi_lo_0 & mask]
+    return c
+
+
+def keep_mask(bs, nheads, seqlen_q, seqlen_k, dropout_p, seed, seed_offset=0, first_row=0):
+    """The dropout keep mask ``Z``, bool ``[bs, nheads, seqlen_q, seqlen_k]`` (True: kept).
+
+    ``first_row``: the query index of the first row (for a block of rows).
+
+    The spec (docs/numerics.md, "Dropout"): the call key is the first two
+    words of Philox(counter = (offset low, offset high, 0, 0), key = (seed
+    low, seed high)); element ``(b, h, i, j)`` takes word ``j % 4`` of
+    Philox(counter = (j // 4, i, h, b), call key) and is kept when that word
+    is at least ``round(dropout_p * 2**32)``.
+    """
+    lo32 = 0xFFFFFFFF
+    words = philox([seed_offset & lo32, seed_offset >> 32, 0, 0], [seed & lo32, seed >> 32])
+    call_key = (int(words[0]), int(words[1]))
+    threshold = np.uint64(min(int(round(dropout_p * 2.0 ** 32)), 2 ** 32))
+    b, h, i, j = np.meshgrid(np.arange(bs), np.arange(nheads), first_row + np.arange(seqlen_q),
+                             np.arange(seqlen_k), indexing="ij")
+    words = philox([j // 4, i, h, b], call_key)
+    which = j % 4
+    word = np.choose(which, words) if words[0].size else words[0]
+    return word >= threshold
+
+
+def _dropout_multipliers(shape, dropout_p, seed, seed_offset, keep, dtype):
+    """``Z / (1 - p)`` as ``dtype``, ``shape = [bs, nheads, seqlen_q, seqlen_k]`` (ones without
+    dropout); ``Z`` is ``keep`` if given, else :func:`keep_mask` of the seed and offset."""
+    if not dropout_p:
+        return np.ones(shape, dtype)
+    z = keep_mask(*shape, dropout_p, seed, seed_offset) if keep is None else np.asarray(keep, bool)
+    return z * dtype(1.0 / (1.0 - dropout_p))
 
 
 def _sinks3(sinks, bs, nheads):
@@ -103,7 +160,8 @@ def _setup(q, k, sinks, bound_min, bound_max, use_causal_mask, softmax_scale, sl
 
 
 def attention_fwd(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False,
-                  softmax_scale=None, sliding_window=None, lse_layout="natural"):
+                  softmax_scale=None, sliding_window=None, lse_layout="natural", dropout_p=0.0,
+                  seed=None, seed_offset=0, keep=None):
     """Textbook attention forward in float64.
 
     Parameters
@@ -118,6 +176,11 @@ def attention_fwd(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causa
         ``natural``: lse ``[bs, nheads, seqlen_q]``; ``neuron``:
         ``[bs, nheads, 128, seqlen_q // 128]`` with ``lse[b, h, p, t]`` the
         LSE of row ``t * 128 + p``.
+    dropout_p, seed, seed_offset
+        Attention dropout: ``o = (P * Z / (1 - dropout_p)) V`` with ``Z`` from
+        :func:`keep_mask`; lse is that of the undropped softmax.
+    keep : bool array ``[bs, nheads, seqlen_q, seqlen_k]``, optional
+        ``Z`` given explicitly (with ``dropout_p > 0``) instead of drawn from ``seed``.
 
     Returns
     -------
@@ -130,10 +193,12 @@ def attention_fwd(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causa
     bs, nheads, d_head, seqlen_q = q64.shape
     o = np.zeros((bs, nheads, d_head, seqlen_q))
     lse = np.zeros((bs, nheads, seqlen_q))
+    mult = _dropout_multipliers((bs, nheads, seqlen_q, k64.shape[3]), dropout_p, seed, seed_offset,
+                                keep, np.float64)
     for b in range(bs):
         for h in range(nheads):
             p, _, lse[b, h] = _head_probabilities(q64[b, h], k64[b, h // n_rep], scale, allowed, sink3[b, h])
-            o[b, h] = v64[b, h // n_rep] @ p.T
+            o[b, h] = v64[b, h // n_rep] @ (p * mult[b, h]).T
     if lse_layout == "neuron":
         lse = lse.reshape(bs, nheads, seqlen_q // 128, 128).transpose(0, 1, 3, 2)
     elif lse_layout != "natural":
@@ -143,11 +208,15 @@ def attention_fwd(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causa
 
 def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
                   bound_max=None, use_causal_mask=False, mixed_precision=False, softmax_scale=None,
-                  sliding_window=None):
+                  sliding_window=None, dropout_p=0.0, seed=None, seed_offset=0, keep=None):
     """Textbook attention backward in float64, with the kernel's signature.
 
     ``o_ref``, ``lse_ref`` and ``mixed_precision`` are accepted for signature
     compatibility and ignored: the forward is recomputed from q/k/v in float64.
+    With dropout the forward is ``O = P~ V``, ``P~ = P * M``, ``M = Z / (1 -
+    p)``, so by the chain rule ``dV = P~^T dO`` and ``dP = (dO V^T) * M``,
+    then the softmax backward of P as without dropout. ``keep``: as in
+    :func:`attention_fwd`.
 
     Returns
     -------
@@ -165,18 +234,20 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     dk = np.zeros_like(k64)
     dv = np.zeros_like(v64)
     dsinks = np.zeros_like(sink3)
+    mult = _dropout_multipliers((bs, nheads, seqlen_q, k64.shape[3]), dropout_p, seed, seed_offset,
+                                keep, np.float64)
     for b in range(bs):
         for h in range(nheads):
             hk = h // n_rep
             p, p_sink, _ = _head_probabilities(q64[b, h], k64[b, hk], scale, allowed, sink3[b, h])
-            dp = dy64[b, h].T @ v64[b, hk]                       # [seqlen_q, seqlen_k]
+            dp = (dy64[b, h].T @ v64[b, hk]) * mult[b, h]        # [seqlen_q, seqlen_k]
             # Textbook softmax backward over all columns; sink columns have dP = 0.
             row_dot = (p * dp).sum(axis=1, keepdims=True)
             ds = p * (dp - row_dot)
             ds_sink = p_sink * (0.0 - row_dot)
             dq[b, h] = (ds @ k64[b, hk].T).T * scale
             dk[b, hk] += (q64[b, h] * scale) @ ds
-            dv[b, hk] += dy64[b, h] @ p
+            dv[b, hk] += dy64[b, h] @ (p * mult[b, h])
             dsinks[b, h] = ds_sink.sum(axis=0)
     if sinks_ref is None:
         return dq, dk, dv
@@ -246,7 +317,8 @@ def _neuron_tiling(d_head):
 
 def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
                           bound_max=None, use_causal_mask=False, mixed_precision=False,
-                          softmax_scale=None, sliding_window=None, disable=(), ulp_budget=False):
+                          softmax_scale=None, sliding_window=None, dropout_p=0.0, seed=None,
+                          seed_offset=0, disable=(), ulp_budget=False):
     """The kernel's numerics in materialising NumPy: the numerics golden.
 
     Unlike :func:`attention_bwd`, this uses ``o_ref`` and ``lse_ref`` (the
@@ -261,8 +333,11 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
 
     Parameters
     ----------
-    q_ref ... sliding_window
+    q_ref ... seed_offset
         As :func:`numbafa.attention_bwd`; ``lse_ref`` natural or Neuron layout.
+        Dropout: ``M = Z * float32(1 / (1 - p))``; ``dS = (dP * M - D) * P``
+        (the fp32 product, then the fused op) and ``P~ = P * M`` written in
+        kernel_dtype for dV.
     disable : iterable of str
         Names from :data:`ROUNDING_POINTS` to skip (test-only: proves each
         rounding point changes the result).
@@ -319,6 +394,7 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     dsinks = np.zeros(sink3.shape, f32)
     budgets = tuple(np.zeros(x.shape) for x in (dq, dk, dv))
     dsinks_budget = np.zeros(sink3.shape)
+    mult = _dropout_multipliers((bs, nheads, seqlen_q, seqlen_k), dropout_p, seed, seed_offset, None, f32)
     rounds_kernel = is_bf16
     rounds_mixed = is_bf16 and not mixed_precision
     for b in range(bs):
@@ -337,7 +413,8 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
                 d_sum = rm(np.sum(parts, axis=0, dtype=f32), "d_total")
                 scores = np.where(allowed, qs @ kt.T, f32(-3.4028234663852886e38))
                 p = rk(np.exp(scores + neg_lse[:, None]), "p")
-                ds = rk((dyt @ vt.T - d_sum[:, None]) * p, "ds")
+                ds = rk(((dyt @ vt.T) * mult[b, h] - d_sum[:, None]) * p, "ds")
+                p = rk(p * mult[b, h], "p") if dropout_p else p   # P~, the operand of dV
                 # dQ: K tile by K tile within each section, rounded between sections.
                 dq_acc = np.zeros((seqlen_q, d_head), f32)
                 dq_flips = _FlipBudget(dq_acc.shape)

@@ -20,6 +20,12 @@ Conventions shared with the upstream NKI kernel:
     with or without ``use_causal_mask``. A window ``w >= 1`` needs
     ``use_causal_mask=True`` and is capped at ``seqlen_k``. Bools and
     non-integers are rejected.
+``dropout_p``, ``seed``, ``seed_offset``
+    Attention dropout: ``dropout_p`` a real number in ``[0, 1)`` (0: none,
+    the default); with ``dropout_p > 0`` an int ``seed`` in ``[0, 2**64)``
+    is required (the mask is a function of it, so the backward can draw it
+    again), and ``seed_offset``, an int in ``[0, 2**64)`` (default 0),
+    selects a fresh mask per training step from one seed.
 Empty problems
     ``bs = 0`` and ``seqlen_q = seqlen_k = 0`` are valid, as empty arrays
     are in NumPy: the outputs are empty arrays of the right shapes.
@@ -41,7 +47,7 @@ from .tiling import Q_TILE
 from .dtypes import is_bf16, widen
 from .layout import _check_layout
 
-__all__ = ["Problem", "validate_bwd_inputs", "validate_fwd_inputs"]
+__all__ = ["Problem", "validate_bwd_inputs", "validate_dropout", "validate_fwd_inputs"]
 
 #: Largest finite float32, the bound of ``|softmax_scale|``.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -112,6 +118,9 @@ class Problem:
     softmax_scale: float
     dtype: np.dtype            # the shared input dtype
     mixed_precision: bool
+    dropout_p: float = 0.0     # attention dropout, [0, 1)
+    seed: int = 0              # the dropout mask's seed and offset (numbafa.kernels.dropout)
+    seed_offset: int = 0
 
     @property
     def is_bf16(self) -> bool:
@@ -210,6 +219,36 @@ def _validate_window(sliding_window, use_causal_mask: bool, seqlen_k: int) -> in
         raise ValueError(f"sliding_window={window} requires use_causal_mask=True (None or a value < 1: no "
                          f"window), got use_causal_mask=False")
     return min(window, seqlen_k)
+
+
+def _require_uint64(name: str, x, what: str) -> int:
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int ({what}), got {type(x).__name__} {_short_repr(x)}")
+    value = int(x)
+    if not 0 <= value < 2 ** 64:
+        raise ValueError(f"{name} must be in [0, 2**64) ({what}), got {value}")
+    return value
+
+
+def validate_dropout(dropout_p, seed, seed_offset, names: Optional[Mapping[str, str]] = None) -> dict:
+    """``dropout_p``, ``seed`` and ``seed_offset`` checked and normalised (``Problem`` fields).
+
+    ``names`` maps these three names to the caller's, for the messages.
+    """
+    c = _Caller(dict(names or {}))
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"{c('dropout_p')} must be a real number in [0, 1), got {type(dropout_p).__name__}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:  # NaN fails both comparisons
+        raise ValueError(f"{c('dropout_p')} must be in [0, 1), got {_short_repr(dropout_p)}")
+    offset = _require_uint64(c("seed_offset"), seed_offset, "the dropout mask's offset")
+    if seed is None:
+        if p > 0.0:
+            raise ValueError(f"{c('seed')} is required with {c('dropout_p')}={p!r} (the backward draws "
+                             f"the forward's mask again from it), got None")
+        return dict(dropout_p=p, seed=0, seed_offset=offset)
+    return dict(dropout_p=p, seed=_require_uint64(c("seed"), seed, "the dropout mask's seed"),
+                seed_offset=offset)
 
 
 def _validate_lse(c: _Caller, lse_ref, bs: int, nheads: int, seqlen_q: int) -> np.ndarray:
@@ -332,13 +371,13 @@ def _validate_attention(c: _Caller, keys, arrays, sinks_ref, bound_min, bound_ma
 
 def validate_fwd_inputs(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None,
                         use_causal_mask=False, mixed_precision=False, softmax_scale=None,
-                        sliding_window=None, *, names: Optional[Mapping[str, str]] = None,
-                        layout: str = "neuron") -> Problem:
+                        sliding_window=None, dropout_p=0.0, seed=None, seed_offset=0, *,
+                        names: Optional[Mapping[str, str]] = None, layout: str = "neuron") -> Problem:
     """Check every argument of :func:`numbafa.attention_fwd`; return them normalised.
 
     Parameters
     ----------
-    q_ref ... sliding_window
+    q_ref ... seed_offset
         As :func:`numbafa.attention_fwd` (Neuron-layout arrays, possibly views).
     names : mapping, optional
         The caller's names of the arguments, keyed by the names above (e.g.
@@ -353,18 +392,20 @@ def validate_fwd_inputs(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bou
     (q, k, v), opts = _validate_attention(c, keys, arrays, sinks_ref, bound_min, bound_max,
                                           use_causal_mask, mixed_precision, softmax_scale,
                                           sliding_window)
+    opts.update(validate_dropout(dropout_p, seed, seed_offset, names))
     return Problem(q, k, v, None, None, None, **opts)
 
 
 def validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
                         bound_max=None, use_causal_mask=False, mixed_precision=False,
-                        softmax_scale=None, sliding_window=None, *,
-                        names: Optional[Mapping[str, str]] = None, layout: str = "neuron") -> Problem:
+                        softmax_scale=None, sliding_window=None, dropout_p=0.0, seed=None,
+                        seed_offset=0, *, names: Optional[Mapping[str, str]] = None,
+                        layout: str = "neuron") -> Problem:
     """Check every argument of :func:`numbafa.attention_bwd`; return them normalised.
 
     Parameters
     ----------
-    q_ref ... sliding_window
+    q_ref ... seed_offset
         As :func:`numbafa.attention_bwd` (Neuron-layout arrays, possibly views).
     names : mapping, optional
         The caller's names of the arguments, keyed by the names above (e.g.
@@ -381,4 +422,5 @@ def validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=N
                                               sliding_window)
     bs, nheads, _, seqlen_q = arrays[0].shape
     lse = _validate_lse(c, lse_ref, bs, nheads, seqlen_q)
+    opts.update(validate_dropout(dropout_p, seed, seed_offset, names))
     return Problem(*kernel_arrays, lse=lse, **opts)

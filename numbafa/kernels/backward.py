@@ -63,6 +63,7 @@ from ..jit import jit
 from ..parallel import parallel_for
 from ..tiling import FLOAT32_MIN
 from .common import load_scaled, load_transposed, round_if, store_transposed
+from .dropout import apply_multipliers, fill_multipliers
 from .fastexp import expf
 from .loops import decode_item, group_rows, n_q_groups, owns_group
 from .mask import cut_by_mask, queries_seeing_key, required_q_rows
@@ -83,13 +84,13 @@ Head = namedtuple("Head", ["batch", "q_head", "neg_lse", "d_sum"])
 #: and D, written on the first KV section by the item owning the rows.
 BwdStats = namedtuple("BwdStats", ["neg_lse", "d_sum"])
 #: One loaded Q group: first row, rows, Q_scaled ``[d, rows]`` and dO ``[d, rows]`` (GEMM
-#: operands), the dQ^T accumulator ``[rows, d]`` and the head's -LSE and D rows.
-QGroup = namedtuple("QGroup", ["start", "rows", "q_s", "dy", "dq_t", "neg_lse", "d_sum"])
+#: operands), the dQ^T accumulator ``[rows, d]``, the head's -LSE and D rows, batch and q-head.
+QGroup = namedtuple("QGroup", ["start", "rows", "q_s", "dy", "dq_t", "neg_lse", "d_sum", "batch", "q_head"])
 #: A block of a K tile: keys ``k0:k0+n_k`` (section-relative), Q rows ``r0:r1`` (group-relative).
 Block = namedtuple("Block", ["k0", "n_k", "r0", "r1"])
 #: Per-item scratch, sized for the largest tiles.
 Scratch = namedtuple("Scratch", ["q_s", "dq_t", "s_t", "dp_t", "kd_psum", "dq_psum", "dk_acc", "dv_acc",
-                                 "q_op", "p_op", "ds_op"])
+                                 "q_op", "p_op", "ds_op", "mult"])
 
 
 @jit()
@@ -211,14 +212,30 @@ def recompute_p_ds(plan, sec, qg, blk, scratch):
 
     Step 2.1 ``S^T = K^T Q_s`` and Step 3.2 ``dP^T = V^T dO`` (fp32 PSUM),
     then :func:`recompute_softmax_backward` turns them into P^T and dS^T.
+
+    With dropout (docs/numerics.md), the forward's keep mask Z is drawn again
+    (:mod:`numbafa.kernels.dropout`) as multipliers ``M = Z / (1 - p)``: the
+    matmul gave ``dP~ = dO V^T``, the gradient of the *dropped* P, so
+    ``dS = P * (dP~ * M - D)`` (fp32 product, then the fused op), and the
+    returned P^T is the dropped ``P~ = P * M``, written in kernel_dtype, for
+    ``dV += P~^T dO``.
     """
     n_q = blk.r1 - blk.r0
     s_t = scratch.s_t[:blk.n_k * n_q].reshape(blk.n_k, n_q)
     dp_t = scratch.dp_t[:blk.n_k * n_q].reshape(blk.n_k, n_q)
     keys = slice(blk.k0, blk.k0 + blk.n_k)
+    k_abs0 = sec.start + blk.k0
+    q_abs0 = qg.start + blk.r0
     matmul(sec.k[:, keys], qg.q_s[:, blk.r0:blk.r1], s_t, True, False, _ONE, _ZERO)
     matmul(sec.v[:, keys], qg.dy[:, blk.r0:blk.r1], dp_t, True, False, _ONE, _ZERO)
-    recompute_softmax_backward(s_t, dp_t, sec.start + blk.k0, qg.start + blk.r0, qg, plan)
+    dropout = plan.dropout
+    if dropout.active:
+        mult = scratch.mult[:blk.n_k * n_q].reshape(blk.n_k, n_q)
+        fill_multipliers(mult, True, k_abs0, blk.n_k, q_abs0, n_q, qg.q_head, qg.batch, dropout)
+        apply_multipliers(dp_t, mult, False)
+    recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, qg, plan)
+    if dropout.active:
+        apply_multipliers(s_t, scratch.mult[:blk.n_k * n_q].reshape(blk.n_k, n_q), plan.precision.round_kernel)
     # P and dS are bf16-valued here when the inputs are bf16: the oneDNN path takes their bits.
     return narrowed(s_t, scratch.p_op, plan.operand), narrowed(dp_t, scratch.ds_op, plan.operand)
 
@@ -321,7 +338,7 @@ def bwd_q_group(ins, outs, plan, sec, head, i_group, scratch):
         load_neg_lse(ins.lse[head.batch, head.q_head], q_grp0, rows, prec.round_mixed, head.neg_lse)
         compute_rowsum(ins.o[head.batch, head.q_head], dy_h, q_grp0, rows, plan.tiling.d_tile,
                        head.d_sum, prec)
-    qg = QGroup(q_grp0, rows, q_op, dy_n, dq_t, head.neg_lse, head.d_sum)
+    qg = QGroup(q_grp0, rows, q_op, dy_n, dq_t, head.neg_lse, head.d_sum, head.batch, head.q_head)
     for k_tile0 in range(0, sec.length, plan.tiling.k_tile):
         _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch)
     store_transposed(dq_t, rows, dq_h, q_grp0, prec.round_kernel)
@@ -365,11 +382,13 @@ def store_kv_section(outs, plan, sec, unit, chunk, batch, kv_head):
 @jit()
 def make_scratch(d_head, seqlen_k, plan):
     """Per-item scratch buffers (:data:`Scratch`), sized for the largest tiles; the bf16
-    operand copies (``q_op``, ``p_op``, ``ds_op``) only on the oneDNN path."""
+    operand copies (``q_op``, ``p_op``, ``ds_op``) only on the oneDNN path, the dropout
+    multipliers (``mult``) only with dropout."""
     tiling = plan.tiling
     q_rows = tiling.q_tile * tiling.q_tile_group
     sec_cap = min(tiling.section_len, seqlen_k)
     bits = 1 if plan.operand.itemsize == 2 else 0
+    drop = 1 if plan.dropout.active else 0
     return Scratch(np.empty((d_head, q_rows), dtype=np.float32),
                    np.empty((q_rows, d_head), dtype=np.float32),
                    np.empty(tiling.k_tile * q_rows, dtype=np.float32),
@@ -380,7 +399,8 @@ def make_scratch(d_head, seqlen_k, plan):
                    np.empty((sec_cap, d_head), dtype=np.float32),
                    np.empty(bits * d_head * q_rows, dtype=np.uint16),
                    np.empty(bits * tiling.k_tile * q_rows, dtype=np.uint16),
-                   np.empty(bits * tiling.k_tile * q_rows, dtype=np.uint16))
+                   np.empty(bits * tiling.k_tile * q_rows, dtype=np.uint16),
+                   np.empty(drop * tiling.k_tile * q_rows, dtype=np.float32))
 
 
 @jit()

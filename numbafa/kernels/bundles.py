@@ -15,8 +15,9 @@ value is decided once, here, from the validated problem:
     Which tiles are rounded to bf16, and where the PSUM-style accumulations
     apply (docs/numerics.md).
 :class:`Plan`
-    The three above, ``softmax_scale`` and the GEMM operand type (the matmul
-    path, :mod:`numbafa.onednn`): everything but the arrays. Like upstream's
+    The three above, ``softmax_scale``, the GEMM operand type (the matmul
+    path, :mod:`numbafa.onednn`) and the attention dropout
+    (:data:`numbafa.kernels.dropout.Dropout`): everything but the arrays. Like upstream's
     ``cfg``, it travels through every helper.
 
 ``FwdInputs``/``FwdOutputs`` and ``BwdInputs``/``BwdOutputs`` carry the
@@ -33,6 +34,7 @@ import numpy as np
 from ..onednn import gemm_path
 from ..schedule import q_chunks
 from ..tiling import setup_config
+from .dropout import make_dropout
 from .mask import fill_key_ranges
 
 __all__ = ["Tiling", "Mask", "Precision", "Plan", "FwdInputs", "FwdOutputs", "BwdInputs",
@@ -54,11 +56,11 @@ accumulators are bf16 and take one rounded addition from a PSUM tile.
 dq_via_psum: the backward keeps dQ's PSUM as a tile of its own, added once per K tile (bf16
 inputs: dQ is rounded between KV sections, where another float32 order would flip roundings)."""
 
-Plan = namedtuple("Plan", ["tiling", "mask", "precision", "softmax_scale", "operand"])
+Plan = namedtuple("Plan", ["tiling", "mask", "precision", "softmax_scale", "operand", "dropout"])
 Plan.__doc__ = """Everything a kernel needs but the arrays; softmax_scale is float32. operand: an
 empty array whose dtype is that of the GEMM operand tiles, and so picks the matmul path at
 compile time (numbafa.onednn): float32 (BLAS sgemm; bf16 values widened) or uint16 (bf16
-bits, oneDNN on the bf16 units)."""
+bits, oneDNN on the bf16 units). dropout: numbafa.kernels.dropout.Dropout (inactive for p = 0)."""
 
 FwdInputs = namedtuple("FwdInputs", ["q", "k", "v", "sinks"])
 FwdOutputs = namedtuple("FwdOutputs", ["o", "lse"])
@@ -92,4 +94,5 @@ def make_plan(prob, backward: bool) -> Plan:
     precision = Precision(round_kernel, round_mixed, round_kernel)
     bf16_operands = round_kernel and gemm_path()[0] == "onednn-bf16"
     operand = np.empty(0, dtype=np.uint16 if bf16_operands else np.float32)
-    return Plan(tiling, mask, precision, np.float32(prob.softmax_scale), operand)
+    dropout = make_dropout(prob.dropout_p, prob.seed, prob.seed_offset)
+    return Plan(tiling, mask, precision, np.float32(prob.softmax_scale), operand, dropout)

@@ -15,7 +15,8 @@ scaled at load; per group, K tiles of 512 keys with the online softmax
     P     = exp(S - m_new)               # written in kernel_dtype
     alpha = exp(m - m_new)
     l     = l * alpha + rowsum(P)        # mixed_dtype; P as written (bf16 for bf16 inputs)
-    O     = O * alpha + P V              # mixed_dtype, one rounding per K tile
+    P~    = P * Z / (1 - p)              # dropout only (kernel_dtype); l keeps the undropped P
+    O     = O * alpha + P~ V             # mixed_dtype, one rounding per K tile
     ...
     o     = O * (1 / l)                  # kernel_dtype;  lse = m + log(l)
 
@@ -25,7 +26,8 @@ A row that attends to nothing (no key, no sink) gets ``o = 0`` and
 window tile skipping are the backward's (:mod:`numbafa.kernels.mask`); a tile
 the diagonal cuts through runs per Q tile on the keys that Q tile may see.
 Only the K tile order matters for the per-row numerics; the Q group size is a
-CPU blocking choice. Every product goes through the matmul seam
+CPU blocking choice. The dropout keep mask Z is a function of each element's
+coordinates (:mod:`numbafa.kernels.dropout`), drawn for the block's visible keys. Every product goes through the matmul seam
 (:func:`numbafa.kernels.matmul.matmul`).
 """
 
@@ -40,6 +42,7 @@ from ..dtypes import as_operand, narrowed, round_to_bf16_inplace
 from ..jit import jit
 from ..parallel import parallel_for
 from .common import load_scaled, round_if, store_transposed
+from .dropout import apply_multipliers, fill_multipliers
 from .fastexp import expf
 from .loops import decode_item, group_rows, n_q_groups, owns_group
 from .mask import cut_by_mask, required_q_rows, static_key_range, visible_keys
@@ -57,7 +60,7 @@ RowStats = namedtuple("RowStats", ["row_max", "row_sum", "alpha", "acc"])
 FwdHead = namedtuple("FwdHead", ["batch", "q_head", "sink_max", "sink_sum"])
 #: Per-item scratch, sized for the largest tiles (``ones``: the row-sum vector).
 FwdScratch = namedtuple("FwdScratch", ["q_s", "o_acc", "row_max", "row_sum", "alpha", "s", "pv",
-                                       "tile_sum", "ones", "q_op", "p_op"])
+                                       "tile_sum", "ones", "q_op", "p_op", "mult"])
 
 # Key of -inf under the order-preserving map of float32 bits to int32 used by _row_max.
 _NEG_INF_KEY = np.int32(-2139095041)
@@ -131,15 +134,16 @@ def rescale_accumulate(stats, pv, tile_sum, round_mixed):
 
 
 @jit()
-def online_softmax_block(plan, q_cols, k_cols, v_cols, q_abs0, k_abs0, stats, scratch):
+def online_softmax_block(plan, head, q_cols, k_cols, v_cols, q_abs0, k_abs0, stats, scratch):
     """One online-softmax update of the queries ``q_cols`` by the keys ``k_cols`` / ``v_cols``.
 
     All three are in the Neuron layout, ``[d, rows]`` / ``[d, keys]`` (views
     with unit inner stride); BLAS reads them transposed where needed, so no
     transposed copy is made. ``S = Q_s^T K``, the masked exp of
     :func:`online_softmax_update`, ``rowsum(P)`` as written (a
-    matrix-vector product), ``P V`` and :func:`rescale_accumulate` into
-    ``stats`` (rows ``[rows, d]``).
+    matrix-vector product), with dropout ``P~ = P * Z * scale`` (written in
+    kernel_dtype; the row sum, the softmax normaliser, keeps every P), ``P V``
+    and :func:`rescale_accumulate` into ``stats`` (rows ``[rows, d]``).
     """
     d_head, n_q = q_cols.shape
     n_k = k_cols.shape[1]
@@ -148,6 +152,10 @@ def online_softmax_block(plan, q_cols, k_cols, v_cols, q_abs0, k_abs0, stats, sc
     online_softmax_update(s, q_abs0, k_abs0, stats, plan)
     tile_sum = scratch.tile_sum[:n_q]
     matmul(s, scratch.ones[:n_k], tile_sum, False, False, _ONE, _ZERO)   # rowsum(P) as written
+    if plan.dropout.active:
+        mult = scratch.mult[:n_q * n_k].reshape(n_q, n_k)
+        fill_multipliers(mult, False, k_abs0, n_k, q_abs0, n_q, head.q_head, head.batch, plan.dropout)
+        apply_multipliers(s, mult, plan.precision.round_kernel)
     pv = scratch.pv[:n_q * d_head].reshape(n_q, d_head)
     # P as written (bf16 values for bf16 inputs): its bits are the operand on the oneDNN path.
     matmul(narrowed(s, scratch.p_op, plan.operand), v_cols, pv, False, True, _ONE, _ZERO)
@@ -155,7 +163,7 @@ def online_softmax_block(plan, q_cols, k_cols, v_cols, q_abs0, k_abs0, stats, sc
 
 
 @jit()
-def fwd_k_tile(plan, q_op, k_n, v_n, q_grp0, k0, scratch):
+def fwd_k_tile(plan, head, q_op, k_n, v_n, q_grp0, k0, scratch):
     """One K tile's update of a Q group's statistics (``scratch`` rows; ``q_op``: its Q_scaled
     ``[d, rows]`` as a GEMM operand).
 
@@ -189,7 +197,7 @@ def fwd_k_tile(plan, q_op, k_n, v_n, q_grp0, k0, scratch):
                 continue
         stats = RowStats(scratch.row_max[b0:b1], scratch.row_sum[b0:b1], scratch.alpha[b0:b1],
                          scratch.o_acc[b0:b1])
-        online_softmax_block(plan, q_op[:, b0:b1], k_n[:, kv0:kv1], v_n[:, kv0:kv1],
+        online_softmax_block(plan, head, q_op[:, b0:b1], k_n[:, kv0:kv1], v_n[:, kv0:kv1],
                              q_grp0 + b0, kv0, stats, scratch)
 
 
@@ -221,7 +229,7 @@ def fwd_q_group(ins, outs, plan, k_n, v_n, head, i_group, scratch):
     scratch.row_sum[:rows] = round_if(head.sink_sum, round_mixed)
     scratch.o_acc[:rows] = _ZERO
     for k0 in range(0, k_n.shape[1], plan.tiling.k_tile):
-        fwd_k_tile(plan, q_op, k_n, v_n, q_grp0, k0, scratch)
+        fwd_k_tile(plan, head, q_op, k_n, v_n, q_grp0, k0, scratch)
     finalize_rows(scratch.o_acc, scratch.row_max, scratch.row_sum, rows,
                   outs.lse[head.batch, head.q_head, q_grp0:q_grp0 + rows])
     store_transposed(scratch.o_acc, rows, outs.o[head.batch, head.q_head], q_grp0,
@@ -242,11 +250,13 @@ def sink_statistics(sinks_h):
 
 @jit()
 def make_fwd_scratch(d_head, plan):
-    """Per-item scratch buffers (:data:`FwdScratch`); the bf16 operand copies only on the oneDNN path."""
+    """Per-item scratch buffers (:data:`FwdScratch`); the bf16 operand copies only on the oneDNN
+    path, the dropout multipliers only with dropout."""
     tiling = plan.tiling
     q_rows = tiling.q_tile * tiling.q_tile_group
     k_cap = max(tiling.k_tile, 1)
     bits = 1 if plan.operand.itemsize == 2 else 0
+    drop = 1 if plan.dropout.active else 0
     return FwdScratch(np.empty((d_head, q_rows), dtype=np.float32),
                       np.empty((q_rows, d_head), dtype=np.float32),
                       np.empty(q_rows, dtype=np.float32),
@@ -257,7 +267,8 @@ def make_fwd_scratch(d_head, plan):
                       np.empty(q_rows, dtype=np.float32),
                       np.ones(k_cap, dtype=np.float32),
                       np.empty(bits * d_head * q_rows, dtype=np.uint16),
-                      np.empty(bits * q_rows * k_cap, dtype=np.uint16))
+                      np.empty(bits * q_rows * k_cap, dtype=np.uint16),
+                      np.empty(drop * q_rows * k_cap, dtype=np.float32))
 
 
 @jit()
