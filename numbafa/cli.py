@@ -95,6 +95,26 @@ def _lengths(text: str) -> tuple:
     return values
 
 
+def _dropout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {text}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed in [0, 2**64), got {text!r}") from None
+    if not 0 <= value < 2 ** 64:
+        raise argparse.ArgumentTypeError(f"expected an integer seed in [0, 2**64), got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="numbafa", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--packing", type=_lengths, default=None,
                    help="pack sequences of these lengths (summing to --seqlen), e.g. 1000,1048 "
                         "(default: one sequence)")
+    p.add_argument("--dropout", type=_dropout, default=0.0, metavar="P",
+                   help="attention dropout probability in [0, 1) (default: %(default)s)")
+    p.add_argument("--seed", type=_seed, default=0, metavar="S",
+                   help="seed of the dropout mask (default: %(default)s)")
     p.add_argument("--repeats", type=_positive_int, default=5,
                    help="timed calls per pass; the median is reported (default: %(default)s)")
     p.add_argument("--no-check", action="store_true", help="skip the golden check")
@@ -278,6 +302,8 @@ def run(args, progress: Progress) -> list:
     b, h, hkv, s, d = args.batch, args.heads, args.kv_heads, args.seqlen, args.head_dim
     causal = args.mask == "causal"
     opts = dict(use_causal_mask=causal, sliding_window=args.window, mixed_precision=True)
+    if args.dropout:
+        opts.update(dropout_p=args.dropout, seed=args.seed)
     rng = np.random.default_rng(0)
     if args.sinks:
         opts["sinks_ref"] = rng.standard_normal((b, h, args.sinks)).astype(np.float32)
@@ -312,7 +338,7 @@ def run(args, progress: Progress) -> list:
                                            ("backward", bwd_ms, 2.5 * fwd_flops, ("dq", "dk", "dv", "dsinks"))):
             rec = {"dtype": name, "pass": pass_name, "ms": ms, "gflops": flops / ms / 1e6,
                    "first_call_s": first, "shape": dict(batch=b, heads=h, kv_heads=hkv, seqlen=s, head_dim=d),
-                   "mask": args.mask, "window": args.window, "sinks": args.sinks,
+                   "mask": args.mask, "window": args.window, "sinks": args.sinks, "dropout": args.dropout,
                    "packing": list(args.packing) if args.packing else None}
             rec.update(_summary(name, {out: errors[out] for out in outs if out in errors}))
             records.append(rec)
@@ -354,7 +380,8 @@ def _golden_blocked(q, k, v, dy, sinks, opts, block_rows: int) -> tuple:
     """The float64 golden forward and backward, ``block_rows`` query rows at a time.
 
     Rows are independent in the forward and in dq; dk, dv and dsinks are sums
-    over rows. So the blocks give the full golden's results with score
+    over rows. With dropout, each block takes its rows of the keep mask
+    (:func:`numbafa.golden.keep_mask` from the block's first row). So the blocks give the full golden's results with score
     matrices of ``block_rows x seqlen_k`` instead of ``seqlen_q x seqlen_k``.
 
     Returns
@@ -367,9 +394,15 @@ def _golden_blocked(q, k, v, dy, sinks, opts, block_rows: int) -> tuple:
     lse = np.zeros(q.shape[:2] + (seqlen_q,))
     dk, dv = np.zeros(k.shape), np.zeros(v.shape)
     dsinks = None if sinks is None else np.zeros(np.shape(sinks))
+    bs, nheads, seqlen_k = q.shape[0], q.shape[1], k.shape[3]
     for r0 in range(0, seqlen_q, block_rows):
         rows = slice(r0, min(r0 + block_rows, seqlen_q))
         bounds = dict(bound_min=lo[rows], bound_max=hi[rows])
+        p = opts.get("dropout_p", 0.0)
+        if p:
+            n_rows = rows.stop - r0
+            bounds.update(dropout_p=p, keep=golden.keep_mask(bs, nheads, n_rows, seqlen_k, p, opts["seed"],
+                                                              first_row=r0))
         o[..., rows], lse[..., rows] = golden.attention_fwd(q[..., rows], k, v, sinks=sinks, **bounds)
         grads = golden.attention_bwd(q[..., rows], k, v, None, dy[..., rows], None, sinks_ref=sinks, **bounds)
         dq[..., rows] = grads[0]
@@ -434,7 +467,8 @@ def _print_table(records) -> None:
     print(f"numbafa {__version__}: q [{sh['batch']}, {sh['heads']}, {sh['head_dim']}, {sh['seqlen']}], "
           f"k/v [{sh['batch']}, {sh['kv_heads']}, {sh['head_dim']}, {sh['seqlen']}], {r0['mask']}"
           + (f", window {r0['window']}" if r0["window"] else "") + (f", {r0['sinks']} sinks" if r0["sinks"] else "")
-          + (f", packed {r0['packing']}" if r0["packing"] else ""))
+          + (f", packed {r0['packing']}" if r0["packing"] else "")
+          + (f", dropout {r0['dropout']}" if r0["dropout"] else ""))
     print(f"{'dtype':8} {'pass':9} {'median ms':>10} {'GFLOP/s':>8} {'1st call s':>10}  "
           f"max|a-e|/max|e| (bound) vs float64 golden")
     for r in records:

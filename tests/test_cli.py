@@ -66,6 +66,9 @@ def test_failed_check_gives_exit_code_one(capsys, monkeypatch):
     (["--mask", "full", "--window", "8"], "--window needs --mask causal"),
     (["--seqlen", "256", "--packing", "100,100"], "--packing lengths sum to 200, expected --seqlen 256"),
     (["--packing", "a,b"], "expected comma-separated lengths"),
+    (["--dropout", "1"], "expected a probability in [0, 1), got 1"),
+    (["--dropout", "x"], "expected a probability in [0, 1), got 'x'"),
+    (["--dropout", "0.1", "--seed", "-2"], "expected an integer seed in [0, 2**64), got -2"),
 ])
 def test_bad_options_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -203,3 +206,25 @@ def test_no_notice_when_kernels_are_loaded(capsys):
     capsys.readouterr()
     assert cli.main(SMALL + ["--dtype", "float32", "--no-check"]) == 0
     assert "kernels" not in capsys.readouterr().err
+
+
+def test_dropout_is_checked_against_the_golden(capsys, monkeypatch):
+    """--dropout runs both passes with the mask and the blocked golden draws the same mask."""
+    monkeypatch.setattr(cli, "CHECK_BLOCK_ENTRIES", 256 * 100)  # blocks of 100 rows: first_row matters
+    assert cli.main(SMALL + ["--dtype", "float32", "--dropout", "0.2", "--seed", "11", "--sinks", "1"]) == 0
+    out = capsys.readouterr().out
+    assert ", dropout 0.2" in out and out.rstrip().splitlines()[-1] == "all 6 checks passed"
+
+
+def test_blocked_golden_with_dropout_equals_the_full_golden():
+    rng = np.random.default_rng(2)
+    q, dy = (rng.standard_normal((1, 2, 8, 90)) for _ in range(2))
+    k, v = (rng.standard_normal((1, 1, 8, 90)) for _ in range(2))
+    drop = dict(dropout_p=0.3, seed=5)
+    opts = dict(use_causal_mask=True, **drop)
+    o_exp, _ = golden.attention_fwd(q, k, v, use_causal_mask=True, **drop)
+    grads_exp = golden.attention_bwd(q, k, v, None, dy, None, use_causal_mask=True, **drop)
+    o, _, grads = cli._golden_blocked(q, k, v, dy, None, opts, block_rows=37)
+    np.testing.assert_allclose(o, o_exp, rtol=1e-12, atol=1e-14)
+    for got, exp in zip(grads, grads_exp):
+        np.testing.assert_allclose(got, exp, rtol=1e-11, atol=1e-13)
