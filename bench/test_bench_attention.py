@@ -52,6 +52,30 @@ def test_attention(benchmark, pass_, shape, dtype):
         benchmark.extra_info["flops"] = flops
 
 
+DROPOUT_SHAPE = SHAPES[0]  # h8-s2048-d128-full, the issue's standard shape
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1], ids=["p0", "p0.1"])
+@pytest.mark.parametrize("pass_", ["forward", "backward"])
+def test_dropout(benchmark, pass_, dropout_p, dtype):
+    """The cost of the dropout mask (its RNG): p = 0.1 against p = 0 in one group."""
+    name, bs, h, hkv, s, d, options = DROPOUT_SHAPE
+    q, k, v, dy, kw = make_inputs(bs, h, hkv, s, d, DTYPES[dtype], options)
+    kw.update(mixed_precision=True, dropout_p=dropout_p, seed=7)
+    o, lse = numbafa.attention_fwd(q, k, v, **kw)
+    if pass_ == "forward":
+        def run():
+            return numbafa.attention_fwd(q, k, v, **kw)
+    else:
+        numbafa.attention_bwd(q, k, v, o, dy, lse, **kw)
+
+        def run():
+            return numbafa.attention_bwd(q, k, v, o, dy, lse, **kw)
+    benchmark.group = f"dropout {name} {dtype} {pass_}"
+    benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+
+
 COLD_CALL = """
 import time, numpy as np{extra_import}
 t0 = time.perf_counter()
