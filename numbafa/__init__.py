@@ -28,5 +28,4 @@ from .functional import AttentionContext, attention
 __version__ = "0.1.0"
 
 __all__ = ["attention", "AttentionContext", "attention_fwd", "attention_bwd", "backend_info", "dropout_mask",
-           "golden",
-           "layout", "__version__"]
+           "golden", "layout", "__version__"]
