@@ -9,7 +9,7 @@ from .runtime import kernel_call
 from .dtypes import to_bf16_array
 from .kernels.backward import flash_attn_bwd
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, make_plan
-from .kernels.dropout import fill_multipliers, make_dropout
+from .kernels.dropout import drop_rows, make_dropout
 from .kernels.forward import flash_attn_fwd
 from .tiling import Q_TILE
 from .layout import lse_to_neuron
@@ -235,9 +235,10 @@ def dropout_mask(bs, nheads, seqlen_q, seqlen_k, dropout_p, seed, seed_offset=0)
     dropout = make_dropout(opts["dropout_p"], opts["seed"], opts["seed_offset"])
     if not dropout.active:
         return out
-    mult = np.empty((seqlen_q, seqlen_k), dtype=np.float32)
+    tile = np.empty((seqlen_q, seqlen_k), dtype=np.float32)
     for b in range(bs):
         for h in range(nheads):
-            fill_multipliers(mult, False, 0, seqlen_k, 0, seqlen_q, h, b, dropout)
-            out[b, h] = mult != 0
+            tile[:] = 1.0
+            drop_rows(tile, 0, 0, h, b, dropout, False)   # the forward's own code path
+            out[b, h] = tile != 0
     return out

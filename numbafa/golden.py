@@ -90,9 +90,9 @@ def keep_mask(bs, nheads, seqlen_q, seqlen_k, dropout_p, seed, seed_offset=0, fi
 
     The spec (docs/numerics.md, "Dropout"): the call key is the first two
     words of Philox(counter = (offset low, offset high, 0, 0), key = (seed
-    low, seed high)); element ``(b, h, i, j)`` takes word ``j % 4`` of
-    Philox(counter = (j // 4, i, h, b), call key) and is kept when that word
-    is at least ``round(dropout_p * 2**32)``.
+    low, seed high)); element ``(b, h, i, j)`` takes word ``(j % 64) // 16``
+    of Philox(counter = ((j // 64) * 16 + j % 16, i, h, b), call key) and is
+    kept when that word is at least ``round(dropout_p * 2**32)``.
     """
     lo32 = 0xFFFFFFFF
     words = philox([seed_offset & lo32, seed_offset >> 32, 0, 0], [seed & lo32, seed >> 32])
@@ -100,8 +100,8 @@ def keep_mask(bs, nheads, seqlen_q, seqlen_k, dropout_p, seed, seed_offset=0, fi
     threshold = np.uint64(min(int(round(dropout_p * 2.0 ** 32)), 2 ** 32))
     b, h, i, j = np.meshgrid(np.arange(bs), np.arange(nheads), first_row + np.arange(seqlen_q),
                              np.arange(seqlen_k), indexing="ij")
-    words = philox([j // 4, i, h, b], call_key)
-    which = j % 4
+    words = philox([(j // 64) * 16 + j % 16, i, h, b], call_key)
+    which = (j % 64) // 16
     word = np.choose(which, words) if words[0].size else words[0]
     return word >= threshold
 

@@ -11,7 +11,7 @@ import pytest
 
 import numbafa
 from numbafa import golden
-from numbafa.kernels.dropout import fill_multipliers, make_dropout, philox_words
+from numbafa.kernels.dropout import drop_rows, fill_multipliers, make_dropout, philox_words
 
 from _problems import Case, make_inputs
 from _tolerances import BF16_MIXED, FLOAT32, MIN_IDENTICAL, assert_close
@@ -50,9 +50,12 @@ def test_any_sub_tile_draws_the_same_elements(keys_major):
         k0, q0 = (int(x) for x in rng.integers(0, 290, 2))
         n_k, n_q = int(rng.integers(0, 300 - k0)), int(rng.integers(1, 300 - q0))
         b, h = (int(x) for x in rng.integers(0, 2, 2))
-        shape = (n_k, n_q) if keys_major else (n_q, n_k)
-        out = np.full(shape, np.nan, np.float32)
-        fill_multipliers(out, keys_major, k0, n_k, q0, n_q, h, b, dropout)
+        if keys_major:
+            out = np.full((n_k, n_q), np.nan, np.float32)
+            fill_multipliers(out, k0, q0, h, b, dropout)
+        else:
+            out = np.ones((n_q, n_k), np.float32)
+            drop_rows(out, k0, q0, h, b, dropout, False)
         kept = (out.T if keys_major else out) != 0
         assert not np.isnan(out).any()
         np.testing.assert_array_equal(kept, mask[b, h, q0:q0 + n_q, k0:k0 + n_k], err_msg=str((k0, n_k, q0, n_q)))

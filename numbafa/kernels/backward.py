@@ -231,7 +231,7 @@ def recompute_p_ds(plan, sec, qg, blk, scratch):
     dropout = plan.dropout
     if dropout.active:
         mult = scratch.mult[:blk.n_k * n_q].reshape(blk.n_k, n_q)
-        fill_multipliers(mult, True, k_abs0, blk.n_k, q_abs0, n_q, qg.q_head, qg.batch, dropout)
+        fill_multipliers(mult, k_abs0, q_abs0, qg.q_head, qg.batch, dropout)
         apply_multipliers(dp_t, mult, False)
     recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, qg, plan)
     if dropout.active:

@@ -6,12 +6,18 @@ random words of an element are a function of its *counter* and a *key*,
 not of a stream position, so any tile can draw its elements in any order.
 For attention element ``(batch, q_head, query, key)``::
 
-    counter = (key // 4, query, q_head, batch)     # four 32-bit words
+    call    = (key // 64) * 16 + key % 16
+    counter = (call, query, q_head, batch)         # four 32-bit words
     words   = philox4x32_10(counter, call_key)     # four 32-bit words
-    word    = words[key % 4]
+    word    = words[(key % 64) // 16]
     keep    = word >= threshold,   threshold = round(dropout_p * 2**32)
 
-so keys ``4m .. 4m + 3`` of a query row share one Philox call. The
+so the four words of a call are keys 16 apart in a block of 64. Both
+kernels' loops then vectorise over consecutive calls: the backward's
+``[keys, queries]`` tiles along the queries (four key rows per call), the
+forward's ``[queries, keys]`` tiles along a row (each word a run of 16
+consecutive keys). With four *adjacent* keys per call, the forward had to
+interleave the words into its rows, which took as long as drawing them. The
 ``call_key`` (two words) is derived once per call from the user's
 ``seed`` and ``seed_offset`` (:func:`derive_key`): the Philox of counter
 ``(offset_lo, offset_hi, 0, 0)`` under key ``(seed_lo, seed_hi)``, its
@@ -21,9 +27,9 @@ exactly the forward's mask.
 
 A kept element is scaled by ``scale = float32(1 / (1 - dropout_p))``:
 ``P~ = P * Z * scale``. The kernels apply it through a *multiplier* tile
-``M = Z * scale`` (0 or ``scale``) written next to the score tile:
-:func:`fill_multipliers` in the forward's ``[queries, keys]`` orientation
-and in the backward's ``[keys, queries]`` one.
+``M = Z * scale`` (0 or ``scale``): the backward writes them into a
+``[keys, queries]`` tile (:func:`fill_multipliers`), used twice; the forward
+multiplies its ``[queries, keys]`` P tile row by row (:func:`drop_rows`).
 
 The float64 and rounding-point goldens (:mod:`numbafa.golden`) have an
 implementation of their own, in NumPy; ``tests/test_dropout.py`` checks both
@@ -39,7 +45,8 @@ import numpy as np
 from ..dtypes import round_to_bf16_inplace
 from ..jit import jit
 
-__all__ = ["Dropout", "make_dropout", "derive_key", "philox4x32_10", "philox_words", "fill_multipliers", "apply_multipliers"]
+__all__ = ["Dropout", "make_dropout", "derive_key", "philox4x32_10", "philox_words", "fill_multipliers",
+           "drop_rows", "apply_multipliers"]
 
 #: Dropout of one call: ``active`` (bool), ``threshold`` (int, keep iff word >=
 #: it), ``scale`` (float32, 1 / (1 - p)), ``key0``/``key1`` (ints < 2**32, the call key).
@@ -52,6 +59,11 @@ _W0 = np.uint64(0x9E3779B9)
 _W1 = np.uint64(0xBB67AE85)
 _SHIFT = np.uint64(32)
 _ZERO = np.float32(0.0)
+
+#: Keys are drawn in blocks of 64: Philox calls ``16 b .. 16 b + 15`` give the 64 keys of
+#: block ``b``, word ``r`` of call ``16 b + g`` being key ``64 b + 16 r + g``.
+BLOCK_KEYS = 64
+CALLS_PER_BLOCK = 16
 
 
 @jit(inline=True)
@@ -131,100 +143,101 @@ def _multiplier(word, threshold, scale):
 
 
 @jit()
-def _fill_key_group(out, keys_major, m, k0, n_k, q0, n_q, q_head, batch, dropout):
-    """The multipliers of keys ``4m .. 4m + 3`` (those in ``[k0, k0 + n_k)``) for ``n_q`` queries."""
-    thr = np.uint64(dropout.threshold)
-    scale = dropout.scale
-    key0 = np.uint64(dropout.key0)
-    key1 = np.uint64(dropout.key1)
-    c0 = np.uint64(m)
-    c2 = np.uint64(q_head)
-    c3 = np.uint64(batch)
-    j0 = 4 * m - k0  # tile index of key 4m (may be < 0 or past the tile at its edges)
-    full = j0 >= 0 and j0 + 4 <= n_k
-    if keys_major and full:  # the backward's inner loop: contiguous along queries
-        for i in range(n_q):
-            w0, w1, w2, w3 = philox4x32_10(c0, np.uint64(q0 + i), c2, c3, key0, key1)
-            out[j0, i] = _multiplier(w0, thr, scale)
-            out[j0 + 1, i] = _multiplier(w1, thr, scale)
-            out[j0 + 2, i] = _multiplier(w2, thr, scale)
-            out[j0 + 3, i] = _multiplier(w3, thr, scale)
-        return
-    for i in range(n_q):
-        words = philox4x32_10(c0, np.uint64(q0 + i), c2, c3, key0, key1)
-        for r in range(4):
-            j = j0 + r
-            if 0 <= j < n_k:
-                value = _multiplier(words[r], thr, scale)
-                if keys_major:
-                    out[j, i] = value
-                else:
-                    out[i, j] = value
-
-
-@jit()
-def _fill_queries_major(out, k0, n_k, q0, n_q, q_head, batch, dropout):
-    """``out[i, j]`` of the whole key groups of a ``[queries, keys]`` tile; returns their range.
-
-    Per query row, the groups' four words go to four short buffers first (a
-    loop along the groups, which vectorises), then are interleaved into the
-    row: writing them interleaved directly kept the loop scalar (5x slower).
-    """
-    thr = np.uint64(dropout.threshold)
-    scale = dropout.scale
-    key0 = np.uint64(dropout.key0)
-    key1 = np.uint64(dropout.key1)
-    c2 = np.uint64(q_head)
-    c3 = np.uint64(batch)
-    m_lo = (k0 + 3) // 4            # first whole group
-    m_hi = (k0 + n_k) // 4          # past the last whole group
-    n_m = max(0, m_hi - m_lo)
-    words = np.empty((4, n_m), dtype=np.float32)
-    for i in range(n_q):
-        c1 = np.uint64(q0 + i)
-        for g in range(n_m):
-            w0, w1, w2, w3 = philox4x32_10(np.uint64(m_lo + g), c1, c2, c3, key0, key1)
-            words[0, g] = _multiplier(w0, thr, scale)
-            words[1, g] = _multiplier(w1, thr, scale)
-            words[2, g] = _multiplier(w2, thr, scale)
-            words[3, g] = _multiplier(w3, thr, scale)
-        row = out[i]
-        j0 = 4 * m_lo - k0
-        for g in range(n_m):
-            j = j0 + 4 * g
-            row[j] = words[0, g]
-            row[j + 1] = words[1, g]
-            row[j + 2] = words[2, g]
-            row[j + 3] = words[3, g]
-    return m_lo, m_hi
-
-
-@jit()
-def fill_multipliers(out, keys_major, k0, n_k, q0, n_q, q_head, batch, dropout):
-    """Write ``M = Z * scale`` of keys ``k0 .. k0 + n_k`` and queries ``q0 .. q0 + n_q``.
+def fill_multipliers(out, k0, q0, q_head, batch, dropout):
+    """Write ``M = Z * scale`` into a ``[keys, queries]`` tile (the backward's orientation).
 
     Parameters
     ----------
-    out : float32 ``[n_k, n_q]`` (``keys_major``, the backward's tiles) or ``[n_q, n_k]``
-    keys_major : bool
-    k0, n_k, q0, n_q : int
-        First key and query (absolute indices) and their counts.
+    out : float32 ``[n_k, n_q]``, C-contiguous rows
+        Row ``j`` is key ``k0 + j``, column ``i`` query ``q0 + i`` (absolute indices).
+    k0, q0 : int
     q_head, batch : int
         The elements' q-head and batch (the counter's last two words).
     dropout : :data:`Dropout` (active)
+
+    The four words of a Philox call are four key rows: the loop runs along
+    the queries, and vectorises. Rows outside the tile (at its edges) are
+    not written.
     """
-    if keys_major:
-        for m in range(k0 // 4, (k0 + n_k + 3) // 4):
-            _fill_key_group(out, True, m, k0, n_k, q0, n_q, q_head, batch, dropout)
-        return
-    m_lo, m_hi = _fill_queries_major(out, k0, n_k, q0, n_q, q_head, batch, dropout)
-    if m_lo > m_hi:  # the tile lies inside one key group
-        _fill_key_group(out, False, k0 // 4, k0, n_k, q0, n_q, q_head, batch, dropout)
-        return
-    if 4 * m_lo > k0:  # a partial group before the whole ones
-        _fill_key_group(out, False, m_lo - 1, k0, n_k, q0, n_q, q_head, batch, dropout)
-    if 4 * m_hi < k0 + n_k:  # and after them
-        _fill_key_group(out, False, m_hi, k0, n_k, q0, n_q, q_head, batch, dropout)
+    n_k, n_q = out.shape
+    thr = np.uint64(dropout.threshold)
+    scale = dropout.scale
+    key0 = np.uint64(dropout.key0)
+    key1 = np.uint64(dropout.key1)
+    c2 = np.uint64(q_head)
+    c3 = np.uint64(batch)
+    for blk in range(k0 // BLOCK_KEYS, (k0 + n_k + BLOCK_KEYS - 1) // BLOCK_KEYS):
+        for g in range(CALLS_PER_BLOCK):
+            c0 = np.uint64(blk * CALLS_PER_BLOCK + g)
+            j0 = blk * BLOCK_KEYS + g - k0          # row of word 0; word r is CALLS_PER_BLOCK rows on
+            j1 = j0 + CALLS_PER_BLOCK
+            j2 = j1 + CALLS_PER_BLOCK
+            j3 = j2 + CALLS_PER_BLOCK
+            if j0 >= 0 and j3 < n_k:
+                for i in range(n_q):
+                    w0, w1, w2, w3 = philox4x32_10(c0, np.uint64(q0 + i), c2, c3, key0, key1)
+                    out[j0, i] = _multiplier(w0, thr, scale)
+                    out[j1, i] = _multiplier(w1, thr, scale)
+                    out[j2, i] = _multiplier(w2, thr, scale)
+                    out[j3, i] = _multiplier(w3, thr, scale)
+                continue
+            for i in range(n_q):  # a block the tile cuts: only its rows
+                words = philox4x32_10(c0, np.uint64(q0 + i), c2, c3, key0, key1)
+                for r in range(4):
+                    j = j0 + r * CALLS_PER_BLOCK
+                    if 0 <= j < n_k:
+                        out[j, i] = _multiplier(words[r], thr, scale)
+
+
+@jit()
+def drop_rows(s, k0, q0, q_head, batch, dropout, round_kernel):
+    """``s *= M`` in place on a ``[queries, keys]`` tile (the forward's orientation).
+
+    Row ``i`` is query ``q0 + i``, column ``j`` key ``k0 + j``; each row is
+    rounded to bf16 afterwards if ``round_kernel``. Along a row, the 16 calls
+    of a block of 64 keys run as one vectorised loop, each word multiplying
+    its run of 16 consecutive keys in place. No tile of multipliers is
+    written (one the size of ``s``, 1 MiB, cost another pass through L2, and
+    a per-row buffer of words 2x the time of this loop).
+    """
+    n_q, n_k = s.shape
+    thr = np.uint64(dropout.threshold)
+    scale = dropout.scale
+    key0 = np.uint64(dropout.key0)
+    key1 = np.uint64(dropout.key1)
+    c2 = np.uint64(q_head)
+    c3 = np.uint64(batch)
+    blk0 = k0 // BLOCK_KEYS
+    n_blk = (k0 + n_k + BLOCK_KEYS - 1) // BLOCK_KEYS - blk0
+    step = CALLS_PER_BLOCK
+    for i in range(n_q):
+        row = s[i]
+        c1 = np.uint64(q0 + i)
+        for b in range(n_blk):
+            base = (blk0 + b) * BLOCK_KEYS - k0   # tile column of the block's first key
+            first_call = (blk0 + b) * CALLS_PER_BLOCK
+            if base < 0 or base + BLOCK_KEYS > n_k:  # a block the tile cuts (at most two per row)
+                for g in range(CALLS_PER_BLOCK):
+                    words = philox4x32_10(np.uint64(first_call + g), c1, c2, c3, key0, key1)
+                    _drop_cut(row, base + g, words, thr, scale)
+                continue
+            for g in range(CALLS_PER_BLOCK):
+                w0, w1, w2, w3 = philox4x32_10(np.uint64(first_call + g), c1, c2, c3, key0, key1)
+                row[base + g] *= _multiplier(w0, thr, scale)
+                row[base + step + g] *= _multiplier(w1, thr, scale)
+                row[base + 2 * step + g] *= _multiplier(w2, thr, scale)
+                row[base + 3 * step + g] *= _multiplier(w3, thr, scale)
+        if round_kernel:
+            round_to_bf16_inplace(row)
+
+
+@jit()
+def _drop_cut(row, j0, words, thr, scale):
+    """The in-tile keys of one call of a cut block: ``row[j0 + 16 r] *= M(word r)``."""
+    for r in range(4):
+        j = j0 + r * CALLS_PER_BLOCK
+        if 0 <= j < row.size:
+            row[j] *= _multiplier(words[r], thr, scale)
 
 
 @jit()

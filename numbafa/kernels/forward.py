@@ -42,7 +42,7 @@ from ..dtypes import as_operand, narrowed, round_to_bf16_inplace
 from ..jit import jit
 from ..parallel import parallel_for
 from .common import load_scaled, round_if, store_transposed
-from .dropout import apply_multipliers, fill_multipliers
+from .dropout import drop_rows
 from .fastexp import expf
 from .loops import decode_item, group_rows, n_q_groups, owns_group
 from .mask import cut_by_mask, required_q_rows, static_key_range, visible_keys
@@ -60,7 +60,7 @@ RowStats = namedtuple("RowStats", ["row_max", "row_sum", "alpha", "acc"])
 FwdHead = namedtuple("FwdHead", ["batch", "q_head", "sink_max", "sink_sum"])
 #: Per-item scratch, sized for the largest tiles (``ones``: the row-sum vector).
 FwdScratch = namedtuple("FwdScratch", ["q_s", "o_acc", "row_max", "row_sum", "alpha", "s", "pv",
-                                       "tile_sum", "ones", "q_op", "p_op", "mult"])
+                                       "tile_sum", "ones", "q_op", "p_op"])
 
 # Key of -inf under the order-preserving map of float32 bits to int32 used by _row_max.
 _NEG_INF_KEY = np.int32(-2139095041)
@@ -153,9 +153,7 @@ def online_softmax_block(plan, head, q_cols, k_cols, v_cols, q_abs0, k_abs0, sta
     tile_sum = scratch.tile_sum[:n_q]
     matmul(s, scratch.ones[:n_k], tile_sum, False, False, _ONE, _ZERO)   # rowsum(P) as written
     if plan.dropout.active:
-        mult = scratch.mult[:n_q * n_k].reshape(n_q, n_k)
-        fill_multipliers(mult, False, k_abs0, n_k, q_abs0, n_q, head.q_head, head.batch, plan.dropout)
-        apply_multipliers(s, mult, plan.precision.round_kernel)
+        drop_rows(s, k_abs0, q_abs0, head.q_head, head.batch, plan.dropout, plan.precision.round_kernel)
     pv = scratch.pv[:n_q * d_head].reshape(n_q, d_head)
     # P as written (bf16 values for bf16 inputs): its bits are the operand on the oneDNN path.
     matmul(narrowed(s, scratch.p_op, plan.operand), v_cols, pv, False, True, _ONE, _ZERO)
@@ -250,13 +248,11 @@ def sink_statistics(sinks_h):
 
 @jit()
 def make_fwd_scratch(d_head, plan):
-    """Per-item scratch buffers (:data:`FwdScratch`); the bf16 operand copies only on the oneDNN
-    path, the dropout multipliers only with dropout."""
+    """Per-item scratch buffers (:data:`FwdScratch`); the bf16 operand copies only on the oneDNN path."""
     tiling = plan.tiling
     q_rows = tiling.q_tile * tiling.q_tile_group
     k_cap = max(tiling.k_tile, 1)
     bits = 1 if plan.operand.itemsize == 2 else 0
-    drop = 1 if plan.dropout.active else 0
     return FwdScratch(np.empty((d_head, q_rows), dtype=np.float32),
                       np.empty((q_rows, d_head), dtype=np.float32),
                       np.empty(q_rows, dtype=np.float32),
@@ -267,8 +263,7 @@ def make_fwd_scratch(d_head, plan):
                       np.empty(q_rows, dtype=np.float32),
                       np.ones(k_cap, dtype=np.float32),
                       np.empty(bits * d_head * q_rows, dtype=np.uint16),
-                      np.empty(bits * q_rows * k_cap, dtype=np.uint16),
-                      np.empty(drop * q_rows * k_cap, dtype=np.float32))
+                      np.empty(bits * q_rows * k_cap, dtype=np.uint16))
 
 
 @jit()
