@@ -23,6 +23,11 @@ MAX_MASK_ELEMENTS = 2 ** 30
 _LSE_LAYOUTS = ("neuron", "natural")
 
 
+def _kernel_name(pass_name: str, plan) -> str:
+    """The kernel's name in the compile announcement: a kernel with dropout is compiled apart."""
+    return pass_name if plan.dropout is None else pass_name + " (with dropout)"
+
+
 def _to_dtype(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Kernel float32 output -> the caller's dtype (bf16 values are already rounded)."""
     return x if dtype == np.float32 else to_bf16_array(x)
@@ -79,7 +84,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     plan = make_plan(prob, backward=False)
     o = np.empty((bs, nheads, d_head, seqlen_q), dtype=np.float32)
     lse = np.empty((bs, nheads, seqlen_q), dtype=np.float32)
-    with kernel_call("forward", prob.dtype.name):
+    with kernel_call(_kernel_name("forward", plan), prob.dtype.name):
         flash_attn_fwd(FwdInputs(prob.q, prob.k, prob.v, prob.sinks), FwdOutputs(o, lse), plan,
                        numba.get_num_threads())
     return _to_dtype(o, prob.dtype), (lse_to_neuron(lse) if lse_layout == "neuron" else lse)
@@ -182,7 +187,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     outs = BwdOutputs(dq, dk, dv, dsinks, np.empty(part_shape, dtype=np.float32),
                       np.empty(part_shape, dtype=np.float32))
     ins = BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks)
-    with kernel_call("backward", prob.dtype.name):
+    with kernel_call(_kernel_name("backward", plan), prob.dtype.name):
         flash_attn_bwd(ins, outs, plan, numba.get_num_threads())
 
     grads = (_to_dtype(dq, prob.dtype), _to_dtype(dk, prob.dtype), _to_dtype(dv, prob.dtype))
@@ -233,7 +238,7 @@ def dropout_mask(bs, nheads, seqlen_q, seqlen_k, dropout_p, seed, seed_offset=0)
     opts = validate_dropout(dropout_p, seed, seed_offset)
     out = np.ones((bs, nheads, seqlen_q, seqlen_k), dtype=bool)
     dropout = make_dropout(opts["dropout_p"], opts["seed"], opts["seed_offset"])
-    if not dropout.active:
+    if dropout is None:
         return out
     tile = np.empty((seqlen_q, seqlen_k), dtype=np.float32)
     for b in range(bs):

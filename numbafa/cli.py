@@ -257,11 +257,17 @@ class Progress:
         print(text, file=sys.stderr, flush=True)
 
 
-def _kernels_loaded(kernel_dtype: np.dtype) -> bool:
-    """Whether this process already holds the forward and backward kernels for ``kernel_dtype``."""
+def _kernels_loaded(kernel_dtype: np.dtype, dropout: bool = False) -> bool:
+    """Whether this process already holds the forward and backward kernels for ``kernel_dtype``
+    (the variant with dropout, a kernel of its own, if ``dropout``)."""
     nb_dtype = numba.from_dtype(kernel_dtype)
-    return all(any(sig[0].types[0].dtype == nb_dtype for sig in kernel.signatures)
-               for kernel in (fwd_work_item, bwd_work_item))
+
+    def matches(sig) -> bool:
+        plan = sig[-2]   # (..., plan, item)
+        has_dropout = not isinstance(plan.types[plan.fields.index("dropout")], numba.types.NoneType)
+        return sig[0].types[0].dtype == nb_dtype and has_dropout == dropout
+
+    return all(any(matches(sig) for sig in kernel.signatures) for kernel in (fwd_work_item, bwd_work_item))
 
 
 def _compile_notice(name: str) -> str:
@@ -319,7 +325,7 @@ def run(args, progress: Progress) -> list:
         k, v = (rng.standard_normal((b, hkv, d, s)).astype(dtype) for _ in range(2))
         dy = rng.standard_normal((b, h, d, s)).astype(dtype)
         lse_layout = "neuron" if s % 128 == 0 else "natural"
-        if not _kernels_loaded(_KERNEL_DTYPE[name]):
+        if not _kernels_loaded(_KERNEL_DTYPE[name], bool(args.dropout)):
             progress.note(_compile_notice(name))
         t0 = time.perf_counter()
         o, lse = attention_fwd(q, k, v, lse_layout=lse_layout, **opts)

@@ -184,7 +184,7 @@ def test_check_runs_in_blocks_of_query_rows(capsys, monkeypatch):
 
 
 def test_compile_notice_on_stderr_before_the_first_call(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_kernels_loaded", lambda kernel_dtype: False)
+    monkeypatch.setattr(cli, "_kernels_loaded", lambda kernel_dtype, dropout: False)
     before_first_call = []
     real_fwd = cli.attention_fwd
 
@@ -206,6 +206,13 @@ def test_no_notice_when_kernels_are_loaded(capsys):
     capsys.readouterr()
     assert cli.main(SMALL + ["--dtype", "float32", "--no-check"]) == 0
     assert "kernels" not in capsys.readouterr().err
+
+
+def test_kernels_with_dropout_are_a_variant_of_their_own():
+    assert cli.main(SMALL + ["--dtype", "float32", "--no-check"]) == 0
+    assert cli._kernels_loaded(np.dtype(np.float32), dropout=False)
+    assert cli.main(SMALL + ["--dtype", "float32", "--no-check", "--dropout", "0.1"]) == 0
+    assert cli._kernels_loaded(np.dtype(np.float32), dropout=True)
 
 
 def test_dropout_is_checked_against_the_golden(capsys, monkeypatch):

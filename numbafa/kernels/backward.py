@@ -63,7 +63,7 @@ from ..jit import jit
 from ..parallel import parallel_for
 from ..tiling import FLOAT32_MIN
 from .common import load_scaled, load_transposed, round_if, store_transposed
-from .dropout import apply_multipliers, fill_multipliers
+from .dropout import drop_probabilities, drop_scores
 from .fastexp import expf
 from .loops import decode_item, group_rows, n_q_groups, owns_group
 from .mask import cut_by_mask, queries_seeing_key, required_q_rows
@@ -228,14 +228,9 @@ def recompute_p_ds(plan, sec, qg, blk, scratch):
     q_abs0 = qg.start + blk.r0
     matmul(sec.k[:, keys], qg.q_s[:, blk.r0:blk.r1], s_t, True, False, _ONE, _ZERO)
     matmul(sec.v[:, keys], qg.dy[:, blk.r0:blk.r1], dp_t, True, False, _ONE, _ZERO)
-    dropout = plan.dropout
-    if dropout.active:
-        mult = scratch.mult[:blk.n_k * n_q].reshape(blk.n_k, n_q)
-        fill_multipliers(mult, k_abs0, q_abs0, qg.q_head, qg.batch, dropout)
-        apply_multipliers(dp_t, mult, False)
+    drop_scores(scratch.mult, dp_t, k_abs0, q_abs0, qg.q_head, qg.batch, plan.dropout)
     recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, qg, plan)
-    if dropout.active:
-        apply_multipliers(s_t, scratch.mult[:blk.n_k * n_q].reshape(blk.n_k, n_q), plan.precision.round_kernel)
+    drop_probabilities(scratch.mult, s_t, plan.dropout, plan.precision.round_kernel)
     # P and dS are bf16-valued here when the inputs are bf16: the oneDNN path takes their bits.
     return narrowed(s_t, scratch.p_op, plan.operand), narrowed(dp_t, scratch.ds_op, plan.operand)
 
@@ -388,7 +383,7 @@ def make_scratch(d_head, seqlen_k, plan):
     q_rows = tiling.q_tile * tiling.q_tile_group
     sec_cap = min(tiling.section_len, seqlen_k)
     bits = 1 if plan.operand.itemsize == 2 else 0
-    drop = 1 if plan.dropout.active else 0
+    drop = 0 if plan.dropout is None else 1
     return Scratch(np.empty((d_head, q_rows), dtype=np.float32),
                    np.empty((q_rows, d_head), dtype=np.float32),
                    np.empty(tiling.k_tile * q_rows, dtype=np.float32),

@@ -60,7 +60,8 @@ Plan = namedtuple("Plan", ["tiling", "mask", "precision", "softmax_scale", "oper
 Plan.__doc__ = """Everything a kernel needs but the arrays; softmax_scale is float32. operand: an
 empty array whose dtype is that of the GEMM operand tiles, and so picks the matmul path at
 compile time (numbafa.onednn): float32 (BLAS sgemm; bf16 values widened) or uint16 (bf16
-bits, oneDNN on the bf16 units). dropout: numbafa.kernels.dropout.Dropout (inactive for p = 0)."""
+bits, oneDNN on the bf16 units). dropout: numbafa.kernels.dropout.Dropout, or None for p = 0
+(a type of its own: kernels without dropout compile no dropout code)."""
 
 FwdInputs = namedtuple("FwdInputs", ["q", "k", "v", "sinks"])
 FwdOutputs = namedtuple("FwdOutputs", ["o", "lse"])

@@ -46,11 +46,12 @@ from ..dtypes import round_to_bf16_inplace
 from ..jit import jit
 
 __all__ = ["Dropout", "make_dropout", "derive_key", "philox4x32_10", "philox_words", "fill_multipliers",
-           "drop_rows", "apply_multipliers"]
+           "drop_rows", "apply_multipliers", "drop_scores", "drop_probabilities", "drop_forward"]
 
-#: Dropout of one call: ``active`` (bool), ``threshold`` (int, keep iff word >=
-#: it), ``scale`` (float32, 1 / (1 - p)), ``key0``/``key1`` (ints < 2**32, the call key).
-Dropout = namedtuple("Dropout", ["active", "threshold", "scale", "key0", "key1"])
+#: Dropout of one call: ``threshold`` (int, keep iff word >= it), ``scale`` (float32,
+#: 1 / (1 - p)), ``key0``/``key1`` (ints < 2**32, the call key). A call without dropout
+#: has ``None`` instead (:func:`make_dropout`).
+Dropout = namedtuple("Dropout", ["threshold", "scale", "key0", "key1"])
 
 _MASK32 = np.uint64(0xFFFFFFFF)
 _M0 = np.uint64(0xD2511F53)
@@ -67,56 +68,66 @@ CALLS_PER_BLOCK = 16
 
 
 @jit(inline=True)
-def _philox_round(c0, c1, c2, c3, k0, k1):
-    """One Philox-4x32 round: two 32 x 32 -> 64-bit products, split into high and low words.
-
-    Every value is a ``uint64`` holding a 32-bit word; the masks tell LLVM the
-    high halves are zero, so the products vectorise (``vpmuludq``).
-    """
-    p0 = _M0 * (c0 & _MASK32)
-    p1 = _M1 * (c2 & _MASK32)
-    return (((p1 >> _SHIFT) ^ c1 ^ k0) & _MASK32, p1 & _MASK32,
-            ((p0 >> _SHIFT) ^ c3 ^ k1) & _MASK32, p0 & _MASK32)
-
-
-@jit(inline=True)
-def _bump(k0, k1):
-    """The key schedule between rounds: add the Weyl constants, modulo 2**32."""
-    return (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
-
-
-@jit(inline=True)
 def philox4x32_10(c0, c1, c2, c3, k0, k1):
     """Philox-4x32-10 of counter ``(c0, c1, c2, c3)`` under key ``(k0, k1)``: four words.
 
-    Arguments and results are ``uint64`` values holding 32-bit words. The ten
-    rounds are written out: a loop (even of constant length) kept LLVM from
-    vectorising the callers' loops, which made the generator 10x slower.
+    Arguments and results are ``uint64`` values holding 32-bit words. A
+    round multiplies counter words 0 and 2 by the Philox constants (64-bit
+    products, split into high and low words) and mixes the high halves with
+    the other two words and the key; the key gets the Weyl constants added
+    between rounds. The masks tell LLVM the high halves are zero, so the
+    products vectorise (``vpmuludq``). The ten rounds are written out, in one
+    function, inlined at the Numba IR level into the draw loops: a loop (even
+    of constant length) or a call kept LLVM from vectorising those loops (10x
+    slower), and nested inlined helpers cost seconds of compile time.
     """
-    c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, k0, k1)
-    k0, k1 = _bump(k0, k1)
-    c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, k0, k1)
-    k0, k1 = _bump(k0, k1)
-    c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, k0, k1)
-    k0, k1 = _bump(k0, k1)
-    c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, k0, k1)
-    k0, k1 = _bump(k0, k1)
-    c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, k0, k1)
-    k0, k1 = _bump(k0, k1)
-    c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, k0, k1)
-    k0, k1 = _bump(k0, k1)
-    c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, k0, k1)
-    k0, k1 = _bump(k0, k1)
-    c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, k0, k1)
-    k0, k1 = _bump(k0, k1)
-    c0, c1, c2, c3 = _philox_round(c0, c1, c2, c3, k0, k1)
-    k0, k1 = _bump(k0, k1)
-    return _philox_round(c0, c1, c2, c3, k0, k1)
+    p0, p1 = _M0 * (c0 & _MASK32), _M1 * (c2 & _MASK32)
+    c0, c1, c2, c3 = (((p1 >> _SHIFT) ^ c1 ^ k0) & _MASK32, p1 & _MASK32,
+                      ((p0 >> _SHIFT) ^ c3 ^ k1) & _MASK32, p0 & _MASK32)
+    k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+    p0, p1 = _M0 * (c0 & _MASK32), _M1 * (c2 & _MASK32)
+    c0, c1, c2, c3 = (((p1 >> _SHIFT) ^ c1 ^ k0) & _MASK32, p1 & _MASK32,
+                      ((p0 >> _SHIFT) ^ c3 ^ k1) & _MASK32, p0 & _MASK32)
+    k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+    p0, p1 = _M0 * (c0 & _MASK32), _M1 * (c2 & _MASK32)
+    c0, c1, c2, c3 = (((p1 >> _SHIFT) ^ c1 ^ k0) & _MASK32, p1 & _MASK32,
+                      ((p0 >> _SHIFT) ^ c3 ^ k1) & _MASK32, p0 & _MASK32)
+    k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+    p0, p1 = _M0 * (c0 & _MASK32), _M1 * (c2 & _MASK32)
+    c0, c1, c2, c3 = (((p1 >> _SHIFT) ^ c1 ^ k0) & _MASK32, p1 & _MASK32,
+                      ((p0 >> _SHIFT) ^ c3 ^ k1) & _MASK32, p0 & _MASK32)
+    k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+    p0, p1 = _M0 * (c0 & _MASK32), _M1 * (c2 & _MASK32)
+    c0, c1, c2, c3 = (((p1 >> _SHIFT) ^ c1 ^ k0) & _MASK32, p1 & _MASK32,
+                      ((p0 >> _SHIFT) ^ c3 ^ k1) & _MASK32, p0 & _MASK32)
+    k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+    p0, p1 = _M0 * (c0 & _MASK32), _M1 * (c2 & _MASK32)
+    c0, c1, c2, c3 = (((p1 >> _SHIFT) ^ c1 ^ k0) & _MASK32, p1 & _MASK32,
+                      ((p0 >> _SHIFT) ^ c3 ^ k1) & _MASK32, p0 & _MASK32)
+    k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+    p0, p1 = _M0 * (c0 & _MASK32), _M1 * (c2 & _MASK32)
+    c0, c1, c2, c3 = (((p1 >> _SHIFT) ^ c1 ^ k0) & _MASK32, p1 & _MASK32,
+                      ((p0 >> _SHIFT) ^ c3 ^ k1) & _MASK32, p0 & _MASK32)
+    k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+    p0, p1 = _M0 * (c0 & _MASK32), _M1 * (c2 & _MASK32)
+    c0, c1, c2, c3 = (((p1 >> _SHIFT) ^ c1 ^ k0) & _MASK32, p1 & _MASK32,
+                      ((p0 >> _SHIFT) ^ c3 ^ k1) & _MASK32, p0 & _MASK32)
+    k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+    p0, p1 = _M0 * (c0 & _MASK32), _M1 * (c2 & _MASK32)
+    c0, c1, c2, c3 = (((p1 >> _SHIFT) ^ c1 ^ k0) & _MASK32, p1 & _MASK32,
+                      ((p0 >> _SHIFT) ^ c3 ^ k1) & _MASK32, p0 & _MASK32)
+    k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+    p0, p1 = _M0 * (c0 & _MASK32), _M1 * (c2 & _MASK32)
+    c0, c1, c2, c3 = (((p1 >> _SHIFT) ^ c1 ^ k0) & _MASK32, p1 & _MASK32,
+                      ((p0 >> _SHIFT) ^ c3 ^ k1) & _MASK32, p0 & _MASK32)
+    return c0, c1, c2, c3
 
 
 @jit()
 def philox_words(c0, c1, c2, c3, k0, k1):
-    """:func:`philox4x32_10` callable from Python (ints in, a tuple of four ints out)."""
+    """:func:`philox4x32_10` as a function of its own, callable from Python (ints in, a tuple
+    of four ints out) and from the rarely taken edge paths of the draw loops (inlining it
+    there too would add compile time and no speed)."""
     return philox4x32_10(np.uint64(c0), np.uint64(c1), np.uint64(c2), np.uint64(c3),
                          np.uint64(k0), np.uint64(k1))
 
@@ -128,13 +139,19 @@ def derive_key(seed: int, seed_offset: int) -> tuple:
     return int(words[0]), int(words[1])
 
 
-def make_dropout(dropout_p: float, seed: int, seed_offset: int) -> Dropout:
-    """The :data:`Dropout` bundle of validated arguments (inactive for ``dropout_p == 0``)."""
+def make_dropout(dropout_p: float, seed: int, seed_offset: int):
+    """The :data:`Dropout` bundle of validated arguments, or ``None`` for ``dropout_p == 0``.
+
+    ``None`` is a type of its own to Numba: the kernels' ``if dropout is None``
+    branches are pruned at compile time (:func:`drop_scores`), so a call
+    without dropout runs (and compiles) no dropout code at all, and the first
+    call with dropout compiles a kernel of its own.
+    """
     if dropout_p == 0.0:
-        return Dropout(False, 0, np.float32(1.0), 0, 0)
+        return None
     threshold = min(int(round(dropout_p * 2.0 ** 32)), 2 ** 32)
     k0, k1 = derive_key(seed, seed_offset)
-    return Dropout(True, threshold, np.float32(1.0 / (1.0 - dropout_p)), k0, k1)
+    return Dropout(threshold, np.float32(1.0 / (1.0 - dropout_p)), k0, k1)
 
 
 @jit(inline=True)
@@ -153,7 +170,7 @@ def fill_multipliers(out, k0, q0, q_head, batch, dropout):
     k0, q0 : int
     q_head, batch : int
         The elements' q-head and batch (the counter's last two words).
-    dropout : :data:`Dropout` (active)
+    dropout : :data:`Dropout`
 
     The four words of a Philox call are four key rows: the loop runs along
     the queries, and vectorises. Rows outside the tile (at its edges) are
@@ -181,8 +198,8 @@ def fill_multipliers(out, k0, q0, q_head, batch, dropout):
                     out[j2, i] = _multiplier(w2, thr, scale)
                     out[j3, i] = _multiplier(w3, thr, scale)
                 continue
-            for i in range(n_q):  # a block the tile cuts: only its rows
-                words = philox4x32_10(c0, np.uint64(q0 + i), c2, c3, key0, key1)
+            for i in range(n_q):  # a block the tile cuts: only its rows (a call, not inlined)
+                words = philox_words(c0, q0 + i, c2, c3, key0, key1)
                 for r in range(4):
                     j = j0 + r * CALLS_PER_BLOCK
                     if 0 <= j < n_k:
@@ -218,7 +235,7 @@ def drop_rows(s, k0, q0, q_head, batch, dropout, round_kernel):
             first_call = (blk0 + b) * CALLS_PER_BLOCK
             if base < 0 or base + BLOCK_KEYS > n_k:  # a block the tile cuts (at most two per row)
                 for g in range(CALLS_PER_BLOCK):
-                    words = philox4x32_10(np.uint64(first_call + g), c1, c2, c3, key0, key1)
+                    words = philox_words(first_call + g, c1, c2, c3, key0, key1)   # a call, not inlined
                     _drop_cut(row, base + g, words, thr, scale)
                 continue
             for g in range(CALLS_PER_BLOCK):
@@ -249,3 +266,36 @@ def apply_multipliers(x, mult, round_kernel):
         a[i] = a[i] * b[i]
     if round_kernel:
         round_to_bf16_inplace(a)
+
+
+@jit()
+def drop_scores(mult_buf, dp_t, k_abs0, q_abs0, q_head, batch, dropout):
+    """Backward, before Step 4: draw ``M^T`` into ``mult_buf`` and ``dP^T *= M^T`` (no-op without dropout).
+
+    ``mult_buf`` is flat scratch of at least ``dp_t.size`` float32; the
+    multipliers stay there for :func:`drop_probabilities`. ``dropout is
+    None`` is decided when the kernel is compiled (Numba prunes the branch on
+    a ``None`` argument), so a kernel without dropout holds none of this code.
+    """
+    if dropout is None:
+        return
+    mult = mult_buf[:dp_t.size].reshape(dp_t.shape)
+    fill_multipliers(mult, k_abs0, q_abs0, q_head, batch, dropout)
+    apply_multipliers(dp_t, mult, False)
+
+
+@jit()
+def drop_probabilities(mult_buf, p_t, dropout, round_kernel):
+    """Backward, after Step 4: ``P~^T = P^T * M^T`` in kernel_dtype, ``M^T`` from
+    :func:`drop_scores` (no-op without dropout)."""
+    if dropout is None:
+        return
+    apply_multipliers(p_t, mult_buf[:p_t.size].reshape(p_t.shape), round_kernel)
+
+
+@jit()
+def drop_forward(s, k_abs0, q_abs0, q_head, batch, dropout, round_kernel):
+    """Forward: ``P~ = P * M`` on a ``[queries, keys]`` tile (no-op without dropout)."""
+    if dropout is None:
+        return
+    drop_rows(s, k_abs0, q_abs0, q_head, batch, dropout, round_kernel)

@@ -42,7 +42,7 @@ from ..dtypes import as_operand, narrowed, round_to_bf16_inplace
 from ..jit import jit
 from ..parallel import parallel_for
 from .common import load_scaled, round_if, store_transposed
-from .dropout import drop_rows
+from .dropout import drop_forward
 from .fastexp import expf
 from .loops import decode_item, group_rows, n_q_groups, owns_group
 from .mask import cut_by_mask, required_q_rows, static_key_range, visible_keys
@@ -152,8 +152,7 @@ def online_softmax_block(plan, head, q_cols, k_cols, v_cols, q_abs0, k_abs0, sta
     online_softmax_update(s, q_abs0, k_abs0, stats, plan)
     tile_sum = scratch.tile_sum[:n_q]
     matmul(s, scratch.ones[:n_k], tile_sum, False, False, _ONE, _ZERO)   # rowsum(P) as written
-    if plan.dropout.active:
-        drop_rows(s, k_abs0, q_abs0, head.q_head, head.batch, plan.dropout, plan.precision.round_kernel)
+    drop_forward(s, k_abs0, q_abs0, head.q_head, head.batch, plan.dropout, plan.precision.round_kernel)
     pv = scratch.pv[:n_q * d_head].reshape(n_q, d_head)
     # P as written (bf16 values for bf16 inputs): its bits are the operand on the oneDNN path.
     matmul(narrowed(s, scratch.p_op, plan.operand), v_cols, pv, False, True, _ONE, _ZERO)
