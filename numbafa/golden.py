@@ -426,22 +426,23 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
         Names from :data:`ROUNDING_POINTS` to skip (test-only: proves each
         rounding point changes the result).
     ulp_budget : bool
-        Also return, for dq, dk and dv, the sum over the *intermediate* bf16
-        roundings of each element's accumulator (every rounding but the one
-        that gives the final value) of one bf16 ulp of the value rounded.
-        An implementation with the same rounding points but another float32
-        summation order may flip any of those roundings, and a flip early in
-        the chain is carried unchanged to the output: this is how far such an
-        implementation may stray beyond the final rounding's own ulp
-        (``docs/numerics.md``, "How far two faithful implementations differ").
+        Also return, per element of dq, dk and dv, how far an implementation
+        with the same rounding points but other float32 summation orders (and
+        another float32 exp) may stray beyond the final rounding's own ulp
+        (``docs/numerics.md``, "How far two faithful implementations differ"):
+        one bf16 ulp of the value rounded per *intermediate* rounding of the
+        element's accumulator (a flip early in the chain is carried unchanged
+        to the output); the flips within reach of the D, P and dS tiles, times
+        the operand they multiply; and the output GEMMs' own float32 order.
 
     Returns
     -------
     dq, dk, dv[, dsinks] : float32 arrays holding values of the output dtype
         (bf16 values for bf16 inputs; dsinks in the dtype of ``sinks_ref``).
     budget : tuple of float64 arrays shaped like dq, dk, dv (and dsinks)
-        Only with ``ulp_budget=True`` (zeros for float32 inputs). For dsinks
-        with bf16 accumulators: one ulp per rounding of its 128 lanes.
+        Only with ``ulp_budget=True`` (float32 inputs: the float32 order terms
+        only). For dsinks: one ulp per rounding of its 128 lanes (bf16
+        accumulators), the spreads of ``p_sink`` and D, and the lanes' sum.
     """
     import ml_dtypes
 

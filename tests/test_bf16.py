@@ -345,6 +345,18 @@ def test_each_rounding_point_changes_the_result(point, case, mixed):
     assert off > 1e-3 and off > 10 * on, f"{point}: mismatch {on:.4%} with the point, {off:.4%} without"
 
 
+@pytest.mark.parametrize("point,case,mixed", POINTS, ids=[p[0] for p in POINTS])
+def test_budget_still_catches_a_missing_rounding_point(point, case, mixed):
+    """The flip budget is loose enough for any summation order, not for a missing rounding: the
+    golden without one point, taken as a kernel's output, fails the faithfulness check (by the
+    bit-identical fraction, and for most points also by the per-element bound)."""
+    inputs = make_inputs(case, BF16)
+    *emulated, budgets = golden.attention_bwd_rounded(**inputs, mixed_precision=mixed, ulp_budget=True)
+    without = golden.attention_bwd_rounded(**inputs, mixed_precision=mixed, disable=(point,))
+    checks = [faithfulness(a, e, budget) for a, e, budget in zip(without, emulated, budgets)]
+    assert any(identical < MIN_IDENTICAL or excess > 1.0 for identical, excess in checks), checks
+
+
 def test_numerics_golden_rejects_unknown_points():
     inputs = make_inputs(Case(seqlen_q=16, seqlen_k=16), BF16)
     with pytest.raises(ValueError, match="disable must name rounding points"):
