@@ -329,8 +329,9 @@ def _rowsum_spread(prod, d_tile, round_partial, round_total):
         parts.append(_bf16_round(pre) if round_partial else pre)
         part_spreads.append(_rounding_spread(pre, radius, round_partial))
     pre = np.sum(parts, axis=0, dtype=f32)
-    radius = (1.0 + _U) * np.sum(part_spreads, axis=0) + _order_spread(
-        np.abs(np.asarray(parts, np.float64)).sum(axis=0), len(parts) - 1)
+    part_spread = np.sum(part_spreads, axis=0)      # the other side's parts: within that of ours
+    radius = (1.0 + _U) * part_spread + _order_spread(
+        np.abs(np.asarray(parts, np.float64)).sum(axis=0) + part_spread, len(parts) - 1)
     return _rounding_spread(pre, radius, round_total)
 
 
@@ -382,7 +383,6 @@ def _output_spreads(dev_p, dev_ds, p, ds, qs, kt, dyt, scale, n_dq, n_dkv):
     dk = spread(dev_ds.T, ds.T, qs, n_dkv)
     dv = spread(dev_p.T, p.T, dyt, n_dkv)
     return dq, dk, dv
-
 
 
 def _sink_spread(sink, neg_lse, d_sum, d_spread, lanes, round_p):
