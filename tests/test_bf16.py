@@ -215,7 +215,7 @@ def test_flip_budget_is_sharp():
     for e, budget in zip(emulated, budgets):
         ulp = bf16_ulp(e)
         large = np.abs(e) >= np.abs(e).max() / 4
-        assert np.median(budget[large] / ulp[large]) < 0.5
+        assert np.median(budget[large] / ulp[large]) < 0.25   # measured 0.02-0.09
         i = np.flatnonzero(large & (budget < ulp))[0]
         wrong = e.copy()
         wrong.flat[i] += np.float32(3 * ulp.flat[i] * np.sign(e.flat[i]))
