@@ -192,8 +192,8 @@ def _neg_lse_giving(p_target):
 def test_flip_budget_of_p_and_ds():
     """A P element on a bf16 rounding boundary may be rounded either way by an implementation
     whose exp differs in the last bit: one ulp of P (2^-8 just below 1) enters dV's budget
-    (times |dO| = 1), and through dS = (dP - D) * P (times dP - D = 1) dK's and dQ's. One bf16
-    value of P away from the boundary nothing can flip, and the budget is float32-level."""
+    (times |dO| = 1), and through dS = (dP - D) * P (times dP - D = 1) dK's and dQ's. With P on
+    a bf16 value, half a step from either boundary, nothing can flip: float32-level budgets."""
     midpoint = 1.0 - 3 * 2.0 ** -9             # between the bf16 values 1 - 2^-8 and 1 - 2^-7
     inputs = _one_key_problem(_neg_lse_giving(midpoint))
     p_pre = np.exp(np.float32(1) - inputs["lse_ref"][0, 0, 0])
