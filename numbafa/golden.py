@@ -107,10 +107,10 @@ def keep_mask(bs, nheads, seqlen_q, seqlen_k, dropout_p, seed, seed_offset=0, fi
 
 
 def _dropout_multipliers(shape, dropout_p, seed, seed_offset, keep, dtype):
-    """``Z / (1 - p)`` as ``dtype``, ``shape = [bs, nheads, seqlen_q, seqlen_k]`` (ones without
+    """``Z / (1 - p)`` as ``dtype``, ``shape = [bs, nheads, seqlen_q, seqlen_k]`` (None without
     dropout); ``Z`` is ``keep`` if given, else :func:`keep_mask` of the seed and offset."""
     if not dropout_p:
-        return np.ones(shape, dtype)
+        return None
     z = keep_mask(*shape, dropout_p, seed, seed_offset) if keep is None else np.asarray(keep, bool)
     return z * dtype(1.0 / (1.0 - dropout_p))
 
@@ -198,7 +198,7 @@ def attention_fwd(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causa
     for b in range(bs):
         for h in range(nheads):
             p, _, lse[b, h] = _head_probabilities(q64[b, h], k64[b, h // n_rep], scale, allowed, sink3[b, h])
-            o[b, h] = v64[b, h // n_rep] @ (p * mult[b, h]).T
+            o[b, h] = v64[b, h // n_rep] @ (p if mult is None else p * mult[b, h]).T
     if lse_layout == "neuron":
         lse = lse.reshape(bs, nheads, seqlen_q // 128, 128).transpose(0, 1, 3, 2)
     elif lse_layout != "natural":
@@ -240,14 +240,18 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
         for h in range(nheads):
             hk = h // n_rep
             p, p_sink, _ = _head_probabilities(q64[b, h], k64[b, hk], scale, allowed, sink3[b, h])
-            dp = (dy64[b, h].T @ v64[b, hk]) * mult[b, h]        # [seqlen_q, seqlen_k]
+            dp = dy64[b, h].T @ v64[b, hk]                       # [seqlen_q, seqlen_k]
+            p_dv = p
+            if mult is not None:  # dropout: dP = (dO V^T) * M, and dV takes P~ = P * M
+                dp = dp * mult[b, h]
+                p_dv = p * mult[b, h]
             # Textbook softmax backward over all columns; sink columns have dP = 0.
             row_dot = (p * dp).sum(axis=1, keepdims=True)
             ds = p * (dp - row_dot)
             ds_sink = p_sink * (0.0 - row_dot)
             dq[b, h] = (ds @ k64[b, hk].T).T * scale
             dk[b, hk] += (q64[b, h] * scale) @ ds
-            dv[b, hk] += dy64[b, h] @ (p * mult[b, h])
+            dv[b, hk] += dy64[b, h] @ p_dv
             dsinks[b, h] = ds_sink.sum(axis=0)
     if sinks_ref is None:
         return dq, dk, dv
@@ -315,6 +319,170 @@ def _neuron_tiling(d_head):
     return d_tile, max(512, (8192 // pow2) // 512 * 512)
 
 
+# ---------------------------------------------------------------------------
+# The flip budget of the tiles that feed a GEMM (D, P, dS) and of the output
+# GEMMs' own float32 sums: how far an implementation with the same rounding
+# points but other float32 summation orders (and another float32 exp) may
+# stray from this golden. docs/numerics.md, "How far two faithful
+# implementations differ", derives each term.
+# ---------------------------------------------------------------------------
+
+_U = 2.0 ** -24       # float32 unit roundoff
+_TINY = 2.0 ** -126   # smallest normal float32/bf16: oneDNN's bf16 units flush below it (DAZ, FTZ)
+#: exp's error on both sides, in float32 ulps of the exact value: the kernel's expf is within
+#: 1 ulp of the correctly rounded value (numbafa/kernels/fastexp.py), so 1.5 of the exact one;
+#: NumPy's float32 exp (SIMD) was measured at most EXP_ULPS_NUMPY over [-104, 2], all inputs.
+_EXP_ULPS_KERNEL = 1.5
+_EXP_ULPS_NUMPY = 3.0
+_EXP_ULPS = _EXP_ULPS_KERNEL + _EXP_ULPS_NUMPY
+
+
+def _gamma(n):
+    """Higham's ``gamma_n = n u / (1 - n u)``: a float32 evaluation of a sum of exact terms with
+    ``n`` roundings on the path to the result (``n - 1`` additions for ``n`` terms, in any order:
+    sequential, blocked, pairwise) is within ``gamma_n * sum|term|`` of the exact sum."""
+    return n * _U / (1.0 - n * _U)
+
+
+def _abs_matmul(a, b):
+    """An upper bound of ``|a| @ |b|`` in float64 (float32 product of the magnitudes, inflated
+    by its own worst-case relative error, so it never under-estimates)."""
+    n = a.shape[-1]
+    prod = np.abs(a).astype(np.float32) @ np.abs(b).astype(np.float32)
+    return prod.astype(np.float64) * (1.0 + 2.0 * _gamma(n + 2))
+
+
+def _max_abs(*arrays):
+    return max(float(np.abs(a).max(initial=0)) for a in arrays)
+
+
+def _order_spread(abs_sum, n, max_abs_operand=0.0):
+    """Largest difference between two float32 evaluations, with ``n`` roundings each, of a sum
+    of exact products whose magnitudes sum to ``abs_sum``: each side is within
+    ``gamma_n * abs_sum`` of the exact value, and a side that flushes bf16 subnormals (oneDNN's
+    bf16 units) loses at most ``2^-126`` per addition and ``2^-126 * max|operand|`` per product
+    (``max_abs_operand``; 0 where no such flush happens)."""
+    return 2.0 * _gamma(n) * abs_sum + (n + 1) * _TINY * max_abs_operand
+
+
+def _rounding_spread(x, radius, rounds):
+    """Largest ``|round(y) - round(x)|`` over float32 ``y`` with ``|y - x| <= radius`` (float64).
+
+    ``x`` is this golden's float32 value before a rounding point, ``radius`` a bound on how far
+    another implementation's value can be from it. Without a rounding (``rounds`` False: the tile
+    is float32) the spread is the radius itself. With one, rounding to bf16 is monotone, so the
+    extremes are the roundings of the interval's ends (taken outward to float32): the spread is
+    zero unless the interval holds a bf16 rounding boundary, and then it is the bf16 step(s)
+    crossed -- one ulp of the value for a small radius.
+    """
+    radius = np.asarray(radius, np.float64)
+    if not rounds:
+        return radius
+    x64 = np.asarray(x, np.float64)
+    lo64, hi64 = x64 - radius, x64 + radius
+    with np.errstate(over="ignore"):
+        lo, hi = lo64.astype(np.float32), hi64.astype(np.float32)
+    lo = np.where(lo > lo64, np.nextafter(lo, np.float32(-np.inf)), lo)
+    hi = np.where(hi < hi64, np.nextafter(hi, np.float32(np.inf)), hi)
+    centre = _bf16_round(x).astype(np.float64)
+    spread = np.maximum(_bf16_round(hi) - centre, centre - _bf16_round(lo))
+    return np.where(radius > 0, spread, 0.0)
+
+
+def _rowsum_spread(prod, d_tile, round_partial, round_total):
+    """How far another order can move ``D = rowsum(O * dO)`` (rounding points 4, 5), per row.
+
+    The products are rounded elementwise (the same on both sides); each head-dim tile's
+    partial is a float32 sum of ``d_tile`` of them, and ``D`` the float32 sum of the partials.
+    """
+    f32 = np.float32
+    parts, part_spreads = [], []
+    for i in range(0, prod.shape[1], d_tile):
+        chunk = prod[:, i:i + d_tile]
+        pre = chunk.sum(axis=1, dtype=f32)
+        radius = _order_spread(np.abs(chunk).sum(axis=1, dtype=np.float64), chunk.shape[1] - 1)
+        parts.append(_bf16_round(pre) if round_partial else pre)
+        part_spreads.append(_rounding_spread(pre, radius, round_partial))
+    pre = np.sum(parts, axis=0, dtype=f32)
+    part_spread = np.sum(part_spreads, axis=0)      # the other side's parts: within that of ours
+    radius = (1.0 + _U) * part_spread + _order_spread(
+        np.abs(np.asarray(parts, np.float64)).sum(axis=0) + part_spread, len(parts) - 1)
+    return _rounding_spread(pre, radius, round_total)
+
+
+def _score_tile_spreads(qs, kt, dyt, vt, t, p_pre, p, m, ds_pre, d_spread, allowed, round_p, round_ds,
+                        mult=None, dropped_dp=None):
+    """How far another implementation's P and dS tiles can be from this golden's, per element.
+
+    ``S = Q_s K^T`` and ``dP = dO V^T`` are float32 sums of ``d_head`` exact products: the two
+    sides' values are within :func:`_order_spread` of each other. That moves
+    ``t = fl(S + (-LSE))`` (another float32 rounding each side), ``P = exp(t)`` by the factor
+    ``e^|dt|`` and by both exps' last-bit errors, and ``dS = fl(fl(dP - D) * P)`` by the spreads
+    of dP, D and the (rounded) P. Masked entries are exactly 0 on both sides. With dropout
+    (``mult``: the multipliers M; ``dropped_dp``: this golden's ``fl(dP * M)``), dP's spread is
+    scaled by M, plus one float32 rounding of the product on each side.
+    Returns ``(dev_p, dev_ds)``: float64 bounds on ``|P' - P|`` and ``|dS' - dS|`` after the
+    kernel_dtype roundings -- zero except on elements whose value lies within that distance of
+    a bf16 rounding boundary.
+    """
+    u32 = 2.0 ** -23   # float32 ulp relative to the value (at most)
+    d = qs.shape[1]
+    r_s = _order_spread(_abs_matmul(qs, kt.T), d - 1, 1.0 + _max_abs(qs, kt))
+    r_t = np.where(allowed, (1.0 + _U) * r_s + 2.0 * _U * np.abs(t.astype(np.float64)), 0.0)
+    p64 = p_pre.astype(np.float64)
+    r_p = p64 * (np.expm1(r_t) * (1.0 + _EXP_ULPS_KERNEL * u32) + _EXP_ULPS * u32) \
+        / (1.0 - _EXP_ULPS_NUMPY * u32) + _EXP_ULPS * 2.0 ** -149
+    dev_p = _rounding_spread(p_pre, np.where(allowed, r_p, 0.0), round_p)
+    r_dp = _order_spread(_abs_matmul(dyt, vt.T), d - 1, 1.0 + _max_abs(dyt, vt))
+    m64 = m.astype(np.float64)
+    if mult is not None:
+        r_dp = (1.0 + _U) * r_dp * mult.astype(np.float64) + 2.0 * _U * np.abs(dropped_dp.astype(np.float64))
+    r_m = (1.0 + _U) * (r_dp + d_spread[:, None]) + 2.0 * _U * np.abs(m64)
+    r_ds = (1.0 + 2.0 * _U) * (r_m * (np.abs(p.astype(np.float64)) + dev_p) + np.abs(m64) * dev_p) \
+        + 2.0 * _U * np.abs(ds_pre.astype(np.float64))
+    dev_ds = _rounding_spread(ds_pre, np.where(allowed, r_ds, 0.0), round_ds)
+    return dev_p, dev_ds
+
+
+def _output_spreads(dev_p, dev_ds, p, ds, qs, kt, dyt, scale, n_dq, n_dkv):
+    """One q-head's share of the dQ^T, dK^T, dV^T budgets ``[rows, d]`` from the score tiles.
+
+    A tile element that another implementation rounds differently (``dev_*`` > 0) moves each
+    output it feeds by at most ``dev * |the other operand|``: ``dV += P^T dO``,
+    ``dK += dS^T Q_s``, ``dQ += dS K * scale``. On top, the output GEMMs are themselves float32
+    sums with ``n`` roundings on any term's path (``n_dq``: seqlen_k - 1 additions, plus the
+    ``* scale`` and the addition into dQ of each K tile; ``n_dkv``: q-heads per KV head x
+    seqlen_q terms) in an unknown order: ``2 gamma_n sum|term|``, the terms being at most
+    ``|x| + dev`` on the other side.
+    """
+    def spread(dev, x, other, n):
+        weight = (1.0 + 2.0 * _gamma(n)) * dev + 2.0 * _gamma(n) * np.abs(x.astype(np.float64))
+        return _abs_matmul(weight, other) + (n + 1) * _TINY * (1.0 + _max_abs(other))
+
+    dq = float(scale) * (1.0 + _U) * spread(dev_ds, ds, kt, n_dq)
+    dk = spread(dev_ds.T, ds.T, qs, n_dkv)
+    dv = spread(dev_p.T, p.T, dyt, n_dkv)
+    return dq, dk, dv
+
+
+def _sink_spread(sink, neg_lse, d_sum, d_spread, lanes, round_p):
+    """How far another implementation's dsinks sum can be from this golden's, before the
+    roundings of the lanes (counted one ulp each by the caller) and of the result.
+
+    ``p_sink = exp(sink + (-LSE))`` may differ by both exps' last-bit errors and, when it is
+    rounded (``round_p``), flip; ``D`` by ``d_spread``; each lane takes ``p_sink * D`` of its
+    rows (a product and a difference, float32), and the 128 lanes are summed in float32.
+    """
+    u32 = 2.0 ** -23
+    pre = np.exp(sink + neg_lse)
+    p64 = pre.astype(np.float64)
+    radius = p64 * _EXP_ULPS * u32 / (1.0 - _EXP_ULPS_NUMPY * u32) + _EXP_ULPS * 2.0 ** -149
+    dev = _rounding_spread(pre, radius, round_p)
+    p_sink = np.abs((_bf16_round(pre) if round_p else pre).astype(np.float64))
+    d_abs = np.abs(d_sum.astype(np.float64))
+    per_row = (1.0 + 4.0 * _U) * (dev * (d_abs + d_spread) + p_sink * d_spread)
+    return float(per_row.sum() + _order_spread(np.abs(lanes.astype(np.float64)).sum(), lanes.size - 1))
+
 def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
                           bound_max=None, use_causal_mask=False, mixed_precision=False,
                           softmax_scale=None, sliding_window=None, dropout_p=0.0, seed=None,
@@ -342,22 +510,23 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
         Names from :data:`ROUNDING_POINTS` to skip (test-only: proves each
         rounding point changes the result).
     ulp_budget : bool
-        Also return, for dq, dk and dv, the sum over the *intermediate* bf16
-        roundings of each element's accumulator (every rounding but the one
-        that gives the final value) of one bf16 ulp of the value rounded.
-        An implementation with the same rounding points but another float32
-        summation order may flip any of those roundings, and a flip early in
-        the chain is carried unchanged to the output: this is how far such an
-        implementation may stray beyond the final rounding's own ulp
-        (``docs/numerics.md``, "How far two faithful implementations differ").
+        Also return, per element of dq, dk and dv, how far an implementation
+        with the same rounding points but other float32 summation orders (and
+        another float32 exp) may stray beyond the final rounding's own ulp
+        (``docs/numerics.md``, "How far two faithful implementations differ"):
+        one bf16 ulp of the value rounded per *intermediate* rounding of the
+        element's accumulator (a flip early in the chain is carried unchanged
+        to the output); the flips within reach of the D, P and dS tiles, times
+        the operand they multiply; and the output GEMMs' own float32 order.
 
     Returns
     -------
     dq, dk, dv[, dsinks] : float32 arrays holding values of the output dtype
         (bf16 values for bf16 inputs; dsinks in the dtype of ``sinks_ref``).
     budget : tuple of float64 arrays shaped like dq, dk, dv (and dsinks)
-        Only with ``ulp_budget=True`` (zeros for float32 inputs). For dsinks
-        with bf16 accumulators: one ulp per rounding of its 128 lanes.
+        Only with ``ulp_budget=True`` (float32 inputs: the float32 order terms
+        only). For dsinks: one ulp per rounding of its 128 lanes (bf16
+        accumulators), the spreads of ``p_sink`` and D, and the lanes' sum.
     """
     import ml_dtypes
 
@@ -397,6 +566,10 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     mult = _dropout_multipliers((bs, nheads, seqlen_q, seqlen_k), dropout_p, seed, seed_offset, None, f32)
     rounds_kernel = is_bf16
     rounds_mixed = is_bf16 and not mixed_precision
+
+    def rounds(point, dtype_rounds):  # whether this golden rounds at that point
+        return dtype_rounds and point not in disable
+
     for b in range(bs):
         for hk in range(nheads_kv):
             kt, vt = k[b, hk].T, v[b, hk].T                     # [seqlen_k, d]
@@ -412,9 +585,31 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
                          for i in range(0, d_head, d_tile)]
                 d_sum = rm(np.sum(parts, axis=0, dtype=f32), "d_total")
                 scores = np.where(allowed, qs @ kt.T, f32(-3.4028234663852886e38))
-                p = rk(np.exp(scores + neg_lse[:, None]), "p")
-                ds = rk(((dyt @ vt.T) * mult[b, h] - d_sum[:, None]) * p, "ds")
-                p = rk(p * mult[b, h], "p") if dropout_p else p   # P~, the operand of dV
+                t = scores + neg_lse[:, None]
+                p_pre = np.exp(t)
+                p = rk(p_pre, "p")
+                dp = dyt @ vt.T
+                if mult is not None:  # dropout: dP * M (an fp32 product), and P~ = P * M for dV
+                    dp = dp * mult[b, h]
+                m = dp - d_sum[:, None]
+                ds_pre = m * p
+                ds = rk(ds_pre, "ds")
+                p_dv = p if mult is None else rk(p * mult[b, h], "p")
+                if ulp_budget:  # the P and dS flips, and the output GEMMs' float32 sums
+                    d_spread = _rowsum_spread(prod, d_tile, rounds("d_partial", rounds_mixed),
+                                              rounds("d_total", rounds_mixed))
+                    head_mult = None if mult is None else mult[b, h]
+                    dev_p, dev_ds = _score_tile_spreads(qs, kt, dyt, vt, t, p_pre, p, m, ds_pre, d_spread,
+                                                        allowed, rounds("p", rounds_kernel),
+                                                        rounds("ds", rounds_kernel), head_mult, dp)
+                    if head_mult is not None:  # P~'s own rounding of a P that may differ
+                        dev_p = _rounding_spread(p * head_mult, dev_p * head_mult, rounds("p", rounds_kernel))
+                    head_q, head_k, head_v = _output_spreads(
+                        dev_p, dev_ds, p_dv, ds, qs, kt, dyt, scale,
+                        n_dq=seqlen_k + 2 * -(-seqlen_k // 512), n_dkv=n_rep * seqlen_q)
+                    budgets[0][b, h] += head_q.T
+                    budgets[1][b, hk] += head_k.T
+                    budgets[2][b, hk] += head_v.T
                 # dQ: K tile by K tile within each section, rounded between sections.
                 dq_acc = np.zeros((seqlen_q, d_head), f32)
                 dq_flips = _FlipBudget(dq_acc.shape)
@@ -428,12 +623,12 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
                 dq[b, h] = dq_acc.T
                 # The output's own rounding (a no-op when the accumulator is already bf16).
                 dq_flips.rounded(_bf16_round(dq_acc) if is_bf16 else dq_acc, rounds_kernel and not rounds_mixed)
-                budgets[0][b, h] = dq_flips.total.T
+                budgets[0][b, h] += dq_flips.total.T
                 # dK/dV: one rounded addition per Q group of 512 rows (per K tile, which
                 # holds different keys, so all keys can be updated at once).
                 for g0 in range(0, seqlen_q, 512):
                     g1 = min(g0 + 512, seqlen_q)
-                    dv_acc = dv_flips.rounded(rm(dv_acc + p[g0:g1].T @ dyt[g0:g1], "acc"), rounds_mixed)
+                    dv_acc = dv_flips.rounded(rm(dv_acc + p_dv[g0:g1].T @ dyt[g0:g1], "acc"), rounds_mixed)
                     dk_acc = dk_flips.rounded(rm(dk_acc + ds[g0:g1].T @ qs[g0:g1], "acc"), rounds_mixed)
                 # Sinks: loaded into a mixed_dtype tile, one accumulator lane per row of a
                 # 128-row Q tile, the lanes summed into a mixed_dtype tile.
@@ -449,12 +644,15 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
                             lane_ulps[:n] += _bf16_ulp(lanes[:n])
                     dsinks[b, h, i_sink] = rm(lanes.sum(dtype=f32), "sinks")
                     dsinks_budget[b, h, i_sink] = lane_ulps.sum()
+                    if ulp_budget:
+                        dsinks_budget[b, h, i_sink] += _sink_spread(
+                            sink, neg_lse, d_sum, d_spread, lanes, rounds("sinks", rounds_mixed))
             dk[b, hk] = dk_acc.T
             dv[b, hk] = dv_acc.T
             for flips, acc in ((dk_flips, dk_acc), (dv_flips, dv_acc)):
                 flips.rounded(_bf16_round(acc) if is_bf16 else acc, rounds_kernel and not rounds_mixed)
-            budgets[1][b, hk] = dk_flips.total.T
-            budgets[2][b, hk] = dv_flips.total.T
+            budgets[1][b, hk] += dk_flips.total.T
+            budgets[2][b, hk] += dv_flips.total.T
     if is_bf16:  # outputs are written in the kernel dtype (not a point one can disable)
         dq, dk, dv = _bf16_round(dq), _bf16_round(dk), _bf16_round(dv)
     if sinks_ref is None:
