@@ -23,7 +23,6 @@ from typing import Optional
 import numpy as np
 
 from .api import attention_bwd, attention_fwd
-from .layout import to_neuron
 from .validation import _validate_scale, validate_bwd_inputs, validate_fwd_inputs
 
 #: Layouts the framework adapters take (SDPA's and flash-attn's).
@@ -186,7 +185,3 @@ def _raise_named(check):
     except (TypeError, ValueError) as named:
         raise named from None
 
-
-def user_to_neuron(x: np.ndarray, layout: str) -> np.ndarray:
-    """A view of a ``layout`` array in the Neuron layout."""
-    return to_neuron(x, layout)

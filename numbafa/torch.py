@@ -190,7 +190,9 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
     perm = _TO_NEURON[layout]
     qn, kn, vn = (x.permute(perm) for x in (q, k, v))
     if sinks is not None and sinks.dim() == 1:
-        sinks = sinks.expand(q.shape[0], sinks.shape[0])   # [heads] -> [batch, heads], a view
+        # [heads] -> [batch, heads], a view; float32, so that the gradient is summed over the batch
+        # in float32 and rounded once to the sinks' dtype.
+        sinks = sinks.float().expand(q.shape[0], sinks.shape[0])
     o, _ = torch.ops.numbafa.attention_fwd(qn, kn, vn, sinks, bound_min, bound_max, bool(causal), window,
                                            softmax_scale, layout)
     return o.permute(_FROM_NEURON[layout])
