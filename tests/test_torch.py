@@ -344,3 +344,22 @@ def test_backward_error_names_do():
     do[1, 2, 3, 4] = float("nan")
     with pytest.raises(ValueError, match=r"^do must be finite, got 1 NaN/inf element\(s\) of 40960$"):
         o.backward(do)
+
+
+# ---------------------------------------------------------------------------
+# The training example
+# ---------------------------------------------------------------------------
+
+def test_training_example_loss_falls():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_torch.py"
+    spec = importlib.util.spec_from_file_location("train_torch", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    losses, _, _, model = example.train(example.numbafa_attention, steps=25, seq=64, window=16, log_every=0)
+    assert np.mean(losses[-5:]) < losses[0] - 0.5, losses
+    assert model.blocks[0].sinks.detach().abs().sum() > 0   # the sinks trained
+    sdpa_losses, *_ = example.train(example.sdpa_attention, steps=3, seq=64, window=16, log_every=0)
+    assert abs(sdpa_losses[0] - losses[0]) < 1e-3           # same model and data at step 0
