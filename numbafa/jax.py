@@ -5,10 +5,10 @@
     dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 The forward and the backward each run numbafa on the host through
-:func:`jax.pure_callback` (``vmap_method="broadcast_all"``); the custom VJP
+``jax.pure_callback`` (``vmap_method="broadcast_all"``); the custom VJP
 saves q, k, v, o and the log-sum-exp, never anything quadratic in the
-sequence length. It works under :func:`jax.jit`, :func:`jax.grad` and
-:func:`jax.vmap` (a vmapped call is one host call: the mapped axis is folded
+sequence length. It works under ``jax.jit``, ``jax.grad`` and
+``jax.vmap`` (a vmapped call is one host call: the mapped axis is folded
 into the batch, or looped over when the packing bounds differ along it).
 float32 and bfloat16 (``jnp.bfloat16`` *is* ``ml_dtypes.bfloat16``: the
 arrays cross without conversion).

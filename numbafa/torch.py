@@ -6,8 +6,8 @@
 
 Two operators, ``torch.ops.numbafa.attention_fwd`` and
 ``torch.ops.numbafa.attention_bwd``, are defined with
-:func:`torch.library.custom_op`, each with a fake (meta) implementation, and
-tied together by :func:`torch.library.register_autograd`: they work in eager
+``torch.library.custom_op``, each with a fake (meta) implementation, and
+tied together by ``torch.library.register_autograd``: they work in eager
 mode, under ``torch.no_grad``, and under ``torch.compile`` (as opaque calls;
 the graph around them is compiled). Both take and return tensors in the
 Neuron layout ``[batch, heads, head_dim, seq]``; :func:`attention` permutes
