@@ -107,6 +107,26 @@ class Case:
         return _timed(lambda: torch.autograd.grad(self.sdpa_out, self.sdpa_leaves, self.do, retain_graph=True))
 
 
+def fixed_cost(repeats):
+    """Median microseconds per call of each implementation on a tiny problem (1 head, 128 x 64).
+
+    There the kernel takes little time, so the difference op - numbafa is
+    the adapter's own cost per call (checks, permutes, the NumPy views, the
+    autograd engine), which the large shapes cannot resolve under noise.
+    """
+    case = Case(1, 1, 1, 128, 64, dict(use_causal_mask=True), "float32")
+    out = {}
+    for pass_ in ("forward", "backward"):
+        for impl in ("numbafa", "op", "sdpa"):
+            case.run(impl, pass_)
+        times = {impl: [] for impl in ("numbafa", "op", "sdpa")}
+        for _ in range(repeats):
+            for impl in times:
+                times[impl].append(case.run(impl, pass_))
+        out[pass_] = {impl: float(np.median(ts)) * 1e6 for impl, ts in times.items()}
+    return out
+
+
 def cpu_name():
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
@@ -121,6 +141,8 @@ def main(argv=None):
     p.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bf16"])
     p.add_argument("--passes", nargs="+", default=["backward"], choices=["forward", "backward"])
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--fixed-cost-repeats", type=int, default=300,
+                   help="calls of the tiny problem that measures the per-call cost (0: skip)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     torch.set_num_threads(os.cpu_count())
@@ -152,11 +174,16 @@ def main(argv=None):
                 print(f"| {name} | {dtype} | {pass_} | {med['numbafa']:.0f} | {med['op']:.0f} | "
                       f"{row['overhead']:+.1%} | {sdpa} | {row['op_gflops']:.0f} | {ratio} |", flush=True)
                 rows.append(row)
+    fixed = fixed_cost(args.fixed_cost_repeats) if args.fixed_cost_repeats else {}
+    for pass_, med in fixed.items():
+        print(f"per-call cost, {pass_} of 1 head x 128 x 64 (median of {args.fixed_cost_repeats}): numbafa "
+              f"{med['numbafa']:.0f} us, op {med['op']:.0f} us (+{med['op'] - med['numbafa']:.0f} us), "
+              f"SDPA {med['sdpa']:.0f} us")
     if args.json:
         meta = dict(cpu=cpu_name(), cpu_count=os.cpu_count(), torch=torch.__version__, numbafa=numbafa.__version__,
                     backend=numbafa.backend_info(), repeats=args.repeats)
         with open(args.json, "w") as fh:
-            json.dump(dict(meta=meta, rows=rows), fh, indent=2)
+            json.dump(dict(meta=meta, rows=rows, fixed_cost_us=fixed), fh, indent=2)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ as ``ml_dtypes.bfloat16``), and back the same way. CPU tensors only.
 This module imports ``torch``; ``import numbafa`` does not import it.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: torch.library.custom_op reads
+# the operators' schemas from their annotations, as objects.
 from typing import Optional, Tuple
 
 import ml_dtypes
