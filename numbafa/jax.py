@@ -1,0 +1,218 @@
+"""numbafa from JAX: attention as a ``jax.custom_vjp`` over host callbacks.
+
+    import numbafa.jax
+    o = numbafa.jax.attention(q, k, v, causal=True, window=128, sinks=sinks)   # [b, h, s, d]
+    dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+The forward and the backward each run numbafa on the host through
+``jax.pure_callback`` (``vmap_method="broadcast_all"``); the custom VJP
+saves q, k, v, o and the log-sum-exp, never anything quadratic in the
+sequence length. It works under ``jax.jit``, ``jax.grad`` and
+``jax.vmap`` (a vmapped call is one host call: the mapped axis is folded
+into the batch, or looped over when the packing bounds differ along it).
+float32 and bfloat16 (``jnp.bfloat16`` *is* ``ml_dtypes.bfloat16``: the
+arrays cross without conversion).
+
+Arguments are checked from their shapes and dtypes when the function is
+traced, so a bad call raises ``TypeError``/``ValueError`` at once, naming
+your argument. Values (NaN/inf in ``q``, ``do``, ...) are checked on the host
+when the callback runs; JAX reports such an error as a ``JaxRuntimeError``
+whose message is numbafa's (``q must be finite, ...``).
+
+This module imports ``jax``; ``import numbafa`` does not import it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _frameworks
+from .layout import cu_seqlens_to_bounds as _cu_seqlens_to_bounds
+from .layout import from_neuron, to_neuron
+
+__all__ = ["attention", "cu_seqlens_to_bounds"]
+
+#: How pure_callback treats jax.vmap: every argument gets the mapped axis in
+#: front (materialised), so the callback folds it into numbafa's batch axis.
+VMAP_METHOD = "broadcast_all"
+
+
+def _dtype_name(x) -> str:
+    return "bfloat16" if x.dtype == jnp.bfloat16 else str(x.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Host side: NumPy arrays, possibly with leading vmap axes
+# ---------------------------------------------------------------------------
+
+def _fold(arrays, bounds, base_ndim):
+    """Fold the leading vmap axes of ``arrays`` into their batch axis.
+
+    Returns ``(lead, calls)``: ``lead`` the vmap shape, ``calls`` a list of
+    ``(arrays, bound_min, bound_max)`` to run, one call when the bounds are
+    the same along the vmap axes, one per mapped element otherwise.
+    """
+    lead = arrays[0].shape[:arrays[0].ndim - base_ndim]
+    if not lead:
+        return lead, [(arrays, *bounds)]
+    n = math.prod(lead)
+    flat = [None if a is None else a.reshape((n,) + a.shape[len(lead):]) for a in arrays]
+    bmin, bmax = (None if b is None else b.reshape(n, -1) for b in bounds)
+    if bmin is None or ((bmin == bmin[0]).all() and (bmax == bmax[0]).all()):
+        merged = [None if a is None else a.reshape((-1,) + a.shape[2:]) for a in flat]
+        return lead, [(merged, None if bmin is None else bmin[0], None if bmax is None else bmax[0])]
+    return lead, [([None if a is None else a[i] for a in flat], bmin[i], bmax[i]) for i in range(n)]
+
+
+def _unfold(lead, results):
+    """Per-output: concatenate the calls' batch axes, then restore the vmap axes."""
+    if not lead:
+        return results[0]
+    out = []
+    for parts in zip(*results):
+        whole = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+        out.append(whole.reshape(lead + (-1,) + whole.shape[1:]))
+    return tuple(out)
+
+
+def _host_fwd(static, q, k, v, sinks, bound_min, bound_max):
+    causal, window, scale, layout = static
+    arrays = [np.asarray(x) for x in (q, k, v)] + [None if sinks is None else np.asarray(sinks)]
+    bounds = [None if b is None else np.asarray(b) for b in (bound_min, bound_max)]
+    lead, calls = _fold(arrays, bounds, 4)
+    results = []
+    for (qa, ka, va, sa), bmin, bmax in calls:
+        o, lse = _frameworks.host_forward(to_neuron(qa, layout), to_neuron(ka, layout), to_neuron(va, layout),
+                                          sa, bmin, bmax, causal, window, scale, layout)
+        results.append((from_neuron(o, layout), lse))
+    return _unfold(lead, results)
+
+
+def _host_bwd(static, q, k, v, o, do, lse, sinks, bound_min, bound_max):
+    causal, window, scale, layout = static
+    arrays = [np.asarray(x) for x in (q, k, v, o, do, lse)] + [None if sinks is None else np.asarray(sinks)]
+    bounds = [None if b is None else np.asarray(b) for b in (bound_min, bound_max)]
+    lead, calls = _fold(arrays, bounds, 4)
+    results = []
+    for (qa, ka, va, oa, da, la, sa), bmin, bmax in calls:
+        neuron = [to_neuron(x, layout) for x in (qa, ka, va, oa, da)]
+        grads = _frameworks.host_backward(*neuron, la, sa, bmin, bmax, causal, window, scale, layout)
+        results.append(tuple(from_neuron(g, layout) for g in grads[:3]) + tuple(grads[3:]))
+    return _unfold(lead, results)
+
+
+# ---------------------------------------------------------------------------
+# The custom VJP (sinks already [b, h] or [b, h, n])
+# ---------------------------------------------------------------------------
+
+def _lse_shape(q, layout):
+    b, h, s = (q.shape[0], q.shape[1], q.shape[2]) if layout == "bhsd" else (q.shape[0], q.shape[2], q.shape[1])
+    return jax.ShapeDtypeStruct((b, h, s), jnp.float32)
+
+
+def _forward_call(static, q, k, v, sinks, bound_min, bound_max):
+    shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), _lse_shape(q, static[3]))
+    return jax.pure_callback(functools.partial(_host_fwd, static), shapes, q, k, v, sinks, bound_min,
+                             bound_max, vmap_method=VMAP_METHOD)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(static, q, k, v, sinks, bound_min, bound_max):
+    return _forward_call(static, q, k, v, sinks, bound_min, bound_max)[0]
+
+
+def _attention_fwd(static, q, k, v, sinks, bound_min, bound_max):
+    o, lse = _forward_call(static, q, k, v, sinks, bound_min, bound_max)
+    return o, (q, k, v, o, lse, sinks, bound_min, bound_max)
+
+
+def _attention_bwd(static, residuals, do):
+    q, k, v, o, lse, sinks, bound_min, bound_max = residuals
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    if sinks is not None:
+        shapes += (jax.ShapeDtypeStruct(sinks.shape, sinks.dtype),)
+    grads = jax.pure_callback(functools.partial(_host_bwd, static), shapes, q, k, v, o, do, lse, sinks,
+                              bound_min, bound_max, vmap_method=VMAP_METHOD)
+    zero = (lambda b: None if b is None else jnp.zeros_like(b))
+    return tuple(grads[:3]) + (grads[3] if sinks is not None else None, zero(bound_min), zero(bound_max))
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ---------------------------------------------------------------------------
+# The user's function
+# ---------------------------------------------------------------------------
+
+def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None, bound_max=None,
+              softmax_scale=None, layout="bhsd"):
+    """Attention with numbafa's CPU kernels, differentiable with respect to q, k, v and sinks.
+
+    Parameters
+    ----------
+    q : array ``[batch, heads, seq_q, head_dim]`` for ``layout="bhsd"``,
+        ``[batch, seq_q, heads, head_dim]`` for ``"bshd"`` (as
+        ``jax.nn.dot_product_attention``); float32 or bfloat16
+    k, v : arrays, likewise with ``heads_kv`` (``heads % heads_kv == 0``) and ``seq_k``
+    causal : bool
+        Key ``j`` is visible to query ``i`` only if ``j <= i`` (needs ``seq_q == seq_k``).
+    window : int, optional
+        Causal sliding window of ``window`` keys, the query's own included:
+        ``jax.nn.dot_product_attention(..., local_window_size=(window - 1, 0))``
+        and flash-attn's ``window_size=(window - 1, 0)``. ``None`` or < 1: none.
+    sinks : array ``[heads]``, ``[batch, heads]`` or ``[batch, heads, num_sinks]``, optional
+        Attention-sink logits (float32 or bfloat16), differentiable.
+    bound_min, bound_max : float32 arrays ``[seq_q]``, optional (both or neither)
+        Sequence packing: query ``i`` attends keys ``bound_min[i] <= j < bound_max[i]``
+        (see :func:`cu_seqlens_to_bounds`). Not differentiable (zero cotangent).
+    softmax_scale : float, optional
+        Default (``None`` or 0.0) ``1 / sqrt(head_dim)``.
+    layout : {"bhsd", "bshd"}
+
+    Returns
+    -------
+    array of the shape and dtype of ``q``
+
+    Notes
+    -----
+    bfloat16 is computed with ``mixed_precision=True`` (bf16 operands,
+    float32 accumulation). Static arguments (``causal``, ``window``,
+    ``softmax_scale``, ``layout``) must be Python values, not traced arrays.
+
+    Raises
+    ------
+    TypeError, ValueError
+        At trace time, a bad argument named as you passed it, with the
+        expected and the actual value.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v), ("sinks", sinks), ("bound_min", bound_min),
+                    ("bound_max", bound_max)):
+        if x is not None and not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
+    given = {name: x for name, x in (("q", q), ("k", k), ("v", v), ("sinks", sinks), ("bound_min", bound_min),
+                                     ("bound_max", bound_max)) if x is not None}
+    window, scale = _frameworks.check_arguments(
+        layout, {name: tuple(x.shape) for name, x in given.items()},
+        {name: _dtype_name(x) for name, x in given.items()}, causal, window, softmax_scale)
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+        if sinks.ndim == 1:  # [heads]: one float32 sum over the batch in the transpose of this broadcast
+            sinks = jnp.broadcast_to(sinks.astype(jnp.float32), (q.shape[0], sinks.shape[0]))
+    if bound_min is not None:
+        bound_min, bound_max = jnp.asarray(bound_min), jnp.asarray(bound_max)
+    return _attention((bool(causal), window, scale, layout), q, k, v, sinks, bound_min, bound_max)
+
+
+def cu_seqlens_to_bounds(cu_seqlens, seqlen=None):
+    """Packing bounds (float32 arrays ``[seqlen]``) from flash-attn's ``cu_seqlens``.
+
+    As :func:`numbafa.layout.cu_seqlens_to_bounds`; ``cu_seqlens`` must be
+    concrete (not traced): it fixes the mask.
+    """
+    return tuple(jnp.asarray(b) for b in _cu_seqlens_to_bounds(np.asarray(cu_seqlens), seqlen))

@@ -1,0 +1,208 @@
+"""numbafa from PyTorch: attention as custom operators, with autograd.
+
+    import numbafa.torch
+    o = numbafa.torch.attention(q, k, v, causal=True, window=128, sinks=sinks)   # [b, h, s, d]
+    o.sum().backward()                     # q.grad, k.grad, v.grad, sinks.grad
+
+Two operators, ``torch.ops.numbafa.attention_fwd`` and
+``torch.ops.numbafa.attention_bwd``, are defined with
+``torch.library.custom_op``, each with a fake (meta) implementation, and
+tied together by ``torch.library.register_autograd``: they work in eager
+mode, under ``torch.no_grad``, and under ``torch.compile`` (as opaque calls;
+the graph around them is compiled). Both take and return tensors in the
+Neuron layout ``[batch, heads, head_dim, seq]``; :func:`attention` permutes
+the caller's tensors to it and back (views, no copies), so autograd sees the
+permutes and returns gradients in the caller's layout.
+
+Tensors cross to NumPy without copies: float32 as ``tensor.numpy()``,
+bfloat16 as a view of its bits (``tensor.view(torch.int16).numpy()`` viewed
+as ``ml_dtypes.bfloat16``), and back the same way. CPU tensors only.
+
+This module imports ``torch``; ``import numbafa`` does not import it.
+"""
+
+# No ``from __future__ import annotations`` here: torch.library.custom_op reads
+# the operators' schemas from their annotations, as objects.
+from typing import Optional, Tuple
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from . import _frameworks
+from .layout import cu_seqlens_to_bounds as _cu_seqlens_to_bounds
+
+__all__ = ["attention", "cu_seqlens_to_bounds", "to_numpy", "from_numpy"]
+
+#: Axis permutation from each user layout to the Neuron layout [b, h, d, s].
+_TO_NEURON = {"bhsd": (0, 1, 3, 2), "bshd": (0, 2, 3, 1)}
+_FROM_NEURON = {"bhsd": (0, 1, 3, 2), "bshd": (0, 3, 1, 2)}
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a CPU tensor (same memory, same strides); bfloat16 as ``ml_dtypes.bfloat16``."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def from_numpy(a: np.ndarray) -> torch.Tensor:
+    """A tensor sharing the memory of ``a``; ``ml_dtypes.bfloat16`` becomes ``torch.bfloat16``."""
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _np(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
+    return None if t is None else to_numpy(t)
+
+
+# ---------------------------------------------------------------------------
+# The operators (Neuron layout in and out)
+# ---------------------------------------------------------------------------
+
+@torch.library.custom_op("numbafa::attention_fwd", mutates_args=(), device_types="cpu")
+def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
+                   bound_min: Optional[torch.Tensor], bound_max: Optional[torch.Tensor], causal: bool,
+                   window: int, softmax_scale: float, layout: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """o ``[b, h, d, s]`` (q's dtype) and lse ``[b, h, s]`` (float32); ``layout`` only names shapes in errors."""
+    o, lse = _frameworks.host_forward(to_numpy(q), to_numpy(k), to_numpy(v), _np(sinks), _np(bound_min),
+                                      _np(bound_max), causal, window, softmax_scale, layout)
+    return from_numpy(o), torch.from_numpy(lse)
+
+
+@_attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, sinks, bound_min, bound_max, causal, window, softmax_scale, layout):
+    b, h, _, s = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+@torch.library.custom_op("numbafa::attention_bwd", mutates_args=(), device_types="cpu")
+def _attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
+                   lse: torch.Tensor, sinks: Optional[torch.Tensor], bound_min: Optional[torch.Tensor],
+                   bound_max: Optional[torch.Tensor], causal: bool, window: int, softmax_scale: float,
+                   layout: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv ``[b, h(_kv), d, s]`` and dsinks (the sinks' shape; empty without sinks)."""
+    grads = _frameworks.host_backward(to_numpy(q), to_numpy(k), to_numpy(v), to_numpy(o), to_numpy(do),
+                                      to_numpy(lse), _np(sinks), _np(bound_min), _np(bound_max), causal,
+                                      window, softmax_scale, layout)
+    dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else from_numpy(grads[3])
+    return from_numpy(grads[0]), from_numpy(grads[1]), from_numpy(grads[2]), dsinks
+
+
+@_attention_bwd.register_fake
+def _attention_bwd_fake(q, k, v, o, do, lse, sinks, bound_min, bound_max, causal, window, softmax_scale,
+                        layout):
+    dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, sinks, bound_min, bound_max, causal, window, softmax_scale, layout = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, sinks, bound_min, bound_max)
+    ctx.options = (causal, window, softmax_scale, layout)
+    ctx.has_sinks = sinks is not None
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, do, dlse):
+    del dlse  # lse is not differentiable
+    q, k, v, o, lse, sinks, bound_min, bound_max = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.numbafa.attention_bwd(q, k, v, o, do, lse, sinks, bound_min, bound_max,
+                                                         *ctx.options)
+    return dq, dk, dv, (dsinks if ctx.has_sinks else None), None, None, None, None, None, None
+
+
+_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------
+# The user's function
+# ---------------------------------------------------------------------------
+
+def _check_tensor(name: str, t, required: bool = True) -> None:
+    if t is None and not required:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU (numbafa runs there), got device {t.device}")
+
+
+def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None, bound_max=None,
+              softmax_scale=None, layout="bhsd"):
+    """Attention with numbafa's CPU kernels, differentiable with respect to q, k, v and sinks.
+
+    Parameters
+    ----------
+    q : Tensor ``[batch, heads, seq_q, head_dim]`` for ``layout="bhsd"`` (as SDPA),
+        ``[batch, seq_q, heads, head_dim]`` for ``"bshd"`` (as flash-attn); float32 or bfloat16, CPU
+    k, v : Tensor, likewise with ``heads_kv`` (``heads % heads_kv == 0``: GQA, MQA) and ``seq_k``
+    causal : bool
+        Key ``j`` is visible to query ``i`` only if ``j <= i`` (needs ``seq_q == seq_k``).
+    window : int, optional
+        Causal sliding window: query ``i`` sees keys ``i - window + 1 .. i``
+        (``window`` keys, itself included). ``None`` or a value < 1: no
+        window. flash-attn's ``window_size=(left, 0)`` is ``window=left + 1``.
+    sinks : Tensor ``[heads]``, ``[batch, heads]`` or ``[batch, heads, num_sinks]``, optional
+        Attention-sink logits: extra softmax columns with no value
+        (gpt-oss). float32 or bfloat16; gets a gradient (a
+        ``torch.nn.Parameter`` of sinks trains).
+    bound_min, bound_max : float32 Tensor ``[seq_q]``, optional (both or neither)
+        Sequence packing: query ``i`` attends keys ``bound_min[i] <= j < bound_max[i]``
+        (see :func:`cu_seqlens_to_bounds`); clamped by ``causal`` and ``window``.
+    softmax_scale : float, optional
+        Default (``None`` or 0.0) ``1 / sqrt(head_dim)``.
+    layout : {"bhsd", "bshd"}
+
+    Returns
+    -------
+    Tensor in ``layout``, the shape and dtype of ``q``
+        A view of a Neuron-layout ``[batch, heads, head_dim, seq]`` tensor.
+
+    Notes
+    -----
+    bfloat16 is computed as on Trainium with ``mixed_precision=True``
+    (bf16 matmul operands, float32 accumulation); float32 throughout
+    otherwise. The backward is numbafa's: P is recomputed from the saved
+    log-sum-exp, nothing quadratic in the sequence length is stored.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument, named as you passed it (``q``, ``sinks``,
+        ``window``, ...; ``do`` for a bad gradient in the backward), with
+        the expected and the actual value.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+    for name, t in (("sinks", sinks), ("bound_min", bound_min), ("bound_max", bound_max)):
+        _check_tensor(name, t, required=False)
+    given = {name: t for name, t in (("q", q), ("k", k), ("v", v), ("sinks", sinks), ("bound_min", bound_min),
+                                     ("bound_max", bound_max)) if t is not None}
+    window, softmax_scale = _frameworks.check_arguments(
+        layout, {name: tuple(t.shape) for name, t in given.items()},
+        {name: _DTYPES.get(t.dtype, str(t.dtype).replace("torch.", "")) for name, t in given.items()},
+        causal, window, softmax_scale)
+    perm = _TO_NEURON[layout]
+    qn, kn, vn = (x.permute(perm) for x in (q, k, v))
+    if sinks is not None and sinks.dim() == 1:
+        # [heads] -> [batch, heads], a view; float32, so that the gradient is summed over the batch
+        # in float32 and rounded once to the sinks' dtype.
+        sinks = sinks.float().expand(q.shape[0], sinks.shape[0])
+    o, _ = torch.ops.numbafa.attention_fwd(qn, kn, vn, sinks, bound_min, bound_max, bool(causal), window,
+                                           softmax_scale, layout)
+    return o.permute(_FROM_NEURON[layout])
+
+
+def cu_seqlens_to_bounds(cu_seqlens, seqlen=None):
+    """Packing bounds (float32 Tensors ``[seqlen]``) from flash-attn's ``cu_seqlens``.
+
+    As :func:`numbafa.layout.cu_seqlens_to_bounds`, for a Tensor (or array) ``cu_seqlens``.
+    """
+    if isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = cu_seqlens.detach().cpu().numpy()
+    return tuple(torch.from_numpy(b) for b in _cu_seqlens_to_bounds(cu_seqlens, seqlen))

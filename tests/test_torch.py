@@ -1,0 +1,365 @@
+"""numbafa.torch: the custom operators, their gradients, bf16 bridging, compile, errors.
+
+References: PyTorch's SDPA math backend in float64 where it applies (full,
+causal, GQA) and numbafa's float64 golden for sinks, windows and packing;
+both are float64 references of the same inputs, so float32 results are held
+to the project's FLOAT32 rule and bf16 results to BF16_MIXED
+(tests/_tolerances.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install '.[torch]')")
+
+import ml_dtypes  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+import numbafa  # noqa: E402
+import numbafa.torch as nt  # noqa: E402
+from numbafa import golden, layout as nl  # noqa: E402
+
+from _tolerances import BF16_MIXED, FLOAT32, assert_close  # noqa: E402
+
+B, H, HKV, S, D = 2, 4, 2, 160, 32   # S: not a multiple of the 128-row Q tile
+
+
+def make(layout="bhsd", dtype=torch.float32, b=B, h=H, hkv=HKV, s=S, d=D, seed=0, grad=True):
+    """q, k, v, do in ``layout`` (leaves that require grad) from one seed."""
+    g = torch.Generator().manual_seed(seed)
+
+    def t(heads):
+        shape = (b, heads, s, d) if layout == "bhsd" else (b, s, heads, d)
+        return torch.randn(shape, generator=g).to(dtype).requires_grad_(grad)
+
+    q, k, v = t(h), t(hkv), t(hkv)
+    return q, k, v, t(h).detach()
+
+
+def neuron(t, layout):
+    """A Neuron-layout NumPy view of a tensor in ``layout``."""
+    return nl.to_neuron(nt.to_numpy(t), layout)
+
+
+def grads(o, do, *inputs):
+    return torch.autograd.grad(o, inputs, do)
+
+
+def golden_of(q, k, v, do, layout, sinks=None, **kw):
+    """Float64 golden o and gradients, in the Neuron layout."""
+    args = [neuron(x, layout) for x in (q, k, v)]
+    s = None if sinks is None else nt.to_numpy(sinks)
+    if s is not None and s.ndim == 1:
+        s = np.broadcast_to(s, (q.shape[0], s.shape[0]))
+    o, _ = golden.attention_fwd(*args, sinks=s, **kw)
+    g = golden.attention_bwd(*args, None, neuron(do, layout), None, sinks_ref=s, **kw)
+    return o, g
+
+
+def sdpa64(q, k, v, causal, mask=None):
+    """SDPA's math backend in float64 (GQA by repeating the KV heads), bhsd."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = (x.double().repeat_interleave(rep, dim=1) for x in (k, v))
+    with sdpa_kernel(SDPBackend.MATH):
+        return torch.nn.functional.scaled_dot_product_attention(q.double(), k, v, attn_mask=mask,
+                                                                is_causal=causal)
+
+
+# ---------------------------------------------------------------------------
+# Core package
+# ---------------------------------------------------------------------------
+
+def test_import_numbafa_imports_no_framework():
+    code = "import sys, numbafa; bad = {'torch', 'jax'} & set(sys.modules); assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------
+# The operators
+# ---------------------------------------------------------------------------
+
+def _op_args(dtype, sinks, window, packing):
+    q, k, v, do = make(dtype=dtype, s=96)
+    perm = (0, 1, 3, 2)
+    qn, kn, vn = (x.detach().permute(perm).requires_grad_() for x in (q, k, v))
+    s = torch.randn(B, H, dtype=torch.float32, requires_grad=True) if sinks else None
+    bmin = bmax = None
+    if packing:
+        bmin, bmax = nt.cu_seqlens_to_bounds(torch.tensor([0, 40, 96]))
+    fwd = (qn, kn, vn, s, bmin, bmax, True, window, 0.0, "bhsd")
+    o, lse = torch.ops.numbafa.attention_fwd(*fwd)
+    s = None if s is None else s.detach()   # the backward op has no autograd formula (no double backward)
+    bwd = (qn.detach(), kn.detach(), vn.detach(), o.detach(), do.permute(perm), lse, s, bmin, bmax, True,
+           window, 0.0, "bhsd")
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("dtype, sinks, window, packing", [
+    (torch.float32, False, 0, False),
+    (torch.float32, True, 32, True),
+    (torch.bfloat16, True, 0, False),
+], ids=["float32", "float32-sinks-window-packing", "bf16-sinks"])
+def test_opcheck(dtype, sinks, window, packing):
+    fwd, bwd = _op_args(dtype, sinks, window, packing)
+    torch.library.opcheck(torch.ops.numbafa.attention_fwd.default, fwd)
+    torch.library.opcheck(torch.ops.numbafa.attention_bwd.default, bwd)
+
+
+# ---------------------------------------------------------------------------
+# Against SDPA (float64 math backend)
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("hkv", [H, HKV], ids=["mha", "gqa"])
+def test_matches_sdpa(layout, causal, hkv):
+    q, k, v, do = make(layout, hkv=hkv)
+    o = nt.attention(q, k, v, causal=causal, layout=layout)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    got = grads(o, do, q, k, v)
+
+    def bhsd(x):
+        return x if layout == "bhsd" else x.transpose(1, 2)
+
+    qs, ks, vs = (bhsd(x.detach()).double().requires_grad_() for x in (q, k, v))
+    ref = sdpa64(qs, ks, vs, causal)
+    expected = grads(ref, bhsd(do).double(), qs, ks, vs)
+    assert_close(bhsd(o).detach(), ref.detach(), FLOAT32, "o")
+    for name, g, e in zip(("dq", "dk", "dv"), got, expected):
+        assert g.shape == e.shape if layout == "bhsd" else g.shape == e.transpose(1, 2).shape
+        assert_close(bhsd(g), e, FLOAT32, name)
+
+
+def test_window_matches_sdpa_with_a_dense_mask():
+    q, k, v, do = make()
+    w = 17
+    o = nt.attention(q, k, v, causal=True, window=w)
+    i = torch.arange(S)
+    mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - w)
+    qs, ks, vs = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = sdpa64(qs, ks, vs, False, mask)
+    assert_close(o.detach(), ref.detach(), FLOAT32, "o")
+    for name, g, e in zip(("dq", "dk", "dv"), grads(o, do, q, k, v), grads(ref, do.double(), qs, ks, vs)):
+        assert_close(g, e, FLOAT32, name)
+
+
+# ---------------------------------------------------------------------------
+# Against the float64 golden: sinks, windows, packing
+# ---------------------------------------------------------------------------
+
+CASES = {
+    "sinks-heads": dict(sinks=(H,), causal=True),
+    "sinks-batch-heads-window": dict(sinks=(B, H), causal=True, window=40),
+    "sinks2-full": dict(sinks=(B, H, 2)),
+    "packing-causal-window": dict(cu_seqlens=(0, 50, 61, 160), causal=True, window=30),
+    "packing-full-sinks-scale": dict(cu_seqlens=(0, 100, 160), sinks=(H,), softmax_scale=0.3),
+}
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_matches_golden(case, layout):
+    spec = dict(CASES[case])
+    q, k, v, do = make(layout, seed=1)
+    kw = dict(causal=spec.get("causal", False), window=spec.get("window"),
+              softmax_scale=spec.get("softmax_scale"))
+    gkw = dict(use_causal_mask=kw["causal"], sliding_window=kw["window"], softmax_scale=kw["softmax_scale"])
+    sinks = None
+    if "sinks" in spec:
+        sinks = torch.randn(spec["sinks"], generator=torch.Generator().manual_seed(2)).requires_grad_()
+    if "cu_seqlens" in spec:
+        kw["bound_min"], kw["bound_max"] = nt.cu_seqlens_to_bounds(torch.tensor(spec["cu_seqlens"]))
+        gkw["bound_min"], gkw["bound_max"] = (b.numpy() for b in (kw["bound_min"], kw["bound_max"]))
+    o = nt.attention(q, k, v, sinks=sinks, layout=layout, **kw)
+    inputs = (q, k, v) + ((sinks,) if sinks is not None else ())
+    got = grads(o, do, *inputs)
+    o_exp, expected = golden_of(q, k, v, do, layout, sinks=sinks, **gkw)
+    assert_close(neuron(o, layout), o_exp, FLOAT32, "o")
+    for name, g, e in zip(("dq", "dk", "dv"), got, expected):
+        assert_close(neuron(g, layout), e, FLOAT32, name)
+    if sinks is not None:
+        e = expected[3].sum(axis=0) if sinks.dim() == 1 else expected[3]
+        assert got[3].shape == sinks.shape
+        assert_close(got[3], e, FLOAT32, "dsinks")
+
+
+def test_sinks_parameter_trains():
+    """A module's sinks Parameter gets the golden's gradient and moves under an optimizer."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sinks = torch.nn.Parameter(torch.zeros(H))
+
+        def forward(self, q, k, v):
+            return nt.attention(q, k, v, causal=True, window=48, sinks=self.sinks)
+
+    model = Attention()
+    q, k, v, do = make(seed=3, grad=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    (model(q, k, v) * do).sum().backward()
+    _, expected = golden_of(q, k, v, do, "bhsd", sinks=model.sinks, use_causal_mask=True, sliding_window=48)
+    assert_close(model.sinks.grad, expected[3].sum(axis=0), FLOAT32, "sinks.grad")
+    before = model.sinks.detach().clone()
+    opt.step()
+    torch.testing.assert_close(model.sinks.detach(), before - 0.1 * model.sinks.grad, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------
+# bfloat16
+# ---------------------------------------------------------------------------
+
+def test_bf16_bridge_is_a_view_and_bit_exact():
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    t = bits.view(torch.bfloat16)
+    a = nt.to_numpy(t)
+    assert a.dtype == ml_dtypes.bfloat16 and np.shares_memory(a, bits.numpy())
+    np.testing.assert_array_equal(a.view(np.int16), bits.numpy())
+    back = nt.from_numpy(a)
+    assert back.dtype == torch.bfloat16 and back.data_ptr() == t.data_ptr()
+    assert torch.equal(back.view(torch.int16), bits)
+    strided = t.reshape(256, 256).t()          # non-contiguous: strides are kept
+    np.testing.assert_array_equal(nt.to_numpy(strided).view(np.int16), bits.reshape(256, 256).t().numpy())
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_bf16_is_numbafa_bit_for_bit(layout):
+    """The op's bf16 o and gradients are numbafa's on the same bits (mixed_precision=True)."""
+    q, k, v, do = make(layout, dtype=torch.bfloat16, seed=4)
+    sinks = torch.randn(B, H).requires_grad_()
+    o = nt.attention(q, k, v, causal=True, window=64, sinks=sinks, layout=layout)
+    assert o.dtype == torch.bfloat16
+    got = grads(o, do, q, k, v, sinks)
+    kw = dict(sinks=nt.to_numpy(sinks), use_causal_mask=True, sliding_window=64, mixed_precision=True,
+              layout=layout)
+    o_np, ctx = numbafa.attention(*(nt.to_numpy(x) for x in (q, k, v)), **kw)
+    expected = ctx.backward(nt.to_numpy(do))
+    np.testing.assert_array_equal(nt.to_numpy(o).view(np.uint16), o_np.view(np.uint16))
+    for name, g, e in zip(("dq", "dk", "dv", "dsinks"), got, expected):
+        assert g.dtype == (torch.float32 if name == "dsinks" else torch.bfloat16), name
+        np.testing.assert_array_equal(nt.to_numpy(g).view(np.uint16 if name != "dsinks" else np.uint32),
+                                      e.view(np.uint16 if name != "dsinks" else np.uint32), err_msg=name)
+
+
+def test_bf16_accuracy_against_golden():
+    q, k, v, do = make(dtype=torch.bfloat16, seed=5)
+    o = nt.attention(q, k, v, causal=True)
+    got = grads(o, do, q, k, v)
+    o_exp, expected = golden_of(q, k, v, do, "bhsd", use_causal_mask=True)
+    assert_close(neuron(o, "bhsd").astype(np.float32), o_exp, BF16_MIXED, "o")
+    for name, g, e in zip(("dq", "dk", "dv"), got, expected):
+        assert_close(neuron(g, "bhsd").astype(np.float32), e, BF16_MIXED, name)
+
+
+# ---------------------------------------------------------------------------
+# no_grad, torch.compile
+# ---------------------------------------------------------------------------
+
+def test_no_grad():
+    q, k, v, _ = make()
+    with torch.no_grad():
+        o = nt.attention(q, k, v, causal=True)
+    assert o.grad_fn is None and not o.requires_grad
+    torch.testing.assert_close(o, nt.attention(q, k, v, causal=True).detach(), rtol=0, atol=0)
+
+
+def test_compile_gives_the_eager_results():
+    """Under torch.compile (AOT autograd, fake tensors, one graph) the op is called as in eager."""
+    q, k, v, do = make(layout="bshd", seed=6)
+    sinks = torch.randn(H).requires_grad_()
+
+    def f(q, k, v, sinks):
+        return nt.attention(q * 1.0, k, v, causal=True, window=33, sinks=sinks, layout="bshd") * 2.0
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    eager_o = f(q, k, v, sinks)
+    eager = grads(eager_o, do, q, k, v, sinks)
+    comp_o = compiled(q, k, v, sinks)
+    comp = grads(comp_o, do, q, k, v, sinks)
+    torch.testing.assert_close(comp_o, eager_o, rtol=0, atol=0)
+    for g, e in zip(comp, eager):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------
+# Errors name the user's argument
+# ---------------------------------------------------------------------------
+
+def _bad_calls():
+    q, k, v, _ = make(grad=False)
+    return [
+        ("q not a tensor", dict(q=q.numpy()), TypeError, r"^q must be a torch\.Tensor, got ndarray$"),
+        ("q float64", dict(q=q.double()), TypeError, r"^q must be float32 or bfloat16, got float64$"),
+        ("v dtype", dict(v=v.bfloat16()), TypeError, r"^v must have the dtype of q \(float32\), got bfloat16$"),
+        ("q 3-D", dict(q=q[0]), ValueError,
+         r"^q must be 4-D \[batch, heads, seq, head_dim\] for layout='bhsd', got shape \(4, 160, 32\)$"),
+        ("k head_dim", dict(k=k[..., :16]), ValueError,
+         r"^k must have shape \(2, heads_kv, seq_k, 32\) \[batch, heads, seq, head_dim\] to match q, "
+         r"got \(2, 2, 160, 16\)$"),
+        ("k heads", dict(k=k[:, :1].expand(B, 3, S, D), v=v[:, :1].expand(B, 3, S, D)), ValueError,
+         r"^the heads of q \(4\) must be a multiple of the heads of k, got 3"),
+        ("v shape", dict(v=v[:, :, :100]), ValueError,
+         r"^v must have the shape of k \(2, 2, 160, 32\), got \(2, 2, 100, 32\)$"),
+        ("causal seq", dict(k=k[:, :, :100], v=v[:, :, :100], causal=True), ValueError,
+         r"^causal=True requires the same seq for q and k, got q seq 160, k seq 100$"),
+        ("causal type", dict(causal=1), TypeError, r"^causal must be a bool, got int 1$"),
+        ("window without causal", dict(window=8), ValueError, r"^window=8 requires causal=True"),
+        ("window type", dict(window=8.0, causal=True), TypeError, r"^window must be an int or None, got float"),
+        ("sinks shape", dict(sinks=torch.zeros(3)), ValueError,
+         r"^sinks must have shape \(4,\) \[heads\], \(2, 4\) \[batch, heads\] or \(2, 4, num_sinks\)"),
+        ("sinks dtype", dict(sinks=torch.zeros(4, dtype=torch.float64)), TypeError,
+         r"^sinks must be float32 or bfloat16, got float64$"),
+        ("bounds alone", dict(bound_min=torch.zeros(S)), ValueError,
+         r"^bound_min and bound_max must be given together, got only bound_min$"),
+        ("bound shape", dict(bound_min=torch.zeros(S + 1), bound_max=torch.zeros(S + 1)), ValueError,
+         r"^bound_min must have shape \(160,\) \[seq of q\], got \(161,\)$"),
+        ("scale", dict(softmax_scale=float("nan")), ValueError, r"^softmax_scale must be finite in float32"),
+        ("layout", dict(layout="sbhd"), ValueError, r"^layout must be one of \('bhsd', 'bshd'\), got 'sbhd'$"),
+        ("nan in k", dict(k=k.clone().index_fill_(2, torch.tensor([3]), float("nan"))), ValueError,
+         r"^k must be finite, got 128 NaN/inf element\(s\) of 20480$"),
+        ("inf in sinks", dict(sinks=torch.tensor([0.0, float("inf"), 0.0, 0.0])), ValueError,
+         r"^sinks must be finite"),
+    ]
+
+
+@pytest.mark.parametrize("name, change, error, message", _bad_calls(), ids=[c[0] for c in _bad_calls()])
+def test_errors_name_the_argument(name, change, error, message):
+    q, k, v, _ = make(grad=False)
+    args = {**dict(q=q, k=k, v=v), **change}
+    with pytest.raises(error, match=message) as info:
+        nt.attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+    text = str(info.value)
+    assert "_ref" not in text and "use_causal_mask" not in text and "sliding_window" not in text
+
+
+def test_backward_error_names_do():
+    q, k, v, do = make()
+    o = nt.attention(q, k, v, causal=True, layout="bhsd")
+    do = do.clone()
+    do[1, 2, 3, 4] = float("nan")
+    with pytest.raises(ValueError, match=r"^do must be finite, got 1 NaN/inf element\(s\) of 40960$"):
+        o.backward(do)
+
+
+# ---------------------------------------------------------------------------
+# The training example
+# ---------------------------------------------------------------------------
+
+def test_training_example_loss_falls():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_torch.py"
+    spec = importlib.util.spec_from_file_location("train_torch", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    losses, _, _, model = example.train(example.numbafa_attention, steps=25, seq=64, window=16, log_every=0)
+    assert np.mean(losses[-5:]) < losses[0] - 0.5, losses
+    assert model.blocks[0].sinks.detach().abs().sum() > 0   # the sinks trained
+    sdpa_losses, *_ = example.train(example.sdpa_attention, steps=3, seq=64, window=16, log_every=0)
+    assert abs(sdpa_losses[0] - losses[0]) < 1e-3           # same model and data at step 0
