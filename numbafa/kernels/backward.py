@@ -69,7 +69,7 @@ from .loops import decode_item, group_rows, n_q_groups, owns_group
 from .mask import cut_by_mask, queries_seeing_key, required_q_rows
 from .matmul import matmul
 
-__all__ = ["flash_attn_bwd"]
+__all__ = ["flash_attn_bwd", "new_bwd_stats", "finish_bwd"]
 
 _F32_MIN = np.float32(FLOAT32_MIN)
 _ONE = np.float32(1.0)
@@ -526,11 +526,24 @@ def flash_attn_bwd(ins, outs, plan, n_threads):
     plan : :data:`~numbafa.kernels.bundles.Plan`
     n_threads : int
     """
+    stats = new_bwd_stats(ins)
+    n_units = ins.q.shape[0] * ins.k.shape[1]
+    parallel_for(bwd_work_item, n_units * plan.tiling.q_chunks, (ins, outs, stats, plan), n_threads)
+    finish_bwd(ins, outs, stats, plan, n_threads)
+
+
+def new_bwd_stats(ins):
+    """Uninitialised :data:`BwdStats` for every work unit of ``ins``, ``[n_units, n_rep, seqlen_q]``."""
     bs, nheads, _, seqlen_q = ins.q.shape
     nheads_kv = ins.k.shape[1]
-    n_units = bs * nheads_kv
-    shape = (n_units, nheads // nheads_kv, seqlen_q)
-    stats = BwdStats(np.empty(shape, dtype=np.float32), np.empty(shape, dtype=np.float32))
-    parallel_for(bwd_work_item, n_units * plan.tiling.q_chunks, (ins, outs, stats, plan), n_threads)
+    shape = (bs * nheads_kv, nheads // nheads_kv, seqlen_q)
+    return BwdStats(np.empty(shape, dtype=np.float32), np.empty(shape, dtype=np.float32))
+
+
+def finish_bwd(ins, outs, stats, plan, n_threads):
+    """Every unit's :func:`bwd_finish_unit` on ``n_threads`` threads, if there is something to
+    finish (split units' dK/dV partials, or sinks); :func:`flash_attn_bwd` runs it after every
+    work item, :mod:`numbafa.shards` after gathering the items run elsewhere."""
     if plan.tiling.q_chunks > 1 or ins.sinks.shape[2] > 0:
-        parallel_for(bwd_finish_unit, n_units, (ins, outs, stats, plan), n_threads)
+        parallel_for(bwd_finish_unit, ins.q.shape[0] * ins.k.shape[1], (ins, outs, stats, plan),
+                     n_threads)
