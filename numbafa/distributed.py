@@ -1,0 +1,480 @@
+"""The forward and the backward on a Dask cluster, bitwise equal to the single-process call.
+
+``attention_fwd(client, ...)`` and ``attention_bwd(client, ...)`` take a
+``dask.distributed.Client`` the caller made, then the arguments of
+:func:`numbafa.attention_fwd` / :func:`numbafa.attention_bwd`, and return
+what those return:
+
+* NumPy inputs: validated here, cut into one share per work unit (batch, KV
+  head: the q-heads of its GQA group with their K and V), each share
+  scattered once to one worker, one task per share, results gathered as they
+  complete and put in place. NumPy outputs.
+* Dask arrays (chunked along batch and heads only, head chunks holding whole
+  GQA groups): one task per block of chunks, validated on the worker; lazy
+  Dask arrays out, chunked as the inputs.
+
+Results are bitwise those of the single-process call, whatever the number of
+workers: every task runs the in-process work items with the plan of the
+whole problem (:mod:`numbafa.shards`), and the backward of a unit split into
+Q chunks (an odd number of units below 9: batch 1 MQA, one long sequence) is
+merged by the kernel's own fixed-order reduction. See ``docs/distributed.md``.
+
+Requires the ``dask`` extra (``pip install 'numbafa[dask]'``); Dask is
+imported only when a function here is called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from concurrent.futures import CancelledError
+
+import numpy as np
+
+from . import shards
+from .kernels.bundles import BwdInputs, FwdInputs, make_plan
+from .layout import lse_to_neuron
+from .tiling import Q_TILE
+from .validation import validate_bwd_inputs, validate_fwd_inputs
+
+__all__ = ["attention_fwd", "attention_bwd"]
+
+#: How many times a share is run again after its inputs or results were lost with a worker.
+MAX_ATTEMPTS = 3
+
+_LSE_LAYOUTS = ("neuron", "natural")
+
+
+def _dask():
+    """``(dask.array, distributed)``, or an ImportError saying how to install them."""
+    try:
+        import dask.array as da
+        import distributed
+    except ImportError as exc:  # pragma: no cover - the test extra installs Dask
+        raise ImportError("numbafa.distributed needs Dask: pip install 'numbafa[dask]' "
+                          "(dask[distributed])") from exc
+    return da, distributed
+
+
+def _check_client(client) -> None:
+    _, distributed = _dask()
+    if not isinstance(client, distributed.Client):
+        raise TypeError(f"client must be a dask.distributed.Client, got {type(client).__name__}")
+    if client.asynchronous:
+        raise TypeError("client must be a synchronous dask.distributed.Client, got an "
+                        "asynchronous one (Client(..., asynchronous=True))")
+    if client.status != "running":
+        raise ValueError(f"client must be running, got a client with status {client.status!r}; "
+                         f"make a new Client")
+
+
+def _warm(client, kernel: str, dtype) -> None:
+    """Load the kernel on every worker once (``client.run``) and check that the workers
+    would compute the client's bits (same numbafa sources, Numba and GEMM path)."""
+    expected = shards.fingerprint()
+    for worker, found in client.run(shards.warm, kernel, np.dtype(dtype).name).items():
+        if tuple(found) != expected:
+            raise RuntimeError(f"worker {worker} runs numbafa/Numba/GEMM path {tuple(found)}, the "
+                               f"client {expected}: its results would not be bitwise those of the "
+                               f"single-process call; install the same numbafa on every worker")
+
+
+def _is_dask(x) -> bool:
+    da, _ = _dask()
+    return isinstance(x, da.Array)
+
+
+def _dask_mode(named: dict) -> bool:
+    """True if the big arrays are Dask arrays (all of them), False if none is."""
+    kinds = {name: _is_dask(x) for name, x in named.items()}
+    if any(kinds.values()) and not all(kinds.values()):
+        first = next(name for name, d in kinds.items() if d)
+        other = next(name for name, d in kinds.items() if not d)
+        raise TypeError(f"{other} must be a dask.array.Array like {first}, got "
+                        f"{type(named[other]).__name__} (pass all of {', '.join(named)} as Dask "
+                        f"arrays, or all as NumPy arrays)")
+    return all(kinds.values())
+
+
+def _run_shares(client, plan, shares, submit, on_result) -> None:
+    """Scatter every share once, submit its task(s), put each result in place as it arrives.
+
+    ``shares`` is a list of tuples of input pieces (one piece per task of the
+    share); ``submit(plan_future, i, piece_futures, attempt)`` returns the
+    share's final future; ``on_result(i, result)`` stores it. A share whose
+    inputs or results were lost with a worker (its future is cancelled) is
+    scattered and run again, up to :data:`MAX_ATTEMPTS` times; any other
+    error propagates.
+    """
+    _, distributed = _dask()
+    if not shares:
+        return
+    plan_future = client.scatter([plan], broadcast=True, hash=False)[0]
+    flat = client.scatter([piece for share in shares for piece in share], hash=False)
+    bounds = np.cumsum([0] + [len(share) for share in shares])
+    running = {}
+    for i in range(len(shares)):
+        running[submit(plan_future, i, flat[bounds[i]:bounds[i + 1]], 0)] = (i, 0)
+    del flat
+    pending = distributed.as_completed(list(running))
+    for future in pending:
+        i, attempt = running.pop(future)
+        try:
+            result = future.result()
+        except CancelledError as exc:
+            if attempt + 1 >= MAX_ATTEMPTS:
+                raise RuntimeError(f"share {i} of the call was lost with a worker {MAX_ATTEMPTS} "
+                                   f"times; giving up") from exc
+            if plan_future.status != "finished":
+                plan_future = client.scatter([plan], broadcast=True, hash=False)[0]
+            retry = submit(plan_future, i, client.scatter(list(shares[i]), hash=False), attempt + 1)
+            running[retry] = (i, attempt + 1)
+            pending.add(retry)
+            continue
+        on_result(i, result)
+        del result
+
+
+def _units(bs: int, nheads_kv: int, n_rep: int) -> list:
+    """``(batch, q-head slice, KV-head slice)`` of every work unit, in unit order."""
+    return [(b, slice(g * n_rep, (g + 1) * n_rep), slice(g, g + 1))
+            for b in range(bs) for g in range(nheads_kv)]
+
+
+def _fwd_row_chunks(plan, seqlen_q: int, n_units: int, n_slots: int) -> int:
+    """Row chunks per unit in the forward: the in-process split, or more when there are fewer
+    units than worker threads (rows are independent, so any split gives the same bits)."""
+    n_groups = (seqlen_q + Q_TILE * plan.tiling.q_tile_group - 1) // (Q_TILE * plan.tiling.q_tile_group)
+    wanted = max(plan.tiling.q_chunks, -(-n_slots // max(n_units, 1)))
+    return max(1, min(wanted, (n_groups + 1) // 2))
+
+
+def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None,
+                  use_causal_mask=False, mixed_precision=False, softmax_scale=None,
+                  sliding_window=None, lse_layout="neuron"):
+    """:func:`numbafa.attention_fwd` on a Dask cluster: same arguments after ``client``, same bits.
+
+    Parameters
+    ----------
+    client : dask.distributed.Client
+        A running, synchronous client the caller made (``LocalCluster`` or any cluster).
+    q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision
+        As in :func:`numbafa.attention_fwd`; NumPy arrays, or Dask arrays chunked along batch
+        and heads only (the q-head chunks holding whole GQA groups, the KV-head chunks the
+        matching KV heads; ``sinks_ref`` NumPy or chunked as ``q_ref``; the bounds NumPy or
+        Dask, computed here: they are ``[seqlen_q]``).
+    softmax_scale, sliding_window, lse_layout
+        As in :func:`numbafa.attention_fwd`.
+
+    Returns
+    -------
+    o, lse
+        As :func:`numbafa.attention_fwd` returns them, bit for bit: NumPy arrays for NumPy
+        inputs, lazy Dask arrays chunked as ``q_ref`` for Dask inputs.
+
+    Raises
+    ------
+    TypeError
+        ``client`` is not a ``dask.distributed.Client``; some but not all of q, k, v are Dask
+        arrays; any error :func:`numbafa.attention_fwd` raises.
+    ValueError
+        The client is closed; Dask chunks split head_dim or seq, or do not line up across
+        the arrays; any error :func:`numbafa.attention_fwd` raises (for Dask inputs, errors
+        about the values are raised by the worker, at compute time).
+    """
+    _check_client(client)
+    if lse_layout not in _LSE_LAYOUTS:
+        raise ValueError(f"lse_layout must be one of {_LSE_LAYOUTS}, got {lse_layout!r}")
+    options = dict(use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
+                   softmax_scale=softmax_scale, sliding_window=sliding_window)
+    named = dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref)
+    if _dask_mode(named):
+        return _fwd_dask(client, named, sinks_ref, bound_min, bound_max, options, lse_layout)
+    prob = validate_fwd_inputs(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, **options)
+    bs, nheads, d_head, seqlen_q = prob.q.shape
+    if lse_layout == "neuron" and seqlen_q % Q_TILE:
+        raise ValueError(f"lse_layout='neuron' needs seqlen_q divisible by {Q_TILE}, got "
+                         f"seqlen_q={seqlen_q}; use lse_layout='natural'")
+    nheads_kv = prob.k.shape[1]
+    n_slots = sum(client.nthreads().values())
+    plan = make_plan(prob, backward=False)
+    plan = shards.with_q_chunks(plan, _fwd_row_chunks(plan, seqlen_q, bs * nheads_kv, n_slots))
+    n_chunks = plan.tiling.q_chunks
+    rows = [shards.owned_rows(seqlen_q, plan.tiling, c) for c in range(n_chunks)]
+    o = np.empty((bs, nheads, d_head, seqlen_q), dtype=prob.dtype)
+    lse = np.empty((bs, nheads, seqlen_q), dtype=np.float32)
+    units = _units(bs, nheads_kv, nheads // nheads_kv)
+    shares = [(FwdInputs(shards.pack_rows(prob.q[b:b + 1, heads], rows[c]), prob.k[b:b + 1, kv],
+                         prob.v[b:b + 1, kv], prob.sinks[b:b + 1, heads]),)
+              for b, heads, kv in units for c in range(n_chunks)]
+    token = uuid.uuid4().hex[:12]
+
+    def submit(plan_future, i, pieces, attempt):
+        return client.submit(shards.fwd_chunk, plan_future, pieces[0], True, seqlen_q, i % n_chunks,
+                             prob.dtype, key=f"numbafa-fwd-{token}-{i}-{attempt}")
+
+    def on_result(i, result):
+        b, heads, _ = units[i // n_chunks]
+        cols = rows[i % n_chunks]
+        cols = slice(None) if cols is None else cols
+        o[b, heads][..., cols] = result[0][0]
+        lse[b, heads][..., cols] = result[1][0]
+
+    if shares:
+        _warm(client, "forward", prob.dtype)
+    _run_shares(client, plan, shares, submit, on_result)
+    return o, (lse_to_neuron(lse) if lse_layout == "neuron" else lse)
+
+
+def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None,
+                  bound_min=None, bound_max=None, use_causal_mask=False, mixed_precision=False,
+                  softmax_scale=None, sliding_window=None):
+    """:func:`numbafa.attention_bwd` on a Dask cluster: same arguments after ``client``, same bits.
+
+    One task per work unit (batch, KV head: the q-heads of its GQA group), so
+    dQ, dK and dV need only be put in place. A problem the single-process call
+    splits into Q chunks (an odd number of units below 9, ``seqlen_q > 512``,
+    not bf16 accumulators) runs one task per (unit, chunk) and one merge task
+    per unit that sums the float32 dK/dV partials in chunk order and computes
+    dsinks, as the kernel does: the results are bitwise those of the
+    single-process call for any number of workers. At most ``bs * nheads_kv``
+    (times the chunks) tasks run at once.
+
+    Parameters
+    ----------
+    client : dask.distributed.Client
+        A running, synchronous client the caller made.
+    q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min, bound_max
+        As in :func:`numbafa.attention_bwd`; NumPy arrays, or Dask arrays chunked along
+        batch and heads only, alike for q, o, dy, lse (and sinks, which may be NumPy),
+        the q-head chunks holding whole GQA groups and k, v chunked along the matching KV
+        heads; the bounds NumPy or Dask (computed here).
+    use_causal_mask, mixed_precision, softmax_scale, sliding_window
+        As in :func:`numbafa.attention_bwd`.
+
+    Returns
+    -------
+    dq, dk, dv (, dsinks)
+        As :func:`numbafa.attention_bwd` returns them, bit for bit: NumPy arrays for NumPy
+        inputs, lazy Dask arrays chunked as the inputs for Dask inputs.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`numbafa.attention_fwd` of this module.
+    RuntimeError
+        A worker runs another numbafa, Numba or GEMM path than the client; a share was
+        lost with a worker :data:`MAX_ATTEMPTS` times.
+    """
+    _check_client(client)
+    options = dict(use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
+                   softmax_scale=softmax_scale, sliding_window=sliding_window)
+    named = dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, o_ref=o_ref, dy_ref=dy_ref, lse_ref=lse_ref)
+    if _dask_mode(named):
+        return _bwd_dask(client, named, sinks_ref, bound_min, bound_max, options)
+    prob = validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min,
+                               bound_max, **options)
+    bs, nheads, d_head, seqlen_q = prob.q.shape
+    nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
+    plan = make_plan(prob, backward=True)
+    n_chunks = plan.tiling.q_chunks
+    rows = [shards.owned_rows(seqlen_q, plan.tiling, c) for c in range(n_chunks)]
+    dq = np.empty((bs, nheads, d_head, seqlen_q), dtype=prob.dtype)
+    dk = np.empty((bs, nheads_kv, d_head, seqlen_k), dtype=prob.dtype)
+    dv = np.empty_like(dk)
+    dsinks = np.empty(prob.sinks.shape, dtype=np.float32)
+    units = _units(bs, nheads_kv, nheads // nheads_kv)
+
+    def piece(b, heads, kv, c):
+        def rows_of(x):
+            return shards.pack_rows(x[b:b + 1, heads], rows[c])
+        return BwdInputs(rows_of(prob.q), prob.k[b:b + 1, kv], prob.v[b:b + 1, kv], rows_of(prob.o),
+                         rows_of(prob.dy), rows_of(prob.lse), prob.sinks[b:b + 1, heads])
+
+    shares = [tuple(piece(b, heads, kv, c) for c in range(n_chunks)) for b, heads, kv in units]
+    token = uuid.uuid4().hex[:12]
+
+    def submit(plan_future, i, pieces, attempt):
+        key = f"numbafa-bwd-{token}-{i}-{attempt}"
+        parts = [client.submit(shards.bwd_chunk, plan_future, pieces[c], True, seqlen_q, c,
+                               prob.dtype, key=f"{key}-chunk{c}") for c in range(n_chunks)]
+        if n_chunks == 1:
+            return parts[0]
+        b, heads, _ = units[i]
+        return client.submit(shards.bwd_merge, plan_future, prob.sinks[b:b + 1, heads], parts,
+                             seqlen_q, prob.dtype, key=f"{key}-merge")
+
+    def on_result(i, result):
+        b, heads, kv = units[i]
+        dq[b, heads] = result[0][0]
+        dk[b, kv] = result[1][0]
+        dv[b, kv] = result[2][0]
+        dsinks[b, heads] = result[3][0]
+
+    if shares:
+        _warm(client, "backward", prob.dtype)
+    _run_shares(client, plan, shares, submit, on_result)
+    if prob.sinks_shape is None:
+        return dq, dk, dv
+    return dq, dk, dv, shards.to_dtype(dsinks, prob.sinks_dtype).reshape(prob.sinks_shape)
+
+
+# --- Dask arrays in, Dask arrays out -------------------------------------------------------
+
+def _standin(x) -> np.ndarray:
+    """A NumPy stand-in of a Dask array for the checks: its dtype and axes, batch 0 (no data)."""
+    return np.empty((0,) + tuple(x.shape[1:]), dtype=x.dtype)
+
+
+def _shape_only(shape: tuple, dtype) -> np.ndarray:
+    """A read-only array of ``shape`` holding no data (``make_plan`` reads only shapes)."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype=dtype), shape=shape,
+                                           strides=(0,) * len(shape), writeable=False)
+
+
+def _validate_dask(client, named: dict, sinks_ref, bound_min, bound_max, validate, options):
+    """Check Dask inputs on their metadata; return ``(problem with batch 0, sinks, bounds)``.
+
+    The batch sizes are compared here, everything else by ``validate`` (the
+    single-process checks) on batch-0 stand-ins; the values are checked by the
+    workers, block by block. NumPy sinks become Dask arrays chunked as ``q_ref``.
+    """
+    da, _ = _dask()
+    q = named["q_ref"]
+    for name, x in list(named.items()) + [("sinks_ref", sinks_ref)]:
+        if x is not None and (x.ndim < 1 or x.shape[0] != q.shape[0]):
+            raise ValueError(f"{name} must have batch size {q.shape[0]} (q_ref.shape[0]), got shape "
+                             f"{tuple(x.shape)}")
+    bounds = [None if b is None else np.asarray(client.compute(b).result()) if _is_dask(b) else b
+              for b in (bound_min, bound_max)]
+    sinks = sinks_ref
+    if sinks is not None and not _is_dask(sinks):
+        if not isinstance(sinks, np.ndarray):
+            raise TypeError(f"sinks_ref must be a numpy.ndarray or a dask.array.Array, got "
+                            f"{type(sinks).__name__}")
+    try:
+        prob = validate(*(_standin(x) for x in named.values()),
+                        None if sinks is None else _standin(sinks), *bounds, **options)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{exc} (Dask inputs: checked on their metadata, shapes shown with "
+                        f"batch 0)") from None
+    if sinks is not None and not _is_dask(sinks):
+        sinks = da.from_array(sinks, chunks=q.chunks[:2] + tuple((n,) for n in sinks.shape[2:]))
+    return prob, sinks, bounds
+
+
+def _check_chunks(named: dict, kv_names: tuple, n_rep: int) -> None:
+    """Chunks along batch and heads only; q-head chunks of whole GQA groups; all aligned."""
+    q = named["q_ref"]
+    for name, x in named.items():
+        for axis in range(2, x.ndim):
+            if len(x.chunks[axis]) > 1:
+                raise ValueError(f"{name} must be chunked along batch and heads only: expected "
+                                 f"chunks {(x.shape[axis],)} along axis {axis}, got {x.chunks[axis]}")
+        if x.chunks[0] != q.chunks[0]:
+            raise ValueError(f"{name} must be chunked along batch as q_ref is: expected "
+                             f"{q.chunks[0]}, got {x.chunks[0]}")
+    if any(c % n_rep for c in q.chunks[1]):
+        raise ValueError(f"q_ref's chunks along heads must hold whole GQA groups of {n_rep} "
+                         f"q-heads (nheads // nheads_kv): expected multiples of {n_rep}, got "
+                         f"{q.chunks[1]}")
+    kv_chunks = tuple(c // n_rep for c in q.chunks[1])
+    for name, x in named.items():
+        expected = kv_chunks if name in kv_names else q.chunks[1]
+        if x.chunks[1] != expected:
+            why = (f"the KV heads of q_ref's head chunks {q.chunks[1]}, {n_rep} q-heads per KV head"
+                   if name in kv_names else "as q_ref")
+            raise ValueError(f"{name} must be chunked along heads {why}: expected {expected}, got "
+                             f"{x.chunks[1]}")
+
+
+def _blocks(x):
+    """``(i, j) -> Delayed`` block of a Dask array chunked along its first two axes only."""
+    if x is None:
+        return lambda i, j: None
+    delayed_blocks = x.to_delayed()
+    return lambda i, j: delayed_blocks[(i, j) + (0,) * (x.ndim - 2)]
+
+
+def _assemble(blocks: list, ndim: int):
+    """One Dask array from a ``[batch chunk][head chunk]`` grid of blocks."""
+    da, _ = _dask()
+
+    def nest(x):
+        for _ in range(ndim - 2):
+            x = [x]
+        return x
+    return da.block([[nest(x) for x in row] for row in blocks])
+
+
+def _fwd_dask(client, named, sinks_ref, bound_min, bound_max, options, lse_layout):
+    da, _ = _dask()
+    from dask import delayed
+    prob, sinks, bounds = _validate_dask(client, named, sinks_ref, bound_min, bound_max,
+                                         validate_fwd_inputs, options)
+    q, k = named["q_ref"], named["k_ref"]
+    bs, nheads, d_head, seqlen_q = q.shape
+    if lse_layout == "neuron" and seqlen_q % Q_TILE:
+        raise ValueError(f"lse_layout='neuron' needs seqlen_q divisible by {Q_TILE}, got "
+                         f"seqlen_q={seqlen_q}; use lse_layout='natural'")
+    n_rep = nheads // k.shape[1]
+    _check_chunks(dict(named, **({} if sinks is None else {"sinks_ref": sinks})), ("k_ref", "v_ref"), n_rep)
+    plan = make_plan(dataclasses.replace(prob, q=_shape_only(q.shape, prob.q.dtype),
+                                         k=_shape_only(k.shape, prob.k.dtype)), backward=False)
+    _warm(client, "forward", q.dtype)
+    plan_d = delayed(plan, traverse=False)
+    bounds_d = [None if b is None else delayed(b, traverse=False) for b in bounds]
+    n_chunks = plan.tiling.q_chunks
+    get = [_blocks(x) for x in (q, named["k_ref"], named["v_ref"], sinks)]
+    o_blocks, lse_blocks = [], []
+    for i, nb in enumerate(q.chunks[0]):
+        o_blocks.append([])
+        lse_blocks.append([])
+        for j, nh in enumerate(q.chunks[1]):
+            args = [g(i, j) for g in get] + bounds_d
+            parts = [delayed(shards.fwd_block, pure=True, nout=2)(plan_d, c, options, lse_layout, *args)
+                     for c in range(n_chunks)]
+            res = parts[0] if n_chunks == 1 else delayed(shards.fwd_block_merge, pure=True, nout=2)(
+                plan_d, parts, seqlen_q, lse_layout)
+            lse_shape = (nb, nh, Q_TILE, seqlen_q // Q_TILE) if lse_layout == "neuron" else (nb, nh, seqlen_q)
+            o_blocks[-1].append(da.from_delayed(res[0], shape=(nb, nh, d_head, seqlen_q), dtype=q.dtype))
+            lse_blocks[-1].append(da.from_delayed(res[1], shape=lse_shape, dtype=np.float32))
+    return _assemble(o_blocks, 4), _assemble(lse_blocks, 4 if lse_layout == "neuron" else 3)
+
+
+def _bwd_dask(client, named, sinks_ref, bound_min, bound_max, options):
+    da, _ = _dask()
+    from dask import delayed
+    prob, sinks, bounds = _validate_dask(client, named, sinks_ref, bound_min, bound_max,
+                                         validate_bwd_inputs, options)
+    q, k = named["q_ref"], named["k_ref"]
+    bs, nheads, d_head, seqlen_q = q.shape
+    nheads_kv, seqlen_k = k.shape[1], k.shape[3]
+    n_rep = nheads // nheads_kv
+    _check_chunks(dict(named, **({} if sinks is None else {"sinks_ref": sinks})), ("k_ref", "v_ref"), n_rep)
+    plan = make_plan(dataclasses.replace(prob, q=_shape_only(q.shape, prob.q.dtype),
+                                         k=_shape_only(k.shape, prob.k.dtype)), backward=True)
+    _warm(client, "backward", q.dtype)
+    plan_d = delayed(plan, traverse=False)
+    bounds_d = [None if b is None else delayed(b, traverse=False) for b in bounds]
+    n_chunks = plan.tiling.q_chunks
+    get = [_blocks(x) for x in list(named.values()) + [sinks]]
+    grids = [[], [], [], []]
+    for i, nb in enumerate(q.chunks[0]):
+        for grid in grids:
+            grid.append([])
+        for j, nh in enumerate(q.chunks[1]):
+            args = [g(i, j) for g in get] + bounds_d
+            parts = [delayed(shards.bwd_block, pure=True, nout=4)(plan_d, c, options, *args)
+                     for c in range(n_chunks)]
+            res = parts[0] if n_chunks == 1 else delayed(shards.bwd_block_merge, pure=True, nout=4)(
+                plan_d, parts, args[6], seqlen_q, q.dtype)
+            shapes = [(nb, nh, d_head, seqlen_q), (nb, nh // n_rep, d_head, seqlen_k),
+                      (nb, nh // n_rep, d_head, seqlen_k)]
+            for grid, x, shape in zip(grids, res, shapes):
+                grid[-1].append(da.from_delayed(x, shape=shape, dtype=q.dtype))
+            if sinks is not None:
+                grids[3][-1].append(da.from_delayed(res[3], shape=(nb, nh) + tuple(sinks.shape[2:]),
+                                                    dtype=sinks.dtype))
+    grads = tuple(_assemble(grid, 4) for grid in grids[:3])
+    return grads if sinks is None else grads + (_assemble(grids[3], sinks.ndim),)

@@ -1,0 +1,343 @@
+"""Shares of one attention call, run in separate processes and merged exactly (private).
+
+:mod:`numbafa.distributed` cuts a call into shares and runs each share as a
+task on a Dask worker; this module holds everything a worker runs, with no
+Dask in it. A share is a *block* of whole work units (batches x KV heads,
+each with the q-heads of its GQA group) and one Q *chunk*: the work items
+``unit * q_chunks + chunk`` of the in-process kernels (:mod:`numbafa.kernels.loops`).
+
+Why the results are bitwise those of the single-process call:
+
+* every share runs with the :class:`~numbafa.kernels.bundles.Plan` of the
+  *whole* problem (built once by the caller), so its ``q_chunks`` is the
+  in-process one: a block of 3 units of a 4-unit problem is not split, a
+  1-unit problem is split in two, exactly as in one process;
+* a work item computes the same bits wherever it runs: nothing in it
+  depends on the unit's position in the batch or on the other units, and
+  the kernels are deterministic for any thread count;
+* the backward's cross-item reduction is the kernel's own
+  :func:`~numbafa.kernels.backward.finish_bwd` (``bwd_finish_unit``): a split
+  unit's float32 dK/dV partials summed in chunk order, then rounded once,
+  and dsinks from the per-row statistics (-LSE, D) of both chunks, gathered
+  first (:func:`bwd_merge`).
+
+A chunk's task reads only the rows of the Q groups it owns (zigzag,
+:func:`owned_rows`), so its q, o, dy and lse can travel packed to those
+rows (:func:`pack_rows`); the rows it does not own are zeros on the worker
+and are never read.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from concurrent.futures import ThreadPoolExecutor
+
+import numba
+import numpy as np
+
+from .dtypes import to_bf16_array
+from .kernels.backward import bwd_work_item, finish_bwd, new_bwd_stats, BwdStats
+from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs
+from .kernels.forward import fwd_work_item
+from .kernels.loops import group_rows, n_q_groups, owns_group
+from .layout import lse_to_neuron
+from .runtime import kernel_call
+from .validation import validate_bwd_inputs, validate_fwd_inputs
+
+__all__ = ["BwdShard", "owned_rows", "pack_rows", "place_rows", "with_q_chunks", "to_dtype",
+           "fwd_chunk", "bwd_chunk", "bwd_merge", "fwd_block", "fwd_block_merge", "bwd_block",
+           "bwd_block_merge", "warm", "fingerprint"]
+
+#: The raw result of one chunk of a split backward block: ``dq`` (the chunk's rows, packed as
+#: its inputs were, in the output dtype: final), ``dk``/``dv`` float32 partials ``[nb, nkv, d,
+#: seqlen_k]``, and the per-row statistics ``neg_lse``/``d_sum`` ``[units, n_rep, rows]``.
+BwdShard = namedtuple("BwdShard", ["dq", "dk", "dv", "neg_lse", "d_sum"])
+
+
+def with_q_chunks(plan, q_chunks: int):
+    """``plan`` with its Q-chunk split set to ``q_chunks`` (the forward: any split, same bits)."""
+    return plan._replace(tiling=plan.tiling._replace(q_chunks=int(q_chunks)))
+
+
+def owned_rows(seqlen_q: int, tiling, chunk: int):
+    """Query rows (int64, ascending) of the Q groups item ``chunk`` of a unit owns; ``None``
+    when the unit is not split (every row). Uses the kernels' own ownership rule."""
+    if tiling.q_chunks == 1:
+        return None
+    n_groups = n_q_groups.py_func(seqlen_q, tiling)
+    spans = [group_rows.py_func(g, seqlen_q, tiling) for g in range(n_groups)
+             if owns_group.py_func(g, n_groups, chunk, tiling.q_chunks)]
+    return np.concatenate([np.arange(start, start + n) for start, n in spans] + [np.empty(0, np.int64)])
+
+
+def pack_rows(x: np.ndarray, rows):
+    """``x[..., rows]`` as a new C-contiguous array (``x`` itself, contiguous, if ``rows`` is None)."""
+    return np.ascontiguousarray(x) if rows is None else np.ascontiguousarray(x[..., rows])
+
+
+def _unpack_rows(x: np.ndarray, rows, seqlen_q: int) -> np.ndarray:
+    """The inverse of :func:`pack_rows`; rows not in ``rows`` are 0 (never read by the chunk)."""
+    if rows is None:
+        return np.ascontiguousarray(x)
+    full = np.zeros(x.shape[:-1] + (seqlen_q,), dtype=x.dtype)
+    full[..., rows] = x
+    return full
+
+
+def to_dtype(x: np.ndarray, dtype) -> np.ndarray:
+    """Kernel float32 output -> ``dtype`` (bf16 values are already rounded: exact)."""
+    return x if np.dtype(dtype) == np.float32 else to_bf16_array(x)
+
+
+def _run_items(kernel, args: tuple, items, n_threads: int) -> None:
+    """:func:`numbafa.parallel.parallel_for` over the given item indices only."""
+    kernel.compile(tuple(numba.typeof(a) for a in args) + (numba.types.int64,))
+    items = list(items)
+    n_threads = max(1, min(int(n_threads), len(items)))
+    if n_threads == 1:
+        for item in items:
+            kernel(*args, item)
+        return
+    with ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="numbafa") as pool:
+        for future in [pool.submit(kernel, *args, item) for item in items]:
+            future.result()
+
+
+def _chunk_items(n_units: int, q_chunks: int, chunk: int):
+    return [unit * q_chunks + chunk for unit in range(n_units)]
+
+
+def _kernel_array(x: np.ndarray) -> np.ndarray:
+    """``x`` if C-contiguous and writable, else a copy (the kernels' compiled signature)."""
+    return x if x.flags.c_contiguous and x.flags.writeable else np.array(x, order="C")
+
+
+def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype):
+    """Forward of one share: the items of Q chunk ``chunk`` of every unit of the block ``ins``.
+
+    Parameters
+    ----------
+    plan : Plan of the whole problem; ``plan.tiling.q_chunks`` may be any split (rows are
+        independent, so every split gives the same bits).
+    ins : FwdInputs of the block (kernel arrays).
+    packed : bool
+        ``ins.q`` holds only the chunk's rows (:func:`owned_rows`, :func:`pack_rows`).
+    seqlen_q, chunk : int
+    out_dtype : the dtype of ``o`` (float32 or bf16).
+
+    Returns
+    -------
+    o : ``[nb, nheads, d_head, rows]`` in ``out_dtype``;  lse : float32 ``[nb, nheads, rows]``,
+    the chunk's rows (all rows when units are not split).
+    """
+    rows = owned_rows(seqlen_q, plan.tiling, chunk)
+    q = _unpack_rows(ins.q, rows if packed else None, seqlen_q)
+    ins = FwdInputs(_kernel_array(q), _kernel_array(ins.k), _kernel_array(ins.v), _kernel_array(ins.sinks))
+    nb, nheads, d_head, _ = q.shape
+    o = np.zeros((nb, nheads, d_head, seqlen_q), dtype=np.float32)
+    lse = np.zeros((nb, nheads, seqlen_q), dtype=np.float32)
+    items = _chunk_items(nb * ins.k.shape[1], plan.tiling.q_chunks, chunk)
+    with kernel_call("forward", np.dtype(out_dtype).name):
+        _run_items(fwd_work_item, (ins, FwdOutputs(o, lse), plan), items, numba.get_num_threads())
+    return to_dtype(pack_rows(o, rows), out_dtype), pack_rows(lse, rows)
+
+
+def place_rows(parts, tiling, seqlen_q: int) -> np.ndarray:
+    """The full ``[..., seqlen_q]`` array of the chunks' packed rows ``parts`` (in chunk order)."""
+    out = np.empty(parts[0].shape[:-1] + (seqlen_q,), dtype=parts[0].dtype)
+    for chunk, part in enumerate(parts):
+        rows = owned_rows(seqlen_q, tiling, chunk)
+        out[..., slice(None) if rows is None else rows] = part
+    return out
+
+
+def _bwd_outputs(ins, q_chunks: int) -> BwdOutputs:
+    nb, nheads, d_head, seqlen_q = ins.q.shape
+    nheads_kv, seqlen_k = ins.k.shape[1], ins.k.shape[3]
+    part_shape = (nb * nheads_kv, q_chunks - 1, d_head, seqlen_k) if q_chunks > 1 else (1, 1, d_head, 0)
+    return BwdOutputs(np.zeros((nb, nheads, d_head, seqlen_q), dtype=np.float32),
+                      np.empty((nb, nheads_kv, d_head, seqlen_k), dtype=np.float32),
+                      np.empty((nb, nheads_kv, d_head, seqlen_k), dtype=np.float32),
+                      np.empty(ins.sinks.shape, dtype=np.float32),
+                      np.empty(part_shape, dtype=np.float32), np.empty(part_shape, dtype=np.float32))
+
+
+def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype):
+    """Backward of one share: the items of Q chunk ``chunk`` of every unit of the block ``ins``.
+
+    Parameters
+    ----------
+    plan : Plan of the whole problem (its ``q_chunks`` decides the numerics: never change it).
+    ins : BwdInputs of the block (kernel arrays).
+    packed : bool
+        ``ins.q, o, dy, lse`` hold only the chunk's rows (:func:`owned_rows`, :func:`pack_rows`).
+    seqlen_q, chunk : int
+    out_dtype : the dtype of dq, dk, dv (float32 or bf16).
+
+    Returns
+    -------
+    ``(dq, dk, dv, dsinks)`` when units are not split (``q_chunks == 1``): final, in
+    ``out_dtype`` (dsinks float32 ``[nb, nheads, num_sinks]``); else a :data:`BwdShard`
+    for :func:`bwd_merge`.
+    """
+    rows = owned_rows(seqlen_q, plan.tiling, chunk)
+
+    def full(x):
+        return _kernel_array(_unpack_rows(x, rows if packed else None, seqlen_q))
+
+    ins = BwdInputs(full(ins.q), _kernel_array(ins.k), _kernel_array(ins.v), full(ins.o),
+                    full(ins.dy), full(ins.lse), _kernel_array(ins.sinks))
+    q_chunks = plan.tiling.q_chunks
+    n_units = ins.q.shape[0] * ins.k.shape[1]
+    outs = _bwd_outputs(ins, q_chunks)
+    stats = new_bwd_stats(ins)
+    n_threads = numba.get_num_threads()
+    with kernel_call("backward", np.dtype(out_dtype).name):
+        _run_items(bwd_work_item, (ins, outs, stats, plan), _chunk_items(n_units, q_chunks, chunk),
+                   n_threads)
+        if q_chunks == 1:
+            finish_bwd(ins, outs, stats, plan, n_threads)
+    if q_chunks == 1:
+        return (to_dtype(outs.dq, out_dtype), to_dtype(outs.dk, out_dtype),
+                to_dtype(outs.dv, out_dtype), outs.dsinks)
+    if chunk == 0:
+        dk, dv = outs.dk, outs.dv
+    else:
+        dk = outs.part_dk[:, chunk - 1].reshape(outs.dk.shape)
+        dv = outs.part_dv[:, chunk - 1].reshape(outs.dv.shape)
+    return BwdShard(to_dtype(pack_rows(outs.dq, rows), out_dtype), dk, dv,
+                    pack_rows(stats.neg_lse, rows), pack_rows(stats.d_sum, rows))
+
+
+def bwd_merge(plan, sinks: np.ndarray, shards, seqlen_q: int, out_dtype):
+    """The final ``(dq, dk, dv, dsinks)`` of a block from its chunks' :data:`BwdShard` s.
+
+    Exactly the in-process end of the backward: the statistics and dQ rows of
+    every chunk are put in place, chunk 0's float32 dK/dV partial takes the
+    place of the kernel's output and the others that of its ``part_dk`` /
+    ``part_dv`` scratch, then :func:`~numbafa.kernels.backward.finish_bwd`
+    (the kernel's ``bwd_finish_unit``) sums them in chunk order, rounds once
+    and computes dsinks. The shards are not modified (a worker may keep them
+    to run this again after a failure).
+
+    Parameters
+    ----------
+    plan : Plan of the whole problem.
+    sinks : float32 ``[nb, nheads, num_sinks]`` of the block (kernel form).
+    shards : sequence of :data:`BwdShard`, in chunk order.
+    seqlen_q : int
+    out_dtype : the dtype of dq, dk, dv.
+    """
+    first = shards[0]
+    nb, nheads_kv, d_head, seqlen_k = first.dk.shape
+    n_units, n_rep = first.neg_lse.shape[:2]
+    nheads = nheads_kv * n_rep
+    stats = BwdStats(place_rows([s.neg_lse for s in shards], plan.tiling, seqlen_q),
+                     place_rows([s.d_sum for s in shards], plan.tiling, seqlen_q))
+    dq = place_rows([s.dq for s in shards], plan.tiling, seqlen_q)
+    parts = [np.stack([s.dk.reshape(n_units, d_head, seqlen_k) for s in shards[1:]], axis=1),
+             np.stack([s.dv.reshape(n_units, d_head, seqlen_k) for s in shards[1:]], axis=1)]
+    kernel_dtype = np.float32 if np.dtype(out_dtype) == np.float32 else np.uint16
+    dummy_q = np.empty((nb, nheads, 0, 0), dtype=kernel_dtype)
+    dummy_kv = np.empty((nb, nheads_kv, 0, 0), dtype=kernel_dtype)
+    sinks = _kernel_array(sinks)
+    ins = BwdInputs(dummy_q, dummy_kv, dummy_kv, dummy_q, dummy_q,
+                    np.empty((nb, nheads, 0), dtype=np.float32), sinks)
+    outs = BwdOutputs(np.empty((nb, nheads, 0, 0), dtype=np.float32), np.array(first.dk, order="C"),
+                      np.array(first.dv, order="C"), np.empty(sinks.shape, dtype=np.float32),
+                      np.ascontiguousarray(parts[0]), np.ascontiguousarray(parts[1]))
+    with kernel_call("backward", np.dtype(out_dtype).name):
+        finish_bwd(ins, outs, stats, plan, numba.get_num_threads())
+    return dq, to_dtype(outs.dk, out_dtype), to_dtype(outs.dv, out_dtype), outs.dsinks
+
+
+# --- blocks of Dask arrays: raw user arrays, validated on the worker ---------------------------
+
+def _lse_out(lse: np.ndarray, lse_layout: str) -> np.ndarray:
+    return lse_to_neuron(lse) if lse_layout == "neuron" else lse
+
+
+def fwd_block(plan, chunk: int, options: dict, lse_layout: str, q, k, v, sinks=None, bound_min=None,
+              bound_max=None):
+    """Forward of one block of Dask chunks (the user's arrays), Q chunk ``chunk``.
+
+    Validated here, as :func:`numbafa.attention_fwd` validates (``options``:
+    its keyword arguments). Returns ``(o, lse)``: final (lse in ``lse_layout``)
+    when units are not split, else the chunk's rows for :func:`fwd_block_merge`.
+    """
+    prob = validate_fwd_inputs(q, k, v, sinks, bound_min, bound_max, **options)
+    seqlen_q = prob.q.shape[3]
+    o, lse = fwd_chunk(plan, FwdInputs(prob.q, prob.k, prob.v, prob.sinks), False, seqlen_q, chunk,
+                       prob.dtype)
+    return (o, _lse_out(lse, lse_layout)) if plan.tiling.q_chunks == 1 else (o, lse)
+
+
+def fwd_block_merge(plan, parts, seqlen_q: int, lse_layout: str):
+    """``(o, lse)`` of a block from its chunks' rows (:func:`fwd_block`), in chunk order."""
+    o = place_rows([p[0] for p in parts], plan.tiling, seqlen_q)
+    lse = place_rows([p[1] for p in parts], plan.tiling, seqlen_q)
+    return o, _lse_out(lse, lse_layout)
+
+
+def _user_dsinks(dsinks: np.ndarray, sinks):
+    """Kernel dsinks ``[nb, nheads, num_sinks]`` float32 -> the shape and dtype of ``sinks``."""
+    return None if sinks is None else to_dtype(dsinks, sinks.dtype).reshape(sinks.shape)
+
+
+def bwd_block(plan, chunk: int, options: dict, q, k, v, o, dy, lse, sinks=None, bound_min=None,
+              bound_max=None):
+    """Backward of one block of Dask chunks (the user's arrays), Q chunk ``chunk``.
+
+    Validated here, as :func:`numbafa.attention_bwd` validates. Returns ``(dq,
+    dk, dv, dsinks)`` (dsinks None without sinks) when units are not split,
+    else the chunk's :data:`BwdShard` for :func:`bwd_block_merge`.
+    """
+    prob = validate_bwd_inputs(q, k, v, o, dy, lse, sinks, bound_min, bound_max, **options)
+    ins = BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks)
+    out = bwd_chunk(plan, ins, False, prob.q.shape[3], chunk, prob.dtype)
+    if plan.tiling.q_chunks > 1:
+        return out
+    return out[:3] + (_user_dsinks(out[3], sinks),)
+
+
+def bwd_block_merge(plan, parts, sinks, seqlen_q: int, out_dtype):
+    """``(dq, dk, dv, dsinks)`` of a block from its chunks' shards (:func:`bwd_block`), by
+    :func:`bwd_merge`; ``sinks``: the block of the user's sinks (or None)."""
+    nb, nheads_kv = parts[0].dk.shape[:2]
+    nheads = nheads_kv * parts[0].neg_lse.shape[1]
+    kernel_sinks = (np.zeros((nb, nheads, 0), dtype=np.float32) if sinks is None
+                    else np.ascontiguousarray(np.asarray(sinks).astype(np.float32)).reshape(nb, nheads, -1))
+    dq, dk, dv, dsinks = bwd_merge(plan, kernel_sinks, parts, seqlen_q, out_dtype)
+    return dq, dk, dv, _user_dsinks(dsinks, sinks)
+
+
+# --- the worker's set-up ------------------------------------------------------------------
+
+_WARM = set()
+
+
+def fingerprint() -> tuple:
+    """What must match between the client and a worker for bitwise-equal results: numbafa's
+    sources, Numba, and the GEMM path (float32 sgemm / bf16 oneDNN)."""
+    from . import __version__
+    from .jit import source_hash
+    from .onednn import gemm_path
+    return (__version__, source_hash(), numba.__version__, gemm_path()[0])
+
+
+def warm(kernel: str, dtype_name: str) -> tuple:
+    """Load (or compile) ``kernel`` ("forward" or "backward") for ``dtype_name`` in this
+    process, once, by a tiny call that runs every jitted function of that pass (sinks
+    included); return :func:`fingerprint`. Run on every worker by ``client.run``."""
+    if (kernel, dtype_name) not in _WARM:
+        from .api import attention_bwd, attention_fwd
+        from .dtypes import bf16_dtype
+        dtype = np.float32 if dtype_name == "float32" else bf16_dtype()
+        rng = np.random.default_rng(0)
+        q, k, v = (rng.standard_normal((1, 1, 8, 640)).astype(dtype) for _ in range(3))
+        sinks = np.zeros((1, 1), dtype=np.float32)
+        o, lse = attention_fwd(q, k, v, sinks, lse_layout="natural")
+        if kernel == "backward":
+            attention_bwd(q, k, v, o, q, lse, sinks)
+        _WARM.add((kernel, dtype_name))
+    return fingerprint()
