@@ -1,0 +1,220 @@
+"""numbafa.distributed on a real Dask cluster: bitwise the single-process results.
+
+One ``LocalCluster`` of 2 worker processes (1 thread each) serves the whole
+module. Before it starts, every kernel is run once in this process, so the
+workers load the compiled code from the on-disk cache instead of compiling.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+distributed = pytest.importorskip("dask.distributed")
+da = pytest.importorskip("dask.array")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+import numbafa  # noqa: E402
+import numbafa.distributed as nd  # noqa: E402
+from numbafa import shards  # noqa: E402
+from _problems import Case, make_inputs  # noqa: E402
+
+FWD_KEYS = ("sinks_ref", "bound_min", "bound_max", "use_causal_mask", "softmax_scale", "sliding_window")
+BF16 = ml_dtypes.bfloat16
+
+# (id, case, dtype, mixed_precision). The units a call has decide its split: 1, 3 or 5 units
+# with seqlen_q > 512 split every unit in two Q chunks (float32, or bf16 with mixed_precision).
+CASES = [
+    ("mha", Case(bs=2, nheads=2, nheads_kv=2, d_head=32), np.float32, False),
+    ("gqa-causal", Case(bs=1, nheads=4, nheads_kv=2, d_head=32, causal=True), np.float32, False),
+    ("mqa-batch1-split", Case(bs=1, nheads=4, nheads_kv=1, d_head=32, seqlen_q=1024, seqlen_k=1024,
+                              causal=True), np.float32, False),
+    ("window-split", Case(bs=1, nheads=2, nheads_kv=1, d_head=32, seqlen_q=640, seqlen_k=640,
+                          causal=True, window=200), np.float32, False),
+    ("sinks-3-units-split", Case(bs=3, nheads=2, nheads_kv=1, d_head=16, seqlen_q=640, seqlen_k=640,
+                                 num_sinks=2), np.float32, False),
+    ("packing", Case(bs=1, nheads=2, nheads_kv=2, d_head=32, packing=(100, 156)), np.float32, False),
+    ("bf16-mixed-split-sinks", Case(bs=1, nheads=2, nheads_kv=1, d_head=32, seqlen_q=640,
+                                    seqlen_k=640, causal=True, num_sinks=1), BF16, True),
+    ("bf16-not-mixed-sinks", Case(bs=1, nheads=4, nheads_kv=2, d_head=32, causal=True, num_sinks=1),
+     BF16, False),
+]
+
+
+def assert_bitwise(got, expected):
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        g = np.asarray(g)
+        assert g.shape == e.shape and g.dtype == e.dtype
+        assert np.array_equal(g.view(np.uint8), e.view(np.uint8)), "results differ in their bits"
+
+
+def _fwd_kwargs(inputs, mixed):
+    return dict({k: inputs[k] for k in FWD_KEYS if k in inputs}, mixed_precision=mixed)
+
+
+@pytest.fixture(scope="module")
+def client():
+    # Compile (or load) every kernel here first: the workers then load it from the cache.
+    for dtype in (np.float32, BF16):
+        for kernel in ("forward", "backward"):
+            shards.warm(kernel, np.dtype(dtype).name)
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                       dashboard_address=None)
+    with distributed.Client(cluster) as c:
+        yield c
+    cluster.close()
+
+
+def _dask_inputs(inputs, n_rep, head_chunk):
+    """The arrays of ``inputs`` as Dask arrays, one batch and ``head_chunk`` q-heads per chunk."""
+    out = dict(inputs)
+    for key in ("q_ref", "o_ref", "dy_ref", "lse_ref"):
+        out[key] = da.from_array(inputs[key], chunks=(1, head_chunk) + inputs[key].shape[2:])
+    for key in ("k_ref", "v_ref"):
+        out[key] = da.from_array(inputs[key], chunks=(1, head_chunk // n_rep) + inputs[key].shape[2:])
+    return out
+
+
+@pytest.mark.parametrize("name, case, dtype, mixed", CASES, ids=[c[0] for c in CASES])
+def test_numpy_inputs_give_the_single_process_bits(client, name, case, dtype, mixed):
+    inputs = make_inputs(case, dtype)
+    fwd = _fwd_kwargs(inputs, mixed)
+    qkv = (inputs["q_ref"], inputs["k_ref"], inputs["v_ref"])
+    assert_bitwise(nd.attention_fwd(client, *qkv, **fwd), numbafa.attention_fwd(*qkv, **fwd))
+    expected = numbafa.attention_bwd(**inputs, mixed_precision=mixed)
+    assert_bitwise(nd.attention_bwd(client, **inputs, mixed_precision=mixed), expected)
+
+
+@pytest.mark.parametrize("name, case, dtype, mixed, head_chunk", [
+    ("gqa-causal", CASES[1][1], np.float32, False, 2),
+    ("mqa-batch1-split", CASES[2][1], np.float32, False, 4),
+    ("sinks-3-units-split", CASES[4][1], np.float32, False, 2),
+    ("bf16-not-mixed-sinks", CASES[7][1], BF16, False, 4),
+], ids=["gqa-causal", "mqa-batch1-split", "sinks-3-units-split", "bf16-not-mixed-sinks"])
+def test_dask_inputs_give_lazy_dask_arrays_with_the_single_process_bits(client, name, case, dtype,
+                                                                        mixed, head_chunk):
+    inputs = make_inputs(case, dtype)
+    lazy_in = _dask_inputs(inputs, case.nheads // case.nheads_kv, head_chunk)
+    expected = numbafa.attention_bwd(**inputs, mixed_precision=mixed)
+    lazy = nd.attention_bwd(client, **lazy_in, mixed_precision=mixed)
+    assert all(isinstance(x, da.Array) for x in lazy)
+    assert lazy[0].chunks == lazy_in["q_ref"].chunks and lazy[1].chunks == lazy_in["k_ref"].chunks
+    assert_bitwise(client.compute(list(lazy), sync=True), expected)
+
+    fwd = _fwd_kwargs(inputs, mixed)
+    qkv = [lazy_in[k] for k in ("q_ref", "k_ref", "v_ref")]
+    for layout in ("neuron", "natural"):
+        expected = numbafa.attention_fwd(*(inputs[k] for k in ("q_ref", "k_ref", "v_ref")), **fwd,
+                                         lse_layout=layout)
+        lazy = nd.attention_fwd(client, *qkv, **fwd, lse_layout=layout)
+        assert_bitwise(client.compute(list(lazy), sync=True), expected)
+
+
+def _exit_once(marker):
+    """A function for ``client.run``: the next ``shards.bwd_chunk`` call in any worker (the
+    first to create ``marker``) ends its process; later calls run normally."""
+    def install():
+        import os as os_
+        import numbafa.shards as shards_
+        original = getattr(shards_.bwd_chunk, "original", shards_.bwd_chunk)
+
+        def bwd_chunk(*args, **kwargs):
+            try:
+                os_.close(os_.open(marker, os_.O_CREAT | os_.O_EXCL))
+            except FileExistsError:
+                return original(*args, **kwargs)
+            os_._exit(1)
+        bwd_chunk.original = original
+        shards_.bwd_chunk = bwd_chunk
+    return install
+
+
+def _restore():
+    import numbafa.shards as shards_
+    shards_.bwd_chunk = getattr(shards_.bwd_chunk, "original", shards_.bwd_chunk)
+
+
+@pytest.mark.parametrize("inputs_kind", ["numpy", "dask"])
+def test_a_worker_killed_mid_run_still_gives_the_complete_result(client, tmp_path, inputs_kind):
+    case = Case(bs=2, nheads=4, nheads_kv=2, d_head=32, causal=True, num_sinks=1)
+    inputs = make_inputs(case)
+    expected = numbafa.attention_bwd(**inputs)
+    marker = str(tmp_path / "killed")
+    client.run(_exit_once(marker))
+    try:
+        if inputs_kind == "numpy":
+            got = nd.attention_bwd(client, **inputs)
+        else:
+            got = client.compute(list(nd.attention_bwd(client, **_dask_inputs(inputs, 2, 2))), sync=True)
+    finally:
+        client.run(_restore)
+    assert os.path.exists(marker), "no worker was killed"
+    assert_bitwise(got, expected)
+    client.wait_for_workers(2, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return make_inputs(Case(bs=2, nheads=4, nheads_kv=2, d_head=32))
+
+
+def test_a_closed_client_is_a_value_error(client, small):
+    closed = distributed.Client(client.cluster)
+    closed.close()
+    with pytest.raises(ValueError, match=r"client must be running, got a client with status 'closed'"):
+        nd.attention_bwd(closed, **small)
+    with pytest.raises(ValueError, match="client must be running"):
+        nd.attention_fwd(closed, small["q_ref"], small["k_ref"], small["v_ref"])
+
+
+def test_a_non_client_is_a_type_error(small):
+    with pytest.raises(TypeError, match=r"client must be a dask.distributed.Client, got str"):
+        nd.attention_bwd("tcp://127.0.0.1:8786", **small)
+
+
+def test_invalid_numpy_inputs_get_the_single_process_errors(client, small):
+    bad = dict(small, k_ref=small["k_ref"][:, :, :16])
+    with pytest.raises(ValueError, match="k_ref must have shape"):
+        nd.attention_bwd(client, **bad)
+
+
+def _rechunked(small, **chunks):
+    lazy = _dask_inputs(small, 2, 2)
+    for key, c in chunks.items():
+        lazy[key] = lazy[key].rechunk(c)
+    return lazy
+
+
+@pytest.mark.parametrize("chunks, match", [
+    ({"q_ref": (1, 2, 16, 256)},
+     r"q_ref must be chunked along batch and heads only: expected chunks \(32,\) along axis 2, got \(16, 16\)"),
+    ({"lse_ref": (1, 2, 128)}, r"lse_ref must be chunked along batch and heads only"),
+    ({"o_ref": (2, 2, 32, 256)}, r"o_ref must be chunked along batch as q_ref is: expected \(1, 1\), got \(2,\)"),
+    ({"q_ref": (1, 1, 32, 256), "o_ref": (1, 1, 32, 256), "dy_ref": (1, 1, 32, 256), "lse_ref": (1, 1, 256)},
+     r"q_ref's chunks along heads must hold whole GQA groups of 2 q-heads .* got \(1, 1, 1, 1\)"),
+    ({"k_ref": (1, 2, 32, 256)},
+     r"k_ref must be chunked along heads the KV heads of q_ref's head chunks \(2, 2\), 2 q-heads per "
+     r"KV head: expected \(1, 1\), got \(2,\)"),
+    ({"dy_ref": (1, 4, 32, 256)}, r"dy_ref must be chunked along heads as q_ref: expected \(2, 2\), got \(4,\)"),
+])
+def test_mismatched_dask_chunks_are_value_errors(client, small, chunks, match):
+    with pytest.raises(ValueError, match=match):
+        nd.attention_bwd(client, **_rechunked(small, **chunks))
+
+
+def test_dask_and_numpy_big_arrays_do_not_mix(client, small):
+    lazy = dict(_dask_inputs(small, 2, 2), k_ref=small["k_ref"])
+    with pytest.raises(TypeError, match=r"k_ref must be a dask.array.Array like q_ref, got ndarray"):
+        nd.attention_bwd(client, **lazy)
+
+
+def test_invalid_dask_metadata_gets_the_single_process_error(client, small):
+    lazy = _dask_inputs(small, 2, 2)
+    with pytest.raises(ValueError, match=r"sliding_window.*use_causal_mask"):
+        nd.attention_bwd(client, **dict(lazy, sliding_window=8))
+    lazy["v_ref"] = lazy["v_ref"].astype(np.float64)
+    with pytest.raises(TypeError, match=r"v_ref must have the dtype of q_ref"):
+        nd.attention_bwd(client, **lazy)
