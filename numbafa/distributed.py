@@ -15,7 +15,7 @@ what those return:
 
 Results are bitwise those of the single-process call, whatever the number of
 workers: every task runs the in-process work items with the plan of the
-whole problem (:mod:`numbafa.shards`), and the backward of a unit split into
+whole problem (``numbafa.shards``), and the backward of a unit split into
 Q chunks (an odd number of units below 9: batch 1 MQA, one long sequence) is
 merged by the kernel's own fixed-order reduction. See ``docs/distributed.md``.
 
@@ -103,7 +103,7 @@ def _run_shares(client, plan, shares, submit, on_result) -> None:
     share); ``submit(plan_future, i, piece_futures, attempt)`` returns the
     share's final future; ``on_result(i, result)`` stores it. A share whose
     inputs or results were lost with a worker (its future is cancelled) is
-    scattered and run again, up to :data:`MAX_ATTEMPTS` times; any other
+    scattered and run again, up to ``MAX_ATTEMPTS`` times; any other
     error propagates.
     """
     _, distributed = _dask()
@@ -261,10 +261,10 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     Raises
     ------
     TypeError, ValueError
-        As :func:`numbafa.attention_fwd` of this module.
+        As for :func:`numbafa.distributed.attention_fwd`.
     RuntimeError
         A worker runs another numbafa, Numba or GEMM path than the client; a share was
-        lost with a worker :data:`MAX_ATTEMPTS` times.
+        lost with a worker ``MAX_ATTEMPTS`` (3) times.
     """
     _check_client(client)
     options = dict(use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
