@@ -110,12 +110,17 @@ def _run_shares(client, plan, shares, submit, on_result) -> None:
     if not shares:
         return
     plan_future = client.scatter([plan], broadcast=True, hash=False)[0]
-    flat = client.scatter([piece for share in shares for piece in share], hash=False)
-    bounds = np.cumsum([0] + [len(share) for share in shares])
     running = {}
-    for i in range(len(shares)):
-        running[submit(plan_future, i, flat[bounds[i]:bounds[i + 1]], 0)] = (i, 0)
-    del flat
+    # Two scatters: one share per worker thread first, so that the workers compute while
+    # the client sends the rest (one list per scatter: Dask spreads it over the workers).
+    first = min(len(shares), max(1, sum(client.nthreads().values())))
+    for wave in (range(first), range(first, len(shares))):
+        if not wave:
+            continue
+        flat = client.scatter([piece for i in wave for piece in shares[i]], hash=False)
+        for i in wave:
+            pieces, flat = flat[:len(shares[i])], flat[len(shares[i]):]
+            running[submit(plan_future, i, pieces, 0)] = (i, 0)
     pending = distributed.as_completed(list(running))
     for future in pending:
         i, attempt = running.pop(future)
