@@ -33,6 +33,7 @@ import numpy as np
 
 from . import shards
 from .kernels.bundles import BwdInputs, FwdInputs, make_plan
+from .kernels.loops import n_q_groups
 from .layout import lse_to_neuron
 from .tiling import Q_TILE
 from .validation import validate_bwd_inputs, validate_fwd_inputs
@@ -149,7 +150,7 @@ def _units(bs: int, nheads_kv: int, n_rep: int) -> list:
 def _fwd_row_chunks(plan, seqlen_q: int, n_units: int, n_slots: int) -> int:
     """Row chunks per unit in the forward: the in-process split, or more when there are fewer
     units than worker threads (rows are independent, so any split gives the same bits)."""
-    n_groups = (seqlen_q + Q_TILE * plan.tiling.q_tile_group - 1) // (Q_TILE * plan.tiling.q_tile_group)
+    n_groups = n_q_groups.py_func(seqlen_q, plan.tiling)
     wanted = max(plan.tiling.q_chunks, -(-n_slots // max(n_units, 1)))
     return max(1, min(wanted, (n_groups + 1) // 2))
 

@@ -218,3 +218,45 @@ def test_invalid_dask_metadata_gets_the_single_process_error(client, small):
     lazy["v_ref"] = lazy["v_ref"].astype(np.float64)
     with pytest.raises(TypeError, match=r"v_ref must have the dtype of q_ref"):
         nd.attention_bwd(client, **lazy)
+
+
+# --- the shares without a cluster: any forward row split, the backward merge ------------------
+
+@pytest.mark.parametrize("n_chunks", [1, 2, 3])
+def test_any_forward_row_split_gives_the_single_process_bits(n_chunks):
+    from numbafa.kernels.bundles import FwdInputs, make_plan
+    from numbafa.validation import validate_fwd_inputs
+    case = Case(bs=1, nheads=1, nheads_kv=1, d_head=16, seqlen_q=2560, seqlen_k=2560, causal=True,
+                num_sinks=1)   # 5 Q groups: 3 chunks each own some
+    inputs = make_inputs(case)
+    args = (inputs["q_ref"], inputs["k_ref"], inputs["v_ref"], inputs["sinks_ref"])
+    expected = numbafa.attention_fwd(*args, use_causal_mask=True, lse_layout="natural")
+    prob = validate_fwd_inputs(*args, use_causal_mask=True)
+    plan = shards.with_q_chunks(make_plan(prob, backward=False), n_chunks)
+    parts = []
+    for chunk in range(n_chunks):
+        q = shards.pack_rows(prob.q, shards.owned_rows(case.seqlen_q, plan.tiling, chunk))
+        parts.append(shards.fwd_chunk(plan, FwdInputs(q, prob.k, prob.v, prob.sinks), True,
+                                      case.seqlen_q, chunk, prob.dtype))
+    got = [shards.place_rows([p[i] for p in parts], plan.tiling, case.seqlen_q) for i in (0, 1)]
+    assert_bitwise(got, expected)
+
+
+def test_the_backward_merge_of_chunks_gives_the_single_process_bits():
+    from numbafa.kernels.bundles import BwdInputs, make_plan
+    from numbafa.validation import validate_bwd_inputs
+    case = Case(bs=1, nheads=2, nheads_kv=1, d_head=16, seqlen_q=1024, seqlen_k=1024, causal=True,
+                num_sinks=2)
+    inputs = make_inputs(case)
+    expected = numbafa.attention_bwd(**inputs)
+    prob = validate_bwd_inputs(**inputs)
+    plan = make_plan(prob, backward=True)
+    assert plan.tiling.q_chunks == 2
+    parts = []
+    for chunk in range(2):
+        rows = shards.owned_rows(case.seqlen_q, plan.tiling, chunk)
+        packed = [shards.pack_rows(x, rows) for x in (prob.q, prob.o, prob.dy, prob.lse)]
+        ins = BwdInputs(packed[0], prob.k, prob.v, *packed[1:], prob.sinks)
+        parts.append(shards.bwd_chunk(plan, ins, True, case.seqlen_q, chunk, prob.dtype))
+    dq, dk, dv, dsinks = shards.bwd_merge(plan, prob.sinks, parts, case.seqlen_q, prob.dtype)
+    assert_bitwise((dq, dk, dv, dsinks.reshape(prob.sinks_shape)), expected)
