@@ -14,7 +14,10 @@ Why the results are bitwise those of the single-process call:
   1-unit problem is split in two, exactly as in one process;
 * a work item computes the same bits wherever it runs: nothing in it
   depends on the unit's position in the batch or on the other units, and
-  the kernels are deterministic for any thread count;
+  the kernels are deterministic for any thread count (a per-element feature
+  keyed on the absolute batch or head index, such as a dropout RNG, would
+  have to be given the block's offsets: a block's arrays start at batch 0,
+  head 0);
 * the backward's cross-item reduction is the kernel's own
   :func:`~numbafa.kernels.backward.finish_bwd` (``bwd_finish_unit``): a split
   unit's float32 dK/dV partials summed in chunk order, then rounded once,
