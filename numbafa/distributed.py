@@ -80,6 +80,16 @@ def _warm(client, kernel: str, dtype) -> None:
                                f"single-process call; install the same numbafa on every worker")
 
 
+def _refuse_dropout(prob) -> None:
+    """Attention dropout is not distributed yet: its mask is keyed on each element's absolute
+    batch and q-head, and a share's arrays start at batch 0, head 0 (``numbafa.shards``); the
+    kernels would need the share's offsets."""
+    if prob.dropout_p > 0:
+        raise ValueError(f"dropout_p must be 0 in numbafa.distributed (dropout is not distributed "
+                         f"yet: its mask depends on each element's absolute batch and q-head), got "
+                         f"dropout_p={prob.dropout_p}; use numbafa.attention_fwd/attention_bwd")
+
+
 def _is_dask(x) -> bool:
     da, _ = _dask()
     return isinstance(x, da.Array)
@@ -157,7 +167,7 @@ def _fwd_row_chunks(plan, seqlen_q: int, n_units: int, n_slots: int) -> int:
 
 def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None,
                   use_causal_mask=False, mixed_precision=False, softmax_scale=None,
-                  sliding_window=None, lse_layout="neuron"):
+                  sliding_window=None, lse_layout="neuron", dropout_p=0.0, seed=None, seed_offset=0):
     """:func:`numbafa.attention_fwd` on a Dask cluster: same arguments after ``client``, same bits.
 
     Parameters
@@ -171,6 +181,9 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
         Dask, computed here: they are ``[seqlen_q]``).
     softmax_scale, sliding_window, lse_layout
         As in :func:`numbafa.attention_fwd`.
+    dropout_p, seed, seed_offset
+        Accepted for the same signature; ``dropout_p`` must be 0 (dropout is not distributed
+        yet: its mask is keyed on each element's absolute batch and q-head).
 
     Returns
     -------
@@ -192,11 +205,13 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     if lse_layout not in _LSE_LAYOUTS:
         raise ValueError(f"lse_layout must be one of {_LSE_LAYOUTS}, got {lse_layout!r}")
     options = dict(use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
-                   softmax_scale=softmax_scale, sliding_window=sliding_window)
+                   softmax_scale=softmax_scale, sliding_window=sliding_window,
+                   dropout_p=dropout_p, seed=seed, seed_offset=seed_offset)
     named = dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref)
     if _dask_mode(named):
         return _fwd_dask(client, named, sinks_ref, bound_min, bound_max, options, lse_layout)
     prob = validate_fwd_inputs(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, **options)
+    _refuse_dropout(prob)
     bs, nheads, d_head, seqlen_q = prob.q.shape
     if lse_layout == "neuron" and seqlen_q % Q_TILE:
         raise ValueError(f"lse_layout='neuron' needs seqlen_q divisible by {Q_TILE}, got "
@@ -234,7 +249,7 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
 
 def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None,
                   bound_min=None, bound_max=None, use_causal_mask=False, mixed_precision=False,
-                  softmax_scale=None, sliding_window=None):
+                  softmax_scale=None, sliding_window=None, dropout_p=0.0, seed=None, seed_offset=0):
     """:func:`numbafa.attention_bwd` on a Dask cluster: same arguments after ``client``, same bits.
 
     One task per work unit (batch, KV head: the q-heads of its GQA group), so
@@ -257,6 +272,8 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
         heads; the bounds NumPy or Dask (computed here).
     use_causal_mask, mixed_precision, softmax_scale, sliding_window
         As in :func:`numbafa.attention_bwd`.
+    dropout_p, seed, seed_offset
+        As for :func:`numbafa.distributed.attention_fwd`: ``dropout_p`` must be 0.
 
     Returns
     -------
@@ -274,12 +291,14 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     """
     _check_client(client)
     options = dict(use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
-                   softmax_scale=softmax_scale, sliding_window=sliding_window)
+                   softmax_scale=softmax_scale, sliding_window=sliding_window,
+                   dropout_p=dropout_p, seed=seed, seed_offset=seed_offset)
     named = dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, o_ref=o_ref, dy_ref=dy_ref, lse_ref=lse_ref)
     if _dask_mode(named):
         return _bwd_dask(client, named, sinks_ref, bound_min, bound_max, options)
     prob = validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min,
                                bound_max, **options)
+    _refuse_dropout(prob)
     bs, nheads, d_head, seqlen_q = prob.q.shape
     nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
     plan = make_plan(prob, backward=True)
@@ -364,6 +383,7 @@ def _validate_dask(client, named: dict, sinks_ref, bound_min, bound_max, validat
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{exc} (Dask inputs: checked on their metadata, shapes shown with "
                         f"batch 0)") from None
+    _refuse_dropout(prob)
     if sinks is not None and not _is_dask(sinks):
         sinks = da.from_array(sinks, chunks=q.chunks[:2] + tuple((n,) for n in sinks.shape[2:]))
     return prob, sinks, bounds

@@ -260,3 +260,10 @@ def test_the_backward_merge_of_chunks_gives_the_single_process_bits():
         parts.append(shards.bwd_chunk(plan, ins, True, case.seqlen_q, chunk, prob.dtype))
     dq, dk, dv, dsinks = shards.bwd_merge(plan, prob.sinks, parts, case.seqlen_q, prob.dtype)
     assert_bitwise((dq, dk, dv, dsinks.reshape(prob.sinks_shape)), expected)
+
+
+def test_dropout_is_refused_with_a_value_error(client, small):
+    with pytest.raises(ValueError, match=r"dropout_p must be 0 in numbafa.distributed .* got dropout_p=0.1"):
+        nd.attention_bwd(client, **small, dropout_p=0.1, seed=1)
+    with pytest.raises(ValueError, match=r"dropout_p must be 0 in numbafa.distributed"):
+        nd.attention_fwd(client, small["q_ref"], small["k_ref"], small["v_ref"], dropout_p=0.1, seed=1)
