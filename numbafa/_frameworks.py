@@ -147,18 +147,22 @@ def neuron_sinks(sinks: Optional[np.ndarray], b: int) -> Optional[np.ndarray]:
     return np.broadcast_to(sinks, (b, sinks.shape[0]))
 
 
-def _options(sinks, bound_min, bound_max, causal, window, softmax_scale):
+def _options(sinks, bound_min, bound_max, causal, window, softmax_scale, dropout):
+    dropout_p, seed, seed_offset = dropout
     return dict(sinks_ref=sinks, bound_min=bound_min, bound_max=bound_max, use_causal_mask=bool(causal),
-                mixed_precision=True, softmax_scale=float(softmax_scale), sliding_window=int(window))
+                mixed_precision=True, softmax_scale=float(softmax_scale), sliding_window=int(window),
+                dropout_p=float(dropout_p), seed=seed, seed_offset=int(seed_offset))
 
 
-def host_forward(qn, kn, vn, sinks, bound_min, bound_max, causal, window, softmax_scale, layout):
+def host_forward(qn, kn, vn, sinks, bound_min, bound_max, causal, window, softmax_scale, layout,
+                 dropout=(0.0, None, 0)):
     """numbafa's forward on Neuron-layout arrays: ``o`` ``[b, h, d, s]``, lse ``[b, h, s]`` (float32).
 
     bf16 accumulates in float32 (``mixed_precision=True``). Errors name the
-    user's arguments, shapes given in ``layout``.
+    user's arguments, shapes given in ``layout``. ``dropout``: ``(dropout_p,
+    seed, seed_offset)`` as numbafa takes them.
     """
-    options = _options(sinks, bound_min, bound_max, causal, window, softmax_scale)
+    options = _options(sinks, bound_min, bound_max, causal, window, softmax_scale, dropout)
     try:
         return attention_fwd(qn, kn, vn, lse_layout="natural", **options)
     except (TypeError, ValueError):
@@ -167,9 +171,9 @@ def host_forward(qn, kn, vn, sinks, bound_min, bound_max, causal, window, softma
 
 
 def host_backward(qn, kn, vn, on, don, lse, sinks, bound_min, bound_max, causal, window, softmax_scale,
-                  layout):
+                  layout, dropout=(0.0, None, 0)):
     """numbafa's backward on Neuron-layout arrays: ``dq, dk, dv`` ``[b, h, d, s]`` (+ dsinks)."""
-    options = _options(sinks, bound_min, bound_max, causal, window, softmax_scale)
+    options = _options(sinks, bound_min, bound_max, causal, window, softmax_scale, dropout)
     try:
         return attention_bwd(qn, kn, vn, on, don, lse, **options)
     except (TypeError, ValueError):

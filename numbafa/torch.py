@@ -31,6 +31,7 @@ import torch
 
 from . import _frameworks
 from .layout import cu_seqlens_to_bounds as _cu_seqlens_to_bounds
+from .validation import validate_dropout
 
 __all__ = ["attention", "cu_seqlens_to_bounds", "to_numpy", "from_numpy"]
 
@@ -66,15 +67,18 @@ def _np(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
 @torch.library.custom_op("numbafa::attention_fwd", mutates_args=(), device_types="cpu")
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
                    bound_min: Optional[torch.Tensor], bound_max: Optional[torch.Tensor], causal: bool,
-                   window: int, softmax_scale: float, layout: str) -> Tuple[torch.Tensor, torch.Tensor]:
+                   window: int, softmax_scale: float, layout: str, dropout_p: float, seed: Optional[int],
+                   seed_offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """o ``[b, h, d, s]`` (q's dtype) and lse ``[b, h, s]`` (float32); ``layout`` only names shapes in errors."""
     o, lse = _frameworks.host_forward(to_numpy(q), to_numpy(k), to_numpy(v), _np(sinks), _np(bound_min),
-                                      _np(bound_max), causal, window, softmax_scale, layout)
+                                      _np(bound_max), causal, window, softmax_scale, layout,
+                                      (dropout_p, seed, seed_offset))
     return from_numpy(o), torch.from_numpy(lse)
 
 
 @_attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, sinks, bound_min, bound_max, causal, window, softmax_scale, layout):
+def _attention_fwd_fake(q, k, v, sinks, bound_min, bound_max, causal, window, softmax_scale, layout,
+                        dropout_p, seed, seed_offset):
     b, h, _, s = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
 
@@ -83,27 +87,28 @@ def _attention_fwd_fake(q, k, v, sinks, bound_min, bound_max, causal, window, so
 def _attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
                    lse: torch.Tensor, sinks: Optional[torch.Tensor], bound_min: Optional[torch.Tensor],
                    bound_max: Optional[torch.Tensor], causal: bool, window: int, softmax_scale: float,
-                   layout: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   layout: str, dropout_p: float, seed: Optional[int], seed_offset: int
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv ``[b, h(_kv), d, s]`` and dsinks (the sinks' shape; empty without sinks)."""
     grads = _frameworks.host_backward(to_numpy(q), to_numpy(k), to_numpy(v), to_numpy(o), to_numpy(do),
                                       to_numpy(lse), _np(sinks), _np(bound_min), _np(bound_max), causal,
-                                      window, softmax_scale, layout)
+                                      window, softmax_scale, layout, (dropout_p, seed, seed_offset))
     dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else from_numpy(grads[3])
     return from_numpy(grads[0]), from_numpy(grads[1]), from_numpy(grads[2]), dsinks
 
 
 @_attention_bwd.register_fake
 def _attention_bwd_fake(q, k, v, o, do, lse, sinks, bound_min, bound_max, causal, window, softmax_scale,
-                        layout):
+                        layout, dropout_p, seed, seed_offset):
     dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else sinks.new_empty(sinks.shape)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, bound_min, bound_max, causal, window, softmax_scale, layout = inputs
+    q, k, v, sinks, bound_min, bound_max, *options = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, sinks, bound_min, bound_max)
-    ctx.options = (causal, window, softmax_scale, layout)
+    ctx.options = tuple(options)   # causal, window, softmax_scale, layout and the dropout's three
     ctx.has_sinks = sinks is not None
     ctx.mark_non_differentiable(lse)
 
@@ -113,7 +118,7 @@ def _backward(ctx, do, dlse):
     q, k, v, o, lse, sinks, bound_min, bound_max = ctx.saved_tensors
     dq, dk, dv, dsinks = torch.ops.numbafa.attention_bwd(q, k, v, o, do, lse, sinks, bound_min, bound_max,
                                                          *ctx.options)
-    return dq, dk, dv, (dsinks if ctx.has_sinks else None), None, None, None, None, None, None
+    return (dq, dk, dv, (dsinks if ctx.has_sinks else None), None, None) + (None,) * len(ctx.options)
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -133,7 +138,7 @@ def _check_tensor(name: str, t, required: bool = True) -> None:
 
 
 def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None, bound_max=None,
-              softmax_scale=None, layout="bhsd"):
+              softmax_scale=None, layout="bhsd", dropout_p=0.0, seed=None, seed_offset=0):
     """Attention with numbafa's CPU kernels, differentiable with respect to q, k, v and sinks.
 
     Parameters
@@ -157,6 +162,15 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
     softmax_scale : float, optional
         Default (``None`` or 0.0) ``1 / sqrt(head_dim)``.
     layout : {"bhsd", "bshd"}
+    dropout_p : float in ``[0, 1)``, default 0
+        Attention dropout with the exact gradient (:func:`numbafa.attention_bwd`);
+        the backward draws the forward's mask again.
+    seed : int in ``[0, 2**63)``, required when ``dropout_p > 0``
+    seed_offset : int in ``[0, 2**63)``, default 0
+        The mask is a function of ``(seed, seed_offset)`` and each element's
+        coordinates (:func:`numbafa.dropout_mask`): pass e.g. the training
+        step as ``seed_offset`` for a fresh mask per step. (PyTorch operators
+        take 64-bit signed ints, hence ``2**63`` instead of numbafa's ``2**64``.)
 
     Returns
     -------
@@ -187,6 +201,11 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         layout, {name: tuple(t.shape) for name, t in given.items()},
         {name: _DTYPES.get(t.dtype, str(t.dtype).replace("torch.", "")) for name, t in given.items()},
         causal, window, softmax_scale)
+    drop = validate_dropout(dropout_p, seed, seed_offset)
+    for name in ("seed", "seed_offset"):
+        if drop[name] >= 2 ** 63:
+            raise ValueError(f"{name} must be in [0, 2**63) for PyTorch's int64 operator arguments, "
+                             f"got {drop[name]}")
     perm = _TO_NEURON[layout]
     qn, kn, vn = (x.permute(perm) for x in (q, k, v))
     if sinks is not None and sinks.dim() == 1:
@@ -194,7 +213,8 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         # in float32 and rounded once to the sinks' dtype.
         sinks = sinks.float().expand(q.shape[0], sinks.shape[0])
     o, _ = torch.ops.numbafa.attention_fwd(qn, kn, vn, sinks, bound_min, bound_max, bool(causal), window,
-                                           softmax_scale, layout)
+                                           softmax_scale, layout, drop["dropout_p"],
+                                           seed if seed is None else drop["seed"], drop["seed_offset"])
     return o.permute(_FROM_NEURON[layout])
 
 

@@ -83,7 +83,7 @@ def test_import_numbafa_imports_no_framework():
 # The operators
 # ---------------------------------------------------------------------------
 
-def _op_args(dtype, sinks, window, packing):
+def _op_args(dtype, sinks, window, packing, dropout=(0.0, None, 0)):
     q, k, v, do = make(dtype=dtype, s=96)
     perm = (0, 1, 3, 2)
     qn, kn, vn = (x.detach().permute(perm).requires_grad_() for x in (q, k, v))
@@ -91,21 +91,22 @@ def _op_args(dtype, sinks, window, packing):
     bmin = bmax = None
     if packing:
         bmin, bmax = nt.cu_seqlens_to_bounds(torch.tensor([0, 40, 96]))
-    fwd = (qn, kn, vn, s, bmin, bmax, True, window, 0.0, "bhsd")
+    fwd = (qn, kn, vn, s, bmin, bmax, True, window, 0.0, "bhsd") + tuple(dropout)
     o, lse = torch.ops.numbafa.attention_fwd(*fwd)
     s = None if s is None else s.detach()   # the backward op has no autograd formula (no double backward)
     bwd = (qn.detach(), kn.detach(), vn.detach(), o.detach(), do.permute(perm), lse, s, bmin, bmax, True,
-           window, 0.0, "bhsd")
+           window, 0.0, "bhsd") + tuple(dropout)
     return fwd, bwd
 
 
-@pytest.mark.parametrize("dtype, sinks, window, packing", [
-    (torch.float32, False, 0, False),
-    (torch.float32, True, 32, True),
-    (torch.bfloat16, True, 0, False),
-], ids=["float32", "float32-sinks-window-packing", "bf16-sinks"])
-def test_opcheck(dtype, sinks, window, packing):
-    fwd, bwd = _op_args(dtype, sinks, window, packing)
+@pytest.mark.parametrize("dtype, sinks, window, packing, dropout", [
+    (torch.float32, False, 0, False, (0.0, None, 0)),
+    (torch.float32, True, 32, True, (0.0, None, 0)),
+    (torch.bfloat16, True, 0, False, (0.0, None, 0)),
+    (torch.float32, True, 0, False, (0.25, 7, 3)),
+], ids=["float32", "float32-sinks-window-packing", "bf16-sinks", "float32-dropout"])
+def test_opcheck(dtype, sinks, window, packing, dropout):
+    fwd, bwd = _op_args(dtype, sinks, window, packing, dropout)
     torch.library.opcheck(torch.ops.numbafa.attention_fwd.default, fwd)
     torch.library.opcheck(torch.ops.numbafa.attention_bwd.default, bwd)
 
@@ -244,6 +245,36 @@ def test_bf16_is_numbafa_bit_for_bit(layout):
         assert g.dtype == (torch.float32 if name == "dsinks" else torch.bfloat16), name
         np.testing.assert_array_equal(nt.to_numpy(g).view(np.uint16 if name != "dsinks" else np.uint32),
                                       e.view(np.uint16 if name != "dsinks" else np.uint32), err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_dropout_is_numbafa_bit_for_bit(dtype):
+    """Dropout: the op draws numbafa's mask in both passes, so o and every gradient are numbafa's."""
+    q, k, v, do = make("bshd", dtype=dtype, seed=6)
+    sinks = torch.randn(B, H).requires_grad_()
+    drop = dict(dropout_p=0.2, seed=11, seed_offset=4)
+    o = nt.attention(q, k, v, causal=True, sinks=sinks, layout="bshd", **drop)
+    got = grads(o, do, q, k, v, sinks)
+    o_np, ctx = numbafa.attention(*(nt.to_numpy(x) for x in (q, k, v)), sinks=nt.to_numpy(sinks),
+                                  use_causal_mask=True, mixed_precision=True, layout="bshd", **drop)
+    expected = ctx.backward(nt.to_numpy(do))
+    bits = np.uint16 if dtype == torch.bfloat16 else np.uint32
+    np.testing.assert_array_equal(nt.to_numpy(o).view(bits), o_np.view(bits))
+    for name, g, e in zip(("dq", "dk", "dv", "dsinks"), got, expected):
+        b = np.uint32 if name == "dsinks" else bits
+        np.testing.assert_array_equal(nt.to_numpy(g).view(b), e.view(b), err_msg=name)
+    o_plain = nt.attention(q, k, v, causal=True, sinks=sinks, layout="bshd")
+    assert not torch.equal(o, o_plain)
+
+
+def test_dropout_errors_name_the_argument():
+    q, k, v, _ = make()
+    with pytest.raises(ValueError, match="seed is required with dropout_p=0.1"):
+        nt.attention(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\), got 1.5"):
+        nt.attention(q, k, v, dropout_p=1.5, seed=1)
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*63\)"):
+        nt.attention(q, k, v, dropout_p=0.1, seed=2 ** 63)
 
 
 def test_bf16_accuracy_against_golden():
