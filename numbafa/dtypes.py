@@ -38,6 +38,8 @@ __all__ = [
     "from_bf16_array",
     "as_operand",
     "narrowed",
+    "operand_tile",
+    "store_operand",
 ]
 
 def bf16_dtype() -> np.dtype:
@@ -60,36 +62,39 @@ def bf16_bits_to_f32(bits):
 
 
 @jit()
+def _rounded_bits(u):
+    """The float32 bits ``u`` rounded to bf16 (nearest, ties to even), low half zero.
+
+    Selects only, no branch, so that loops over it vectorise: NaN keeps its
+    sign and becomes quiet; every other value rounds on its bit pattern.
+    """
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    quiet = (u | np.uint32(0x00400000)) & np.uint32(0xFFFF0000)
+    return quiet if nan else rounded
+
+
+@jit()
 def f32_to_bf16_bits(x):
     """Round one float32 to bf16 (nearest, ties to even); return the uint16 bits."""
-    u = np.float32(x).view(np.uint32)
-    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN: keep sign, make quiet
-        return np.uint16((u >> np.uint32(16)) | np.uint32(0x0040))
-    lsb = (u >> np.uint32(16)) & np.uint32(1)
-    u = u + np.uint32(0x7FFF) + lsb
-    return np.uint16(u >> np.uint32(16))
+    return np.uint16(_rounded_bits(np.float32(x).view(np.uint32)) >> np.uint32(16))
 
 
 @jit()
 def round_to_bf16(x):
     """Round one float32 to the nearest bf16 value, returned as float32."""
-    return bf16_bits_to_f32(f32_to_bf16_bits(x))
+    return np.uint32(_rounded_bits(np.float32(x).view(np.uint32))).view(np.float32)
 
 
 @jit()
 def round_to_bf16_inplace(buf):
     """Round every element of a contiguous 1-D float32 array to bf16, in place.
 
-    The same rule as :func:`f32_to_bf16_bits`, written with selects on the
-    uint32 view so that the loop vectorises.
+    The same rule as :func:`f32_to_bf16_bits` (:func:`_rounded_bits`), on the uint32 view.
     """
     u = buf.view(np.uint32)
     for i in range(u.size):
-        x = u[i]
-        nan = (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-        rounded = (x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-        quiet = (x | np.uint32(0x00400000)) & np.uint32(0xFFFF0000)
-        u[i] = quiet if nan else rounded
+        u[i] = _rounded_bits(u[i])
 
 
 def widen(x):  # pragma: no cover - replaced by the overload inside njit code
@@ -211,5 +216,49 @@ def _narrowed_overload(t, buf, operand):
                 for j in range(cols):
                     dst[j] = np.uint16(np.float32(src[j]).view(np.uint32) >> np.uint32(16))
             return out
+        return impl
+    return None
+
+
+def operand_tile(t, buf, operand):  # pragma: no cover - replaced by the overload inside njit code
+    """Where a bf16-valued tile shaped like the float32 2-D ``t`` is written as a GEMM operand
+    of the path ``operand`` marks: float32 -> ``t`` itself; uint16 -> a ``t``-shaped view of the
+    flat uint16 scratch ``buf`` (not initialised), filled by :func:`store_operand`."""
+    raise NotImplementedError("operand_tile is only callable from @njit code")
+
+
+@overload(operand_tile)
+def _operand_tile_overload(t, buf, operand):
+    from numba import types
+
+    if not isinstance(operand, types.Array) or not isinstance(t, types.Array) or t.ndim != 2:
+        return None
+    if operand.dtype == types.float32:
+        return lambda t, buf, operand: t
+    if operand.dtype == types.uint16:
+        return lambda t, buf, operand: buf[:t.shape[0] * t.shape[1]].reshape(t.shape[0], t.shape[1])
+    return None
+
+
+def store_operand(out, i, x):  # pragma: no cover - replaced by the overload inside njit code
+    """``out[i] = x`` for a float32 ``x`` holding a bf16 value (or any float32 value when ``out``
+    is float32): float32 ``out`` takes ``x``, uint16 ``out`` its bf16 bits (exact, as in
+    :func:`narrowed`), so a loop producing an operand tile writes it in one pass."""
+    raise NotImplementedError("store_operand is only callable from @njit code")
+
+
+@overload(store_operand)
+def _store_operand_overload(out, i, x):
+    from numba import types
+
+    if not isinstance(out, types.Array):
+        return None
+    if out.dtype == types.float32:
+        def impl(out, i, x):
+            out[i] = x
+        return impl
+    if out.dtype == types.uint16:
+        def impl(out, i, x):
+            out[i] = np.uint16(np.float32(x).view(np.uint32) >> np.uint32(16))
         return impl
     return None
