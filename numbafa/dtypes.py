@@ -38,8 +38,6 @@ __all__ = [
     "from_bf16_array",
     "as_operand",
     "narrowed",
-    "operand_tile",
-    "store_operand",
 ]
 
 def bf16_dtype() -> np.dtype:
@@ -219,46 +217,3 @@ def _narrowed_overload(t, buf, operand):
         return impl
     return None
 
-
-def operand_tile(t, buf, operand):  # pragma: no cover - replaced by the overload inside njit code
-    """Where a bf16-valued tile shaped like the float32 2-D ``t`` is written as a GEMM operand
-    of the path ``operand`` marks: float32 -> ``t`` itself; uint16 -> a ``t``-shaped view of the
-    flat uint16 scratch ``buf`` (not initialised), filled by :func:`store_operand`."""
-    raise NotImplementedError("operand_tile is only callable from @njit code")
-
-
-@overload(operand_tile)
-def _operand_tile_overload(t, buf, operand):
-    from numba import types
-
-    if not isinstance(operand, types.Array) or not isinstance(t, types.Array) or t.ndim != 2:
-        return None
-    if operand.dtype == types.float32:
-        return lambda t, buf, operand: t
-    if operand.dtype == types.uint16:
-        return lambda t, buf, operand: buf[:t.shape[0] * t.shape[1]].reshape(t.shape[0], t.shape[1])
-    return None
-
-
-def store_operand(out, i, x):  # pragma: no cover - replaced by the overload inside njit code
-    """``out[i] = x`` for a float32 ``x`` holding a bf16 value (or any float32 value when ``out``
-    is float32): float32 ``out`` takes ``x``, uint16 ``out`` its bf16 bits (exact, as in
-    :func:`narrowed`), so a loop producing an operand tile writes it in one pass."""
-    raise NotImplementedError("store_operand is only callable from @njit code")
-
-
-@overload(store_operand)
-def _store_operand_overload(out, i, x):
-    from numba import types
-
-    if not isinstance(out, types.Array):
-        return None
-    if out.dtype == types.float32:
-        def impl(out, i, x):
-            out[i] = x
-        return impl
-    if out.dtype == types.uint16:
-        def impl(out, i, x):
-            out[i] = np.uint16(np.float32(x).view(np.uint32) >> np.uint32(16))
-        return impl
-    return None

@@ -58,7 +58,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ..dtypes import as_operand, narrowed, operand_tile, round_to_bf16, store_operand, widen
+from ..dtypes import as_operand, narrowed, round_to_bf16_inplace, widen
 from ..jit import jit
 from ..parallel import parallel_for
 from ..tiling import FLOAT32_MIN
@@ -129,48 +129,33 @@ def compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum, precision):
 
 
 @jit()
-def _softmax_backward_row(s, dp, p_out, ds_out, neg_lse, d_sum, k_abs, ranges, use_packing, round_kernel):
-    """One key row of Steps 2.3-4 over a contiguous query slice, in one vectorised pass.
+def _softmax_backward_row(s, dp, neg_lse, d_sum, k_abs, key_lo, key_hi, use_packing, round_kernel):
+    """One key row of Steps 2.3-4 over contiguous query slices (vectorised loops).
 
-    Reads S and dP (``s``, ``dp``), writes P and dS in kernel_dtype into
-    ``p_out`` and ``ds_out`` (:func:`~numbafa.dtypes.store_operand`: the
-    same float32 rows on the BLAS path, bf16 bits on the oneDNN path). With
-    packing, query ``i`` sees the key only if ``key_lo[i] <= k_abs <
-    key_hi[i]`` (``ranges = (key_lo, key_hi)``, upstream ``range_select``);
-    a masked score is the float32 minimum, whose exp is exactly 0.
+    With packing, query ``i`` sees the key only if ``key_lo[i] <= k_abs <
+    key_hi[i]`` (upstream ``range_select``); a masked score is the float32
+    minimum, whose exp is exactly 0.
     """
-    key_lo, key_hi = ranges
     for i in range(s.size):
         x = s[i]
         if use_packing:
             x = _F32_MIN if (k_abs < key_lo[i]) | (k_abs >= key_hi[i]) else x
-        p = expf(x + neg_lse[i])
-        if round_kernel:
-            p = round_to_bf16(p)
-        ds = (dp[i] - d_sum[i]) * p
-        if round_kernel:
-            ds = round_to_bf16(ds)
-        store_operand(p_out, i, p)
-        store_operand(ds_out, i, ds)
+        s[i] = expf(x + neg_lse[i])
+    if round_kernel:
+        round_to_bf16_inplace(s)
+    for i in range(s.size):
+        dp[i] = (dp[i] - d_sum[i]) * s[i]
+    if round_kernel:
+        round_to_bf16_inplace(dp)
 
 
 @jit()
-def _zero_outside(row, lo, hi):
-    """``row[:lo] = row[hi:] = 0`` (element by element: no slice-assignment error path)."""
-    for i in range(lo):
-        row[i] = 0
-    for i in range(hi, row.size):
-        row[i] = 0
-
-
-@jit()
-def recompute_softmax_backward(s_t, dp_t, p_t, ds_t, k_abs0, q_abs0, qg, plan):
-    """Steps 2.3, 2.4 and 4 on one ``[keys, queries]`` tile.
+def recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, qg, plan):
+    """Steps 2.3, 2.4 and 4 on one ``[keys, queries]`` tile, in place.
 
     On entry ``s_t = S^T`` and ``dp_t = dP^T`` for keys ``k_abs0..`` and
-    queries ``q_abs0..``; on exit ``p_t = P^T`` and ``ds_t = dS^T``, both
-    rounded to kernel_dtype (float32 tiles, which may be ``s_t`` and ``dp_t``
-    themselves, or bf16 operand tiles written directly):
+    queries ``q_abs0..``; on exit ``s_t = P^T`` and ``dp_t = dS^T``, both
+    rounded to kernel_dtype:
 
     * mask (:mod:`numbafa.kernels.mask`): without packing the queries that
       see a key are contiguous, and the others (a prefix and a suffix of the
@@ -189,13 +174,16 @@ def recompute_softmax_backward(s_t, dp_t, p_t, ds_t, k_abs0, q_abs0, qg, plan):
         hi = n_q
         if not mask.use_packing:
             lo, hi = queries_seeing_key(mask, k_abs, q_abs0, n_q)
-        _zero_outside(p_t[j], lo, hi)
-        _zero_outside(ds_t[j], lo, hi)
+        s_row = s_t[j]
+        dp_row = dp_t[j]
+        s_row[:lo] = _ZERO
+        dp_row[:lo] = _ZERO
+        s_row[hi:] = _ZERO
+        dp_row[hi:] = _ZERO
         q0 = q_abs0 + lo
         q1 = q_abs0 + hi
-        _softmax_backward_row(s_t[j, lo:hi], dp_t[j, lo:hi], p_t[j, lo:hi], ds_t[j, lo:hi],
-                              qg.neg_lse[q0:q1], qg.d_sum[q0:q1], k_abs,
-                              (mask.key_lo[q0:q1], mask.key_hi[q0:q1]), mask.use_packing,
+        _softmax_backward_row(s_row[lo:hi], dp_row[lo:hi], qg.neg_lse[q0:q1], qg.d_sum[q0:q1], k_abs,
+                              mask.key_lo[q0:q1], mask.key_hi[q0:q1], mask.use_packing,
                               plan.precision.round_kernel)
 
 
@@ -241,25 +229,10 @@ def recompute_p_ds(plan, sec, qg, blk, scratch):
     matmul(sec.k[:, keys], qg.q_s[:, blk.r0:blk.r1], s_t, True, False, _ONE, _ZERO)
     matmul(sec.v[:, keys], qg.dy[:, blk.r0:blk.r1], dp_t, True, False, _ONE, _ZERO)
     drop_scores(scratch.mult, dp_t, k_abs0, q_abs0, qg.q_head, qg.batch, plan.dropout)
-    return _p_ds_operands(s_t, dp_t, k_abs0, q_abs0, qg, plan, scratch, plan.dropout)
-
-
-@jit()
-def _p_ds_operands(s_t, dp_t, k_abs0, q_abs0, qg, plan, scratch, dropout):
-    """Steps 2.3-4 from ``S^T``, ``dP^T`` into the GEMM operands ``(P^T, dS^T)``.
-
-    On the oneDNN path P and dS (bf16-valued) are written as bf16 bits in the
-    softmax pass itself; the BLAS path writes them over ``s_t`` and ``dp_t``.
-    With dropout P^T goes through float32 first, for ``P~ = P * M``.
-    """
-    ds_t = operand_tile(dp_t, scratch.ds_op, plan.operand)
-    if dropout is None:
-        p_t = operand_tile(s_t, scratch.p_op, plan.operand)
-        recompute_softmax_backward(s_t, dp_t, p_t, ds_t, k_abs0, q_abs0, qg, plan)
-        return p_t, ds_t
-    recompute_softmax_backward(s_t, dp_t, s_t, ds_t, k_abs0, q_abs0, qg, plan)
-    drop_probabilities(scratch.mult, s_t, dropout, plan.precision.round_kernel)
-    return narrowed(s_t, scratch.p_op, plan.operand), ds_t
+    recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, qg, plan)
+    drop_probabilities(scratch.mult, s_t, plan.dropout, plan.precision.round_kernel)
+    # P and dS are bf16-valued here when the inputs are bf16: the oneDNN path takes their bits.
+    return narrowed(s_t, scratch.p_op, plan.operand), narrowed(dp_t, scratch.ds_op, plan.operand)
 
 
 @jit()
