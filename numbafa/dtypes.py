@@ -60,36 +60,39 @@ def bf16_bits_to_f32(bits):
 
 
 @jit()
+def _rounded_bits(u):
+    """The float32 bits ``u`` rounded to bf16 (nearest, ties to even), low half zero.
+
+    Selects only, no branch, so that loops over it vectorise: NaN keeps its
+    sign and becomes quiet; every other value rounds on its bit pattern.
+    """
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    quiet = (u | np.uint32(0x00400000)) & np.uint32(0xFFFF0000)
+    return quiet if nan else rounded
+
+
+@jit()
 def f32_to_bf16_bits(x):
     """Round one float32 to bf16 (nearest, ties to even); return the uint16 bits."""
-    u = np.float32(x).view(np.uint32)
-    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN: keep sign, make quiet
-        return np.uint16((u >> np.uint32(16)) | np.uint32(0x0040))
-    lsb = (u >> np.uint32(16)) & np.uint32(1)
-    u = u + np.uint32(0x7FFF) + lsb
-    return np.uint16(u >> np.uint32(16))
+    return np.uint16(_rounded_bits(np.float32(x).view(np.uint32)) >> np.uint32(16))
 
 
 @jit()
 def round_to_bf16(x):
     """Round one float32 to the nearest bf16 value, returned as float32."""
-    return bf16_bits_to_f32(f32_to_bf16_bits(x))
+    return np.uint32(_rounded_bits(np.float32(x).view(np.uint32))).view(np.float32)
 
 
 @jit()
 def round_to_bf16_inplace(buf):
     """Round every element of a contiguous 1-D float32 array to bf16, in place.
 
-    The same rule as :func:`f32_to_bf16_bits`, written with selects on the
-    uint32 view so that the loop vectorises.
+    The same rule as :func:`f32_to_bf16_bits` (:func:`_rounded_bits`), on the uint32 view.
     """
     u = buf.view(np.uint32)
     for i in range(u.size):
-        x = u[i]
-        nan = (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-        rounded = (x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-        quiet = (x | np.uint32(0x00400000)) & np.uint32(0xFFFF0000)
-        u[i] = quiet if nan else rounded
+        u[i] = _rounded_bits(u[i])
 
 
 def widen(x):  # pragma: no cover - replaced by the overload inside njit code
@@ -213,3 +216,4 @@ def _narrowed_overload(t, buf, operand):
             return out
         return impl
     return None
+

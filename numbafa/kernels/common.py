@@ -25,13 +25,15 @@ def round_if(x, flag):
     return x
 
 
-# Rows of a transposed *store* handled per block: the block's rows of the
-# [seq, d] source (16 x d floats, 8 KiB at d = 128) stay in L1 while every
-# column is written. Storing whole columns at once reads with a stride of d
-# floats over the full sequence, which at d = 128 (512-byte stride) thrashes
-# L1's sets: 1.3-2.3x slower on a 2048 x 128 tile. The same blocking made
-# the *load* faster in isolation but the backward 8-10 % slower (old and new
-# alternated in one process), so load_transposed keeps its plain loop.
+# A transposed *store* goes in square blocks of 16 x 16: the block's 16 rows
+# of the [seq, d] source stay in L1, each of its 16 destination rows gets one
+# full 64-byte line, and LLVM turns the fixed-size block into vector shuffles.
+# 2048 x 128: 0.26 -> 0.13 ms plain, 0.45 -> 0.28 ms rounded to bf16 (the
+# previous 16-row strips, docs/performance.md). Storing whole columns at once
+# reads with a stride of d floats over the full sequence, which at d = 128
+# (512-byte stride) thrashes L1's sets: 1.3-2.3x slower than the strips. The
+# strips made the *load* faster in isolation but the backward 8-10 % slower
+# (old and new alternated in one process), so load_transposed keeps its plain loop.
 _TRANSPOSE_BLOCK = 16
 
 
@@ -79,8 +81,17 @@ def load_scaled(src, start, count, out, scale, round_kernel):
 def store_transposed(src, count, dst, start, round_out):
     """Store ``src[:count]`` (``[seq, d]``) into ``dst[:, start:start+count]`` (``[d, seq]``)."""
     d_head = dst.shape[0]
-    for i0 in range(0, count, _TRANSPOSE_BLOCK):
-        i1 = min(i0 + _TRANSPOSE_BLOCK, count)
-        for i_d in range(d_head):
-            for i in range(i0, i1):
-                dst[i_d, start + i] = round_if(src[i, i_d], round_out)
+    b = _TRANSPOSE_BLOCK
+    full_rows = count - count % b
+    full_cols = d_head - d_head % b
+    for i0 in range(0, full_rows, b):
+        for j0 in range(0, full_cols, b):
+            for j in range(j0, j0 + b):
+                for i in range(i0, i0 + b):
+                    dst[j, start + i] = round_if(src[i, j], round_out)
+        for j in range(full_cols, d_head):
+            for i in range(i0, i0 + b):
+                dst[j, start + i] = round_if(src[i, j], round_out)
+    for i in range(full_rows, count):
+        for j in range(d_head):
+            dst[j, start + i] = round_if(src[i, j], round_out)
