@@ -23,9 +23,8 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
 import numbafa  # noqa: E402
-from _problems import CASES, Case, make_inputs  # noqa: E402
+from _problems import CASES, Case, forward_options, make_inputs  # noqa: E402
 
-FWD_KEYS = ("sinks_ref", "bound_min", "bound_max", "use_causal_mask", "softmax_scale", "sliding_window")
 
 #: Packing bounds beyond the float -> int range (the forward got them wrong before 2026-12).
 EDGE_BOUNDS = {
@@ -52,7 +51,7 @@ def run_all():
                 n = case.seqlen_q
                 inputs["bound_min"] = np.full(n, edge[0], np.float32)
                 inputs["bound_max"] = np.full(n, edge[1], np.float32)
-            fwd_kw = {k: inputs[k] for k in FWD_KEYS if k in inputs}
+            fwd_kw = forward_options(inputs)
             for mixed in (True, False):
                 tag = f"{name}/{np.dtype(dtype).name}/{'mixed' if mixed else 'not-mixed'}"
                 o, lse = numbafa.attention_fwd(inputs["q_ref"], inputs["k_ref"], inputs["v_ref"],

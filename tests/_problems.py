@@ -72,6 +72,15 @@ def make_inputs(case: Case, dtype=np.float32):
                 lse_ref=lse.astype(np.float32), **kw)
 
 
+#: Keys of ``make_inputs``' dict that ``attention_fwd`` takes too, besides q, k, v.
+FWD_OPTIONS = ("sinks_ref", "bound_min", "bound_max", "use_causal_mask", "softmax_scale", "sliding_window")
+
+
+def forward_options(inputs):
+    """The forward's options (no q, k, v) of a ``make_inputs`` dict."""
+    return {key: inputs[key] for key in FWD_OPTIONS if key in inputs}
+
+
 #: Shape families shared by the float32 and bf16 tests: (id, Case).
 CASES = [
     # --- attention variants -------------------------------------------------

@@ -19,9 +19,8 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 import numbafa  # noqa: E402
 import numbafa.distributed as nd  # noqa: E402
 from numbafa import shards  # noqa: E402
-from _problems import Case, make_inputs  # noqa: E402
+from _problems import Case, forward_options, make_inputs  # noqa: E402
 
-FWD_KEYS = ("sinks_ref", "bound_min", "bound_max", "use_causal_mask", "softmax_scale", "sliding_window")
 BF16 = ml_dtypes.bfloat16
 
 # (id, case, dtype, mixed_precision). The units a call has decide its split: 1, 3 or 5 units
@@ -52,7 +51,7 @@ def assert_bitwise(got, expected):
 
 
 def _fwd_kwargs(inputs, mixed):
-    return dict({k: inputs[k] for k in FWD_KEYS if k in inputs}, mixed_precision=mixed)
+    return dict(forward_options(inputs), mixed_precision=mixed)
 
 
 @pytest.fixture(scope="module")

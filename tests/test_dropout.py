@@ -13,7 +13,7 @@ import numbafa
 from numbafa import golden
 from numbafa.kernels.dropout import drop_rows, fill_multipliers, make_dropout, philox_words
 
-from _problems import Case, make_inputs
+from _problems import Case, forward_options, make_inputs
 from _tolerances import BF16_MIXED, FLOAT32, MIN_IDENTICAL, assert_close
 from test_bf16 import faithfulness
 
@@ -177,10 +177,7 @@ def dropout_inputs(case, dtype, drop=DROP):
 
 
 def _fwd_args(inputs):
-    return dict(q_ref=inputs["q_ref"], k_ref=inputs["k_ref"], v_ref=inputs["v_ref"],
-                sinks_ref=inputs.get("sinks_ref"), bound_min=inputs.get("bound_min"),
-                bound_max=inputs.get("bound_max"), use_causal_mask=inputs["use_causal_mask"],
-                softmax_scale=inputs["softmax_scale"], sliding_window=inputs["sliding_window"])
+    return dict(q_ref=inputs["q_ref"], k_ref=inputs["k_ref"], v_ref=inputs["v_ref"], **forward_options(inputs))
 
 
 @pytest.mark.parametrize("case", [c for _, c in DROPOUT_CASES], ids=[i for i, _ in DROPOUT_CASES])
