@@ -433,22 +433,30 @@ def _assemble(blocks: list, ndim: int):
     return da.block([[nest(x) for x in row] for row in blocks])
 
 
+def _dask_plan(client, named, sinks, prob, backward: bool):
+    """The checks and the plan shared by both passes on Dask arrays: chunks, the whole
+    problem's plan (from shapes only) and the workers' warm-up; the plan as a delayed value."""
+    from dask import delayed
+    q, k = named["q_ref"], named["k_ref"]
+    n_rep = q.shape[1] // k.shape[1]
+    _check_chunks(dict(named, **({} if sinks is None else {"sinks_ref": sinks})), ("k_ref", "v_ref"), n_rep)
+    plan = make_plan(dataclasses.replace(prob, q=_shape_only(q.shape, prob.q.dtype),
+                                         k=_shape_only(k.shape, prob.k.dtype)), backward=backward)
+    _warm(client, "backward" if backward else "forward", q.dtype)
+    return plan, delayed(plan, traverse=False)
+
+
 def _fwd_dask(client, named, sinks_ref, bound_min, bound_max, options, lse_layout):
     da, _ = _dask()
     from dask import delayed
     prob, sinks, bounds = _validate_dask(client, named, sinks_ref, bound_min, bound_max,
                                          validate_fwd_inputs, options)
-    q, k = named["q_ref"], named["k_ref"]
+    q = named["q_ref"]
     bs, nheads, d_head, seqlen_q = q.shape
     if lse_layout == "neuron" and seqlen_q % Q_TILE:
         raise ValueError(f"lse_layout='neuron' needs seqlen_q divisible by {Q_TILE}, got "
                          f"seqlen_q={seqlen_q}; use lse_layout='natural'")
-    n_rep = nheads // k.shape[1]
-    _check_chunks(dict(named, **({} if sinks is None else {"sinks_ref": sinks})), ("k_ref", "v_ref"), n_rep)
-    plan = make_plan(dataclasses.replace(prob, q=_shape_only(q.shape, prob.q.dtype),
-                                         k=_shape_only(k.shape, prob.k.dtype)), backward=False)
-    _warm(client, "forward", q.dtype)
-    plan_d = delayed(plan, traverse=False)
+    plan, plan_d = _dask_plan(client, named, sinks, prob, backward=False)
     bounds_d = [None if b is None else delayed(b, traverse=False) for b in bounds]
     n_chunks = plan.tiling.q_chunks
     get = [_blocks(x) for x in (q, named["k_ref"], named["v_ref"], sinks)]
@@ -477,11 +485,7 @@ def _bwd_dask(client, named, sinks_ref, bound_min, bound_max, options):
     bs, nheads, d_head, seqlen_q = q.shape
     nheads_kv, seqlen_k = k.shape[1], k.shape[3]
     n_rep = nheads // nheads_kv
-    _check_chunks(dict(named, **({} if sinks is None else {"sinks_ref": sinks})), ("k_ref", "v_ref"), n_rep)
-    plan = make_plan(dataclasses.replace(prob, q=_shape_only(q.shape, prob.q.dtype),
-                                         k=_shape_only(k.shape, prob.k.dtype)), backward=True)
-    _warm(client, "backward", q.dtype)
-    plan_d = delayed(plan, traverse=False)
+    plan, plan_d = _dask_plan(client, named, sinks, prob, backward=True)
     bounds_d = [None if b is None else delayed(b, traverse=False) for b in bounds]
     n_chunks = plan.tiling.q_chunks
     get = [_blocks(x) for x in list(named.values()) + [sinks]]
