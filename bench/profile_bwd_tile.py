@@ -67,11 +67,11 @@ def t_gemms5(plan, sec, qg, scratch, k0, n):
     k = sec.k[:, k0:k0 + n_k]
     v = sec.v[:, k0:k0 + n_k]
     for _ in range(n):
-        matmul(k, qg.q_s, s_t, True, False, ONE, ZERO)
-        matmul(v, qg.dy, dp_t, True, False, ONE, ZERO)
-        matmul(ds_t, k, dq, True, True, ONE, ONE)
-        matmul(p_t, qg.dy, sec.dv_acc[k0:k0 + n_k], False, True, ONE, ONE)
-        matmul(ds_t, qg.q_s, sec.dk_acc[k0:k0 + n_k], False, True, ONE, ONE)
+        matmul(k, qg.q_s, s_t, True, False, ONE, ZERO, plan.gemm)
+        matmul(v, qg.dy, dp_t, True, False, ONE, ZERO, plan.gemm)
+        matmul(ds_t, k, dq, True, True, ONE, ONE, plan.gemm)
+        matmul(p_t, qg.dy, sec.dv_acc[k0:k0 + n_k], False, True, ONE, ONE, plan.gemm)
+        matmul(ds_t, qg.q_s, sec.dk_acc[k0:k0 + n_k], False, True, ONE, ONE, plan.gemm)
 
 
 @numba.njit
@@ -82,8 +82,8 @@ def t_gemms_sdp(plan, sec, qg, scratch, k0, n):
     k = sec.k[:, k0:k0 + n_k]
     v = sec.v[:, k0:k0 + n_k]
     for _ in range(n):
-        matmul(k, qg.q_s, s_t, True, False, ONE, ZERO)
-        matmul(v, qg.dy, dp_t, True, False, ONE, ZERO)
+        matmul(k, qg.q_s, s_t, True, False, ONE, ZERO, plan.gemm)
+        matmul(v, qg.dy, dp_t, True, False, ONE, ZERO, plan.gemm)
 
 
 @numba.njit

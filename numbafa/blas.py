@@ -139,14 +139,15 @@ def backend_info() -> dict:
 
     ``gemm``
         How tile matmuls are computed (:mod:`numbafa.kernels.matmul`):
-        ``path`` for bf16 inputs (``"onednn-bf16"`` or ``"blas"``) and the
-        ``reason`` it was chosen (:func:`numbafa.onednn.gemm_path`:
-        ``NUMBAFA_GEMM``, the CPU's bf16 units, oneDNN installed).
+        the ``path`` (``"onednn"`` or ``"blas"``) and the ``reason`` it was
+        chosen (:func:`numbafa.onednn.gemm_path`: ``NUMBAFA_GEMM``, the
+        CPU's bf16 units, oneDNN installed).
     ``float32``, ``bfloat16``
-        The arithmetic of each input dtype: float32 tiles and BLAS sgemm
-        (Numba's ``numba_xxgemm`` -> SciPy's ``cython_blas``); bf16 either
-        as bf16 tiles on the bf16 units (oneDNN) or widened into float32
-        tiles for sgemm, float32 accumulation either way.
+        The arithmetic of each input dtype on that path: float32 tiles and
+        sgemm, oneDNN's ``dnnl_sgemm`` or BLAS (Numba's ``numba_xxgemm`` ->
+        SciPy's ``cython_blas``); bf16 either as bf16 tiles on the bf16
+        units (oneDNN) or widened into float32 tiles for BLAS sgemm, float32
+        accumulation either way.
     ``blas``
         The BLAS libraries threadpoolctl finds (``internal_api``,
         ``version``, ``architecture``, ``filepath``, ``num_threads`` outside
@@ -183,9 +184,10 @@ def backend_info() -> dict:
         "numpy": numpy.__version__,
         "scipy": scipy.__version__,
         "gemm": {"path": path, "reason": reason},
-        "float32": "float32 tiles, sgemm (numba_xxgemm -> scipy.linalg.cython_blas), float32 accumulation",
+        "float32": ("float32 tiles, oneDNN dnnl_sgemm, float32 accumulation" if path == "onednn" else
+                    "float32 tiles, sgemm (numba_xxgemm -> scipy.linalg.cython_blas), float32 accumulation"),
         "bfloat16": ("bf16 tiles, oneDNN dnnl_gemm_bf16bf16f32 on the bf16 units, float32 accumulation"
-                     if path == "onednn-bf16" else
+                     if path == "onednn" else
                      "bf16 values in float32 tiles, sgemm: exact bf16 products, float32 accumulation"),
         "blas": blas,
         "threads": numba.get_num_threads(),

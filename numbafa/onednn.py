@@ -1,15 +1,19 @@
-"""bf16 GEMMs on the CPU's bf16 units: oneDNN, and the choice of the GEMM path.
+"""GEMMs through oneDNN (bf16 on the CPU's bf16 units), and the choice of the GEMM path.
 
 Two paths compute the kernels' products (:mod:`numbafa.kernels.matmul`):
 
 ``"blas"``
     Every tile is float32 (bf16 inputs widened: exact products) and BLAS
     ``sgemm`` multiplies them. Runs everywhere.
-``"onednn-bf16"``
+``"onednn"``
     bf16 inputs stay bf16 tiles (the bf16-valued P and dS tiles too) and
     oneDNN's ``dnnl_gemm_bf16bf16f32`` multiplies them on the bf16 units
     (AVX512_BF16 or AMX), accumulating in float32: about twice sgemm's
-    throughput per core on AVX512_BF16. float32 inputs keep the BLAS path.
+    throughput per core on AVX512_BF16. float32 inputs take oneDNN's
+    ``dnnl_sgemm``, 6-13 % faster per core than OpenBLAS on the kernels'
+    tile shapes on Zen 4 (docs/performance.md). The path is taken only
+    where the CPU has bf16 units: on the CPUs without them (AVX2) oneDNN's
+    sgemm has not been measured against OpenBLAS, so they keep BLAS.
 
 The path is chosen once per process by :func:`gemm_path`: ``NUMBAFA_GEMM``
 (``auto``, the default; ``onednn``; ``blas``) and the CPU. ``auto`` takes
@@ -60,7 +64,7 @@ def library_path():
 
 
 def choose_gemm_path(requested: str, cpu_flags, library) -> tuple:
-    """``(path, reason)``: which GEMM path runs for bf16 inputs, and why.
+    """``(path, reason)``: which GEMM path the kernels take, and why.
 
     Parameters
     ----------
@@ -91,7 +95,7 @@ def choose_gemm_path(requested: str, cpu_flags, library) -> tuple:
     elif library is None:
         problem = "oneDNN is not installed (pip install onednn-cpu-gomp)"
     if problem is None:
-        return "onednn-bf16", f"bf16 units ({', '.join(units)}) and oneDNN at {library}"
+        return "onednn", f"bf16 units ({', '.join(units)}) and oneDNN at {library}"
     if requested == "onednn":
         raise RuntimeError(f"NUMBAFA_GEMM=onednn, but {problem}; unset it or use NUMBAFA_GEMM=blas")
     return "blas", problem
@@ -101,13 +105,13 @@ def choose_gemm_path(requested: str, cpu_flags, library) -> tuple:
 def gemm_path() -> tuple:
     """``(path, reason)`` of this process, decided on first use (module docstring).
 
-    Loads oneDNN process-wide when the path is ``"onednn-bf16"``.
+    Loads oneDNN process-wide when the path is ``"onednn"``.
     """
     from .blas import _cpu_flags
 
     path, reason = choose_gemm_path(os.environ.get("NUMBAFA_GEMM", "auto").strip().lower() or "auto",
                                     _cpu_flags(), library_path())
-    if path == "onednn-bf16":
+    if path == "onednn":
         import llvmlite.binding
 
         llvmlite.binding.load_library_permanently(library_path())

@@ -1,20 +1,32 @@
-"""numbafa.kernels.matmul: the one matmul seam (sgemm, dgemm, gemv) on row-major tiles."""
+"""numbafa.kernels.matmul: the one matmul seam (sgemm, dgemm, gemv; oneDNN's sgemm and bf16
+GEMM) on row-major tiles."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 from numba.core.errors import TypingError
 
+from numbafa import onednn
 from numbafa.jit import jit
-from numbafa.kernels.matmul import matmul
+from numbafa.kernels.matmul import ONEDNN, matmul
+
+needs_onednn = pytest.mark.skipif(onednn.gemm_path()[0] != "onednn",
+                                  reason=f"the oneDNN path does not run here: {onednn.gemm_path()[1]}")
 
 
 @jit()
 def gemm(a, b, c, trans_a, trans_b, alpha, beta):
-    """The seam is only callable from njit code; this is the tests' way in."""
-    matmul(a, b, c, trans_a, trans_b, alpha, beta)
+    """The seam is only callable from njit code; this is the tests' way in (BLAS path)."""
+    matmul(a, b, c, trans_a, trans_b, alpha, beta, None)
+
+
+@jit()
+def gemm_onednn(a, b, c, trans_a, trans_b, alpha, beta):
+    """The same on the oneDNN path (only called where :func:`onednn.gemm_path` loaded it)."""
+    matmul(a, b, c, trans_a, trans_b, alpha, beta, ONEDNN)
 
 
 def _operand(rng, shape, transposed, dtype=np.float32):
@@ -24,8 +36,10 @@ def _operand(rng, shape, transposed, dtype=np.float32):
 @pytest.mark.parametrize("trans_a", [False, True])
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("alpha, beta", [(1.0, 0.0), (1.0, 1.0), (0.375, 1.0), (-2.0, 0.5)])
-@pytest.mark.parametrize("dtype, atol", [(np.float32, 1e-4), (np.float64, 1e-12)])
-def test_matches_float64_product(trans_a, trans_b, alpha, beta, dtype, atol):
+@pytest.mark.parametrize("dtype, atol, path", [
+    (np.float32, 1e-4, "blas"), (np.float64, 1e-12, "blas"),
+    pytest.param(np.float32, 1e-4, "onednn", marks=needs_onednn)])
+def test_matches_float64_product(trans_a, trans_b, alpha, beta, dtype, atol, path):
     rng = np.random.default_rng(0)
     m, n, k = 37, 29, 53
     a = _operand(rng, (m, k), trans_a, dtype)
@@ -36,7 +50,7 @@ def test_matches_float64_product(trans_a, trans_b, alpha, beta, dtype, atol):
     expected = alpha * ((a.T if trans_a else a).astype(np.float64) @ (b.T if trans_b else b))
     if beta != 0.0:
         expected += beta * c
-    gemm(a, b, c, trans_a, trans_b, dtype(alpha), dtype(beta))
+    (gemm_onednn if path == "onednn" else gemm)(a, b, c, trans_a, trans_b, dtype(alpha), dtype(beta))
     # Accumulation over k = 53 terms of size ~1: float32 error << 1e-4 of the result's
     # scale (53 * 2^-24 * |terms| ~ 1e-5), float64 << 1e-12.
     np.testing.assert_allclose(c, expected, rtol=0, atol=atol * np.abs(expected).max())
@@ -91,3 +105,46 @@ def test_mismatched_shapes_raise():
     with pytest.raises(ValueError, match="shapes"):
         gemm(np.ones((3, 5), np.float32), np.ones((4, 2), np.float32), np.ones((3, 2), np.float32),
              False, False, np.float32(1.0), np.float32(0.0))
+
+
+@needs_onednn
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_bf16_operands_on_onednn_are_exact_products_summed_in_float32(trans_a, trans_b):
+    """bf16 x bf16 products are exact in float32; only the float32 summation order differs from
+    a float64 sum of them: |error| <= gamma_k * sum|a||b| (k = 53, gamma_k ~ 53 * 2^-24)."""
+    rng = np.random.default_rng(3)
+    m, n, k = 37, 29, 53
+    a = _operand(rng, (m, k), trans_a).astype(ml_dtypes.bfloat16)
+    b = _operand(rng, (k, n), trans_b).astype(ml_dtypes.bfloat16)
+    c = rng.standard_normal((m, n)).astype(np.float32)
+    a64 = (a.T if trans_a else a).astype(np.float64)
+    b64 = (b.T if trans_b else b).astype(np.float64)
+    expected = 0.5 * (a64 @ b64) + c
+    bound = 2 * (k + 1) * 2.0 ** -24 * (0.5 * (np.abs(a64) @ np.abs(b64)) + np.abs(c))
+    gemm_onednn(a.view(np.uint16), b.view(np.uint16), c, trans_a, trans_b, np.float32(0.5), np.float32(1.0))
+    assert (np.abs(c - expected) <= bound).all()
+
+
+@needs_onednn
+def test_onednn_sgemm_on_strided_views_touches_only_their_elements():
+    rng = np.random.default_rng(4)
+    big_a = rng.standard_normal((40, 70)).astype(np.float32)
+    big_b = rng.standard_normal((60, 50)).astype(np.float32)
+    big_c = rng.standard_normal((30, 90)).astype(np.float32)
+    a, b, c = big_a[5:25, 10:42], big_b[3:35, 7:31], big_c[4:24, 11:35]
+    before = big_c.copy()
+    expected = a.astype(np.float64) @ b + c
+    gemm_onednn(a, b, c, False, False, np.float32(1.0), np.float32(1.0))
+    np.testing.assert_allclose(c, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+    outside = np.ones(big_c.shape, bool)
+    outside[4:24, 11:35] = False
+    np.testing.assert_array_equal(big_c[outside], before[outside])
+
+
+def test_bf16_operands_need_the_onednn_marker():
+    """uint16 tiles exist only on the oneDNN path: on the BLAS path they are a typing error,
+    not a silent reinterpretation of their bits."""
+    bits = np.ones((2, 2), np.uint16)
+    with pytest.raises(TypingError):
+        gemm(bits, bits, np.zeros((2, 2), np.float32), False, False, np.float32(1.0), np.float32(0.0))

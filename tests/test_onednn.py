@@ -23,9 +23,9 @@ LIB = "/opt/lib/libdnnl.so.3"
     ("auto", {"avx2", "avx512f"}, LIB, "blas", "no bf16 units"),
     ("auto", {"avx512f", "avx512_bf16"}, None, "blas", "pip install onednn-cpu-gomp"),
     ("auto", None, LIB, "blas", "no bf16 units"),
-    ("auto", {"avx512_bf16"}, LIB, "onednn-bf16", "avx512_bf16"),
-    ("auto", {"amx_bf16", "amx_tile"}, LIB, "onednn-bf16", "amx_bf16"),
-    ("onednn", {"avx512_bf16", "amx_bf16"}, LIB, "onednn-bf16", LIB),
+    ("auto", {"avx512_bf16"}, LIB, "onednn", "avx512_bf16"),
+    ("auto", {"amx_bf16", "amx_tile"}, LIB, "onednn", "amx_bf16"),
+    ("onednn", {"avx512_bf16", "amx_bf16"}, LIB, "onednn", LIB),
     ("blas", {"avx512_bf16"}, LIB, "blas", "NUMBAFA_GEMM=blas"),
 ])
 def test_dispatch_by_cpu_flags(requested, flags, library, path, reason, monkeypatch):
@@ -58,7 +58,7 @@ def test_forced_onednn_without_bf16_units_fails_the_call_not_the_process(monkeyp
 
 def test_backend_info_names_the_path():
     info = numbafa.backend_info()
-    assert info["gemm"]["path"] in ("onednn-bf16", "blas") and info["gemm"]["reason"]
+    assert info["gemm"]["path"] in ("onednn", "blas") and info["gemm"]["reason"]
 
 
 def test_float32_inputs_never_take_bf16_operands():
@@ -69,7 +69,7 @@ def test_float32_inputs_never_take_bf16_operands():
     assert plan.operand.dtype == np.float32
 
 
-@pytest.mark.skipif(onednn.gemm_path()[0] != "onednn-bf16",
+@pytest.mark.skipif(onednn.gemm_path()[0] != "onednn",
                     reason=f"the oneDNN path does not run here: {onednn.gemm_path()[1]}")
 @pytest.mark.parametrize("mixed", [True, False])
 def test_both_paths_are_faithful_to_the_numerics_golden(mixed, monkeypatch):

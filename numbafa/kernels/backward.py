@@ -226,8 +226,8 @@ def recompute_p_ds(plan, sec, qg, blk, scratch):
     keys = slice(blk.k0, blk.k0 + blk.n_k)
     k_abs0 = sec.start + blk.k0
     q_abs0 = qg.start + blk.r0
-    matmul(sec.k[:, keys], qg.q_s[:, blk.r0:blk.r1], s_t, True, False, _ONE, _ZERO)
-    matmul(sec.v[:, keys], qg.dy[:, blk.r0:blk.r1], dp_t, True, False, _ONE, _ZERO)
+    matmul(sec.k[:, keys], qg.q_s[:, blk.r0:blk.r1], s_t, True, False, _ONE, _ZERO, plan.gemm)
+    matmul(sec.v[:, keys], qg.dy[:, blk.r0:blk.r1], dp_t, True, False, _ONE, _ZERO, plan.gemm)
     drop_scores(scratch.mult, dp_t, k_abs0, q_abs0, qg.q_head, qg.batch, plan.dropout)
     recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, qg, plan)
     drop_probabilities(scratch.mult, s_t, plan.dropout, plan.precision.round_kernel)
@@ -254,19 +254,20 @@ def update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum, cut, scratch):
     q_cols = qg.q_s[:, blk.r0:blk.r1]
     dy_cols = qg.dy[:, blk.r0:blk.r1]
     if prec.dq_via_psum:
-        matmul(ds_t, k_cols, dq_psum, True, True, _ONE, _ONE if cut else _ZERO)
+        matmul(ds_t, k_cols, dq_psum, True, True, _ONE, _ONE if cut else _ZERO, plan.gemm)
     else:
-        matmul(ds_t, k_cols, qg.dq_t[blk.r0:blk.r1], True, True, plan.softmax_scale, _ONE)
+        matmul(ds_t, k_cols, qg.dq_t[blk.r0:blk.r1], True, True, plan.softmax_scale, _ONE,
+               plan.gemm)
     if prec.round_mixed:
         d_head = k_cols.shape[0]
         kd_psum = scratch.kd_psum[:blk.n_k * d_head].reshape(blk.n_k, d_head)
-        matmul(p_t, dy_cols, kd_psum, False, True, _ONE, _ZERO)
+        matmul(p_t, dy_cols, kd_psum, False, True, _ONE, _ZERO, plan.gemm)
         accumulate(sec.dv_acc[keys], kd_psum, _ONE, True)
-        matmul(ds_t, q_cols, kd_psum, False, True, _ONE, _ZERO)
+        matmul(ds_t, q_cols, kd_psum, False, True, _ONE, _ZERO, plan.gemm)
         accumulate(sec.dk_acc[keys], kd_psum, _ONE, True)
     else:
-        matmul(p_t, dy_cols, sec.dv_acc[keys], False, True, _ONE, _ONE)
-        matmul(ds_t, q_cols, sec.dk_acc[keys], False, True, _ONE, _ONE)
+        matmul(p_t, dy_cols, sec.dv_acc[keys], False, True, _ONE, _ONE, plan.gemm)
+        matmul(ds_t, q_cols, sec.dk_acc[keys], False, True, _ONE, _ONE, plan.gemm)
 
 
 @jit()

@@ -15,8 +15,8 @@ value is decided once, here, from the validated problem:
     Which tiles are rounded to bf16, and where the PSUM-style accumulations
     apply (docs/numerics.md).
 :class:`Plan`
-    The three above, ``softmax_scale``, the GEMM operand type (the matmul
-    path, :mod:`numbafa.onednn`) and the attention dropout
+    The three above, ``softmax_scale``, the GEMM path and its operand type
+    (:mod:`numbafa.onednn`) and the attention dropout
     (:data:`numbafa.kernels.dropout.Dropout`): everything but the arrays. Like upstream's
     ``cfg``, it travels through every helper.
 
@@ -36,6 +36,7 @@ from ..schedule import q_chunks
 from ..tiling import setup_config
 from .dropout import make_dropout
 from .mask import fill_key_ranges
+from .matmul import ONEDNN
 
 __all__ = ["Tiling", "Mask", "Precision", "Plan", "FwdInputs", "FwdOutputs", "BwdInputs",
            "BwdOutputs", "make_plan"]
@@ -56,10 +57,12 @@ accumulators are bf16 and take one rounded addition from a PSUM tile.
 dq_via_psum: the backward keeps dQ's PSUM as a tile of its own, added once per K tile (bf16
 inputs: dQ is rounded between KV sections, where another float32 order would flip roundings)."""
 
-Plan = namedtuple("Plan", ["tiling", "mask", "precision", "softmax_scale", "operand", "dropout"])
-Plan.__doc__ = """Everything a kernel needs but the arrays; softmax_scale is float32. operand: an
-empty array whose dtype is that of the GEMM operand tiles, and so picks the matmul path at
-compile time (numbafa.onednn): float32 (BLAS sgemm; bf16 values widened) or uint16 (bf16
+Plan = namedtuple("Plan", ["tiling", "mask", "precision", "softmax_scale", "gemm", "operand",
+                           "dropout"])
+Plan.__doc__ = """Everything a kernel needs but the arrays; softmax_scale is float32. gemm: the
+GEMM path (numbafa.onednn), None for BLAS or numbafa.kernels.matmul.ONEDNN, a type of its own, so
+each path is a compiled specialisation. operand: an empty array whose dtype is that of the GEMM
+operand tiles: float32 (float32 inputs; bf16 values widened on the BLAS path) or uint16 (bf16
 bits, oneDNN on the bf16 units). dropout: numbafa.kernels.dropout.Dropout, or None for p = 0
 (a type of its own: kernels without dropout compile no dropout code)."""
 
@@ -93,7 +96,8 @@ def make_plan(prob, backward: bool) -> Plan:
                     prob.bound_max, seqlen_k, key_lo, key_hi)
     mask = Mask(bool(prob.use_causal_mask), int(prob.window), bool(prob.use_packing), key_lo, key_hi)
     precision = Precision(round_kernel, round_mixed, round_kernel)
-    bf16_operands = round_kernel and gemm_path()[0] == "onednn-bf16"
-    operand = np.empty(0, dtype=np.uint16 if bf16_operands else np.float32)
+    onednn = gemm_path()[0] == "onednn"   # loads oneDNN before a kernel that calls it is compiled
+    operand = np.empty(0, dtype=np.uint16 if round_kernel and onednn else np.float32)
     dropout = make_dropout(prob.dropout_p, prob.seed, prob.seed_offset)
-    return Plan(tiling, mask, precision, np.float32(prob.softmax_scale), operand, dropout)
+    return Plan(tiling, mask, precision, np.float32(prob.softmax_scale), ONEDNN if onednn else None,
+                operand, dropout)

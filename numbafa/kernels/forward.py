@@ -148,14 +148,15 @@ def online_softmax_block(plan, head, q_cols, k_cols, v_cols, q_abs0, k_abs0, sta
     d_head, n_q = q_cols.shape
     n_k = k_cols.shape[1]
     s = scratch.s[:n_q * n_k].reshape(n_q, n_k)
-    matmul(q_cols, k_cols, s, True, False, _ONE, _ZERO)
+    matmul(q_cols, k_cols, s, True, False, _ONE, _ZERO, plan.gemm)
     online_softmax_update(s, q_abs0, k_abs0, stats, plan)
     tile_sum = scratch.tile_sum[:n_q]
-    matmul(s, scratch.ones[:n_k], tile_sum, False, False, _ONE, _ZERO)   # rowsum(P) as written
+    matmul(s, scratch.ones[:n_k], tile_sum, False, False, _ONE, _ZERO, plan.gemm)  # rowsum(P)
     drop_forward(s, k_abs0, q_abs0, head.q_head, head.batch, plan.dropout, plan.precision.round_kernel)
     pv = scratch.pv[:n_q * d_head].reshape(n_q, d_head)
     # P as written (bf16 values for bf16 inputs): its bits are the operand on the oneDNN path.
-    matmul(narrowed(s, scratch.p_op, plan.operand), v_cols, pv, False, True, _ONE, _ZERO)
+    p_op = narrowed(s, scratch.p_op, plan.operand)
+    matmul(p_op, v_cols, pv, False, True, _ONE, _ZERO, plan.gemm)
     rescale_accumulate(stats, pv, tile_sum, plan.precision.round_mixed)
 
 

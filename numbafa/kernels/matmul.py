@@ -1,21 +1,30 @@
 """The matmul seam: every product of both kernels goes through :func:`matmul`.
 
-    matmul(a, b, c, trans_a, trans_b, alpha, beta)   # c = alpha * op(a) @ op(b) + beta * c
+    matmul(a, b, c, trans_a, trans_b, alpha, beta, gemm)   # c = alpha * op(a) @ op(b) + beta * c
 
 The implementation is chosen when a kernel is compiled, from the operand
-types, so a new backend or dtype is one more branch of :func:`_matmul_impl`
-and no call site changes:
+types and the GEMM path marker ``gemm`` (``plan.gemm``: ``None`` for BLAS,
+:data:`ONEDNN` for oneDNN, :mod:`numbafa.onednn`), so a new backend or dtype
+is one more branch of :func:`_matmul_impl` and no call site changes:
 
 * 2-D float32 ``a``, ``b``, ``c``: BLAS ``sgemm`` (float32 tiles, and
   bf16 values widened into float32 tiles: a bf16 x bf16 product is exact in
-  float32, so this is "bf16 in, fp32 accumulate").
+  float32, so this is "bf16 in, fp32 accumulate"); with ``gemm`` =
+  :data:`ONEDNN`, oneDNN's ``dnnl_sgemm`` instead (faster per core than
+  OpenBLAS on the CPUs that take that path, docs/performance.md).
 * 2-D float64: BLAS ``dgemm``.
 * 2-D float32 ``a`` and 1-D ``b``, ``c``: a matrix-vector product
-  (``np.dot``, BLAS ``sgemv``), ``alpha = 1``, ``beta = 0`` only.
-* 2-D uint16 ``a``, ``b`` (bf16 bit patterns) and float32 ``c``: oneDNN's
-  ``dnnl_gemm_bf16bf16f32`` on the CPU's bf16 units, float32 accumulation
-  (:mod:`numbafa.onednn`, which must have loaded the library first; the
-  kernels only build such tiles on that path).
+  (``np.dot``, BLAS ``sgemv``), ``alpha = 1``, ``beta = 0`` only, on
+  either path.
+* 2-D uint16 ``a``, ``b`` (bf16 bit patterns) and float32 ``c``, ``gemm`` =
+  :data:`ONEDNN`: oneDNN's ``dnnl_gemm_bf16bf16f32`` on the CPU's bf16
+  units, float32 accumulation.
+
+The oneDNN implementations call symbols of the library that
+:func:`numbafa.onednn.gemm_path` loads process-wide; a :data:`ONEDNN` marker
+is only put into a plan after it did, so a kernel compiled (or loaded from the
+cache) for that path always finds them. The marker is a type of its own, so
+the two paths are separate compiled specialisations of every kernel.
 
 Why not ``np.dot`` for everything: inside ``@njit`` it always writes
 ``C = A B`` (``beta = 0``) and copies an operand that is not contiguous.
@@ -33,6 +42,8 @@ not be), and the BLAS is pinned to one thread like ``np.dot``'s
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import numpy as np
 import scipy.linalg.cython_blas  # noqa: F401  -- the BLAS behind numba_xxgemm must be importable
 from numba import types
@@ -40,7 +51,12 @@ from numba.extending import overload
 
 from ..jit import jit
 
-__all__ = ["matmul"]
+__all__ = ["matmul", "OneDNN", "ONEDNN"]
+
+#: The marker type of the oneDNN GEMM path (``plan.gemm``); BLAS is ``None``.
+OneDNN = namedtuple("OneDNN", ["threads"])
+#: The oneDNN path's marker: each GEMM call runs on ``threads`` (1) OpenMP thread.
+ONEDNN = OneDNN(1)
 
 
 def _xxgemm(dtype):
@@ -64,6 +80,13 @@ _gemm_bf16_fn = types.ExternalFunction(
     types.int32(types.char, types.char, types.int64, types.int64, types.int64, types.float32,
                 _u16p, types.int64, _u16p, types.int64, types.float32, _f32p, types.int64))
 # libgomp, which oneDNN runs its GEMMs on: the calling thread's OpenMP thread count.
+# dnnl_status_t dnnl_sgemm(char transa, char transb, dnnl_dim_t M, N, K, float alpha,
+#     const float *A, dnnl_dim_t lda, const float *B, dnnl_dim_t ldb, float beta, float *C,
+#     dnnl_dim_t ldc) -- row-major, like dnnl_gemm_bf16bf16f32.
+_dnnl_sgemm_fn = types.ExternalFunction(
+    "dnnl_sgemm",
+    types.int32(types.char, types.char, types.int64, types.int64, types.int64, types.float32,
+                _f32p, types.int64, _f32p, types.int64, types.float32, _f32p, types.int64))
 _omp_set_num_threads = types.ExternalFunction("omp_set_num_threads", types.void(types.int32))
 _omp_get_max_threads = types.ExternalFunction("omp_get_max_threads", types.int32())
 _sgemm_fn = _xxgemm(types.float32)
@@ -155,6 +178,23 @@ def _gemm_bf16(a, b, c, trans_a, trans_b, alpha, beta):
 
 
 @jit()
+def _gemm_f32_onednn(a, b, c, trans_a, trans_b, alpha, beta):
+    """float32 ``c = alpha op(a) op(b) + beta c`` by oneDNN's ``dnnl_sgemm``, one thread (as
+    :func:`_gemm_bf16`)."""
+    m, n, k = _check_operands(a, b, c, trans_a, trans_b)
+    if min(m, n) == 0:
+        return
+    previous = _omp_get_max_threads()
+    _omp_set_num_threads(1)
+    status = _dnnl_sgemm_fn(_TRANS if trans_a else _NO_TRANS, _TRANS if trans_b else _NO_TRANS,
+                            m, n, k, np.float32(alpha), a.ctypes, _leading_dim(a),
+                            b.ctypes, _leading_dim(b), np.float32(beta), c.ctypes, _leading_dim(c))
+    _omp_set_num_threads(previous)
+    if status != 0:
+        raise RuntimeError("matmul: oneDNN's dnnl_sgemm failed")
+
+
+@jit()
 def _gemv(a, b, c, trans_a, trans_b, alpha, beta):
     """``c = a @ b`` for 2-D ``a`` and 1-D ``b``, ``c`` (``np.dot``: BLAS gemv)."""
     if trans_a or trans_b or alpha != 1 or beta != 0:
@@ -162,7 +202,7 @@ def _gemv(a, b, c, trans_a, trans_b, alpha, beta):
     np.dot(a, b, c)
 
 
-def matmul(a, b, c, trans_a, trans_b, alpha, beta):  # pragma: no cover - replaced inside njit code
+def matmul(a, b, c, trans_a, trans_b, alpha, beta, gemm):  # pragma: no cover - replaced inside njit code
     """``c = alpha * op(a) @ op(b) + beta * c`` in place; ``op(x)`` is ``x.T`` when its flag is set.
 
     Parameters
@@ -171,17 +211,22 @@ def matmul(a, b, c, trans_a, trans_b, alpha, beta):  # pragma: no cover - replac
     c : 2-D array ``[m, n]`` (1-D ``[m]`` for a matrix-vector product), written in place
     trans_a, trans_b : bool
     alpha, beta : scalars of the operands' dtype
+    gemm : None or :class:`OneDNN`
+        The GEMM path (``plan.gemm``): None for BLAS, :data:`ONEDNN` for oneDNN.
 
     Only callable from ``@njit`` code; the implementation follows the
-    operand types (module docstring). Raises ``ValueError`` on mismatched
-    shapes or a non-unit inner stride.
+    operand types and ``gemm`` (module docstring). Raises ``ValueError`` on
+    mismatched shapes or a non-unit inner stride.
     """
     raise NotImplementedError("matmul is only callable from @njit code")
 
 
-def _matmul_impl(a, b, c):
-    """The implementation for these operand types, or None (a typing error)."""
+def _matmul_impl(a, b, c, gemm):
+    """The implementation for these operand types and path marker, or None (a typing error)."""
     if not all(isinstance(x, types.Array) for x in (a, b, c)):
+        return None
+    onednn = isinstance(gemm, types.BaseNamedTuple) and gemm.instance_class is OneDNN
+    if not onednn and not isinstance(gemm, types.NoneType):
         return None
     dtypes = {a.dtype, b.dtype, c.dtype}
     if a.ndim == 2 and b.ndim == 1 and c.ndim == 1 and dtypes == {types.float32}:
@@ -189,19 +234,20 @@ def _matmul_impl(a, b, c):
     if a.ndim != 2 or b.ndim != 2 or c.ndim != 2:
         return None
     if a.dtype == types.uint16 and b.dtype == types.uint16 and c.dtype == types.float32:
-        return _gemm_bf16
+        return _gemm_bf16 if onednn else None
     if len(dtypes) != 1:
         return None
     if dtypes == {types.float32}:
-        return _sgemm
+        return _gemm_f32_onednn if onednn else _sgemm
     if dtypes == {types.float64}:
         return _dgemm
     return None
 
 
 @overload(matmul)
-def _matmul_overload(a, b, c, trans_a, trans_b, alpha, beta):
-    impl = _matmul_impl(a, b, c)
+def _matmul_overload(a, b, c, trans_a, trans_b, alpha, beta, gemm):
+    impl = _matmul_impl(a, b, c, gemm)
     if impl is None:
         return None
-    return lambda a, b, c, trans_a, trans_b, alpha, beta: impl(a, b, c, trans_a, trans_b, alpha, beta)
+    return lambda a, b, c, trans_a, trans_b, alpha, beta, gemm: impl(a, b, c, trans_a, trans_b, alpha,
+                                                                    beta)
