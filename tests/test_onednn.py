@@ -61,6 +61,27 @@ def test_backend_info_names_the_path():
     assert info["gemm"]["path"] in ("onednn", "blas") and info["gemm"]["reason"]
 
 
+def test_plan_marks_the_gemm_path():
+    """plan.gemm is None on the BLAS path and the ONEDNN marker on the oneDNN one, for both dtypes;
+    only bf16 inputs on the oneDNN path take bf16 operand tiles."""
+    from numbafa.kernels.matmul import ONEDNN
+    from numbafa.validation import validate_bwd_inputs
+
+    for dtype, path, gemm, operand in ((np.float32, "blas", None, np.float32),
+                                       (np.float32, "onednn", ONEDNN, np.float32),
+                                       (BF16, "blas", None, np.float32),
+                                       (BF16, "onednn", ONEDNN, np.uint16)):
+        inputs = make_inputs(Case(seqlen_q=128, seqlen_k=128), dtype)
+        prob = validate_bwd_inputs(**inputs)
+        original = bundles.gemm_path
+        bundles.gemm_path = lambda: (path, "set by the test")
+        try:
+            plan = bundles.make_plan(prob, backward=True)
+        finally:
+            bundles.gemm_path = original
+        assert plan.gemm == gemm and plan.operand.dtype == operand, (dtype, path)
+
+
 def test_float32_inputs_never_take_bf16_operands():
     from numbafa.validation import validate_bwd_inputs
 
@@ -87,3 +108,36 @@ def test_both_paths_are_faithful_to_the_numerics_golden(mixed, monkeypatch):
             assert identical >= MIN_IDENTICAL and excess <= 1.0, (path, name, identical, excess)
     assert any((a != b).any() for a, b in zip(results["onednn"][:3], results["blas"][:3])), \
         "the two paths gave identical bits: the oneDNN path did not run"
+
+
+@pytest.mark.skipif(onednn.gemm_path()[0] != "onednn",
+                    reason=f"the oneDNN path does not run here: {onednn.gemm_path()[1]}")
+def test_float32_on_both_paths_matches_the_float64_golden(monkeypatch):
+    """float32 inputs run dnnl_sgemm on the oneDNN path and BLAS sgemm on the other: another
+    float32 summation order each, both within the derived float32 tolerance of the float64
+    golden, both bitwise the same on 1 and 2 threads."""
+    import numba
+
+    from _tolerances import FLOAT32, assert_close
+
+    case = Case(nheads=4, nheads_kv=2, d_head=128, seqlen_q=1152, seqlen_k=1152, causal=True, num_sinks=1)
+    inputs = make_inputs(case)
+    expected = golden.attention_bwd(**inputs)
+    results = {}
+    for path in ("onednn", "blas"):
+        if path == "blas":
+            monkeypatch.setattr(bundles, "gemm_path", lambda: ("blas", "forced by the test"))
+        runs = []
+        for threads in (1, 2):
+            numba.set_num_threads(threads)
+            try:
+                runs.append(numbafa.attention_bwd(**inputs))
+            finally:
+                numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        for a, b in zip(*runs):
+            np.testing.assert_array_equal(a, b)
+        for name, g, e in zip(("dq", "dk", "dv", "dsinks"), runs[0], expected):
+            assert_close(g, e, FLOAT32, f"{path} {name}")
+        results[path] = runs[0]
+    assert any((a != b).any() for a, b in zip(results["onednn"], results["blas"])), \
+        "the two paths gave identical bits: dnnl_sgemm did not run"
