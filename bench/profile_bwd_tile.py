@@ -37,14 +37,14 @@ Q0 = 1536
 @numba.njit
 def prepare(ins, plan, scratch, neg_lse, d_sum):
     sec = B.load_kv_section(ins, plan, 0, 0, 0, scratch)
-    dq_t = scratch.dq_t
-    dq_t[:ROWS] = ZERO
+    dq = scratch.dq[:, :ROWS]
+    dq[:] = ZERO
     load_scaled(ins.q[0, 0], Q0, ROWS, scratch.q_s, plan.softmax_scale, plan.precision.round_kernel)
     q_op = narrowed(scratch.q_s[:, :ROWS], scratch.q_op, plan.operand)
     dy_n = as_operand(ins.dy[0, 0][:, Q0:Q0 + ROWS], plan.operand)
     B.load_neg_lse(ins.lse[0, 0], Q0, ROWS, plan.precision.round_mixed, neg_lse)
     B.compute_rowsum(ins.o[0, 0], ins.dy[0, 0], Q0, ROWS, plan.tiling.d_tile, d_sum, plan.precision)
-    return sec, B.QGroup(Q0, ROWS, q_op, dy_n, dq_t, neg_lse, d_sum, 0, 0)
+    return sec, B.QGroup(Q0, ROWS, q_op, dy_n, dq, neg_lse, d_sum, 0, 0)
 
 
 @numba.njit
@@ -63,13 +63,13 @@ def t_gemms5(plan, sec, qg, scratch, k0, n):
     p_t = narrowed(s_t, scratch.p_op, plan.operand)
     ds_t = narrowed(dp_t, scratch.ds_op, plan.operand)
     kd = scratch.kd_psum.reshape(n_k, d)
-    dq = scratch.dq_psum.reshape(ROWS, d)
+    dq = scratch.dq_psum.reshape(d, ROWS)
     k = sec.k[:, k0:k0 + n_k]
     v = sec.v[:, k0:k0 + n_k]
     for _ in range(n):
         matmul(k, qg.q_s, s_t, True, False, ONE, ZERO, plan.gemm)
         matmul(v, qg.dy, dp_t, True, False, ONE, ZERO, plan.gemm)
-        matmul(ds_t, k, dq, True, True, ONE, ONE, plan.gemm)
+        matmul(k, ds_t, dq, False, False, ONE, ONE, plan.gemm)
         matmul(p_t, qg.dy, sec.dv_acc[k0:k0 + n_k], False, True, ONE, ONE, plan.gemm)
         matmul(ds_t, qg.q_s, sec.dk_acc[k0:k0 + n_k], False, True, ONE, ONE, plan.gemm)
 
@@ -141,7 +141,7 @@ def t_update(plan, sec, qg, scratch, k0, n):
     p_t = narrowed(s_t, scratch.p_op, plan.operand)
     ds_t = narrowed(dp_t, scratch.ds_op, plan.operand)
     d = qg.q_s.shape[0]
-    dq = scratch.dq_psum.reshape(ROWS, d)
+    dq = scratch.dq_psum.reshape(d, ROWS)
     for _ in range(n):
         B.update_gradients(plan, sec, qg, blk, p_t, ds_t, dq, False, scratch)
 
@@ -149,9 +149,9 @@ def t_update(plan, sec, qg, scratch, k0, n):
 @numba.njit
 def t_accumulate(plan, sec, qg, scratch, k0, n):
     d = qg.q_s.shape[0]
-    dq = scratch.dq_psum.reshape(ROWS, d)
+    dq = scratch.dq_psum.reshape(d, ROWS)
     for _ in range(n):
-        B.accumulate(qg.dq_t[:ROWS], dq, plan.softmax_scale, plan.precision.round_mixed)
+        B.accumulate(qg.dq, dq, plan.softmax_scale, plan.precision.round_mixed)
 
 
 def best(fn, args, n, repeats):

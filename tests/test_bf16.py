@@ -424,3 +424,9 @@ def test_dq_accumulation_rounds_the_product_then_the_sum(round_mixed):
     got = acc.copy()
     _accumulate(got, psum, scale, round_mixed)
     np.testing.assert_array_equal(got, two_roundings)
+    # dQ's accumulator is [d, rows] and takes column slices: only those columns change.
+    wide = np.full((acc.shape[0], acc.shape[1] + 9), np.nan, np.float32)
+    wide[:, 5:-4] = acc
+    _accumulate(wide[:, 5:-4], psum, scale, round_mixed)
+    np.testing.assert_array_equal(wide[:, 5:-4], two_roundings)
+    assert np.isnan(wide[:, :5]).all() and np.isnan(wide[:, -4:]).all()

@@ -7,7 +7,7 @@ import pytest
 
 from numbafa.jit import jit
 from numbafa.dtypes import widened
-from numbafa.kernels.common import load_scaled, load_transposed, store_transposed
+from numbafa.kernels.common import load_scaled, load_transposed, store, store_transposed
 from numbafa.kernels.forward import _row_max
 
 SCALE = np.float32(0.0883883)  # 1/sqrt(128), not a power of two: scaling rounds
@@ -62,6 +62,20 @@ def test_store_transposed_matches_numpy(round_out, d_head, start, count):
     dst = np.full((d_head, start + count + 4), np.nan, np.float32)
     store_transposed(src, count, dst, start, round_out)
     want = _bf16_round(src[:count].T) if round_out else src[:count].T
+    np.testing.assert_array_equal(dst[:, start:start + count], want)
+    assert np.isnan(dst[:, :start]).all() and np.isnan(dst[:, start + count:]).all()
+
+
+@pytest.mark.parametrize("round_out", [False, True])
+@pytest.mark.parametrize("d_head, start, count", [(128, 0, 512), (64, 19, 33), (3, 1, 1), (4, 2, 0)])
+def test_store_matches_numpy(round_out, d_head, start, count):
+    """dQ's store: ``[d, rows]`` (a column slice of a wider tile) into ``[d, seq]``, same layout."""
+    rng = np.random.default_rng(count + 1)
+    wide = rng.standard_normal((d_head, count + 5)).astype(np.float32)
+    src = wide[:, :count + 2]
+    dst = np.full((d_head, start + count + 4), np.nan, np.float32)
+    store(src, count, dst, start, round_out)
+    want = _bf16_round(src[:, :count]) if round_out else src[:, :count]
     np.testing.assert_array_equal(dst[:, start:start + count], want)
     assert np.isnan(dst[:, :start]).all() and np.isnan(dst[:, start + count:]).all()
 

@@ -32,16 +32,17 @@ Shape of the code, as upstream splits ``flash_attn_bwd`` from
 CPU layout. The Neuron tensors are ``[d_head, seq]`` and stay so: K, V and
 dO are used in place (float32 inputs; bf16 bits are widened once per section
 or Q group), Q_scaled is written ``[d_head, rows]`` at load, and BLAS reads
-whichever operand it needs transposed. The accumulators are ``[seq, d_head]``
-(dQ^T, dK^T, dV^T), stored transposed into the outputs. The score-shaped
-tiles of one block are kept as ``[keys, queries]`` (S^T, P^T, dP^T, dS^T),
-so every product is one call of the matmul seam
-(:func:`numbafa.kernels.matmul.matmul`) and no tile is transposed by copying:
+whichever operand it needs transposed. The dK and dV accumulators are
+``[seq, d_head]`` (dK^T, dV^T), stored transposed into the outputs; dQ's is
+``[d_head, rows]``, the output's layout. The score-shaped tiles of one block
+are kept as ``[keys, queries]`` (S^T, P^T, dP^T, dS^T), so every product is
+one call of the matmul seam (:func:`numbafa.kernels.matmul.matmul`) and no
+tile is transposed by copying:
 
 * ``S^T  = K^T Q_scaled``          ``dP^T = V^T dO``
 * ``dV^T += P^T dO^T``             ``dK^T += dS^T Q_scaled^T``
-* ``dQ^T += (dS^T)^T K^T * scale`` (upstream sums transposed 128-key
-  sub-tiles into one fp32 PSUM; that is one fp32 contraction here).
+* ``dQ += K dS^T * scale`` (upstream sums transposed 128-key sub-tiles into
+  one fp32 PSUM; that is one fp32 contraction here).
 
 Numerics (docs/numerics.md): all arithmetic is float32; the
 :class:`~numbafa.kernels.bundles.Precision` bundle says which written tiles
@@ -62,7 +63,7 @@ from ..dtypes import as_operand, narrowed, round_to_bf16_inplace, widen
 from ..jit import jit
 from ..parallel import parallel_for
 from ..tiling import FLOAT32_MIN
-from .common import load_scaled, load_transposed, round_if, store_transposed
+from .common import load_scaled, round_if, store, store_transposed
 from .dropout import drop_probabilities, drop_scores
 from .fastexp import expf
 from .loops import decode_item, group_rows, n_q_groups, owns_group
@@ -84,12 +85,12 @@ Head = namedtuple("Head", ["batch", "q_head", "neg_lse", "d_sum"])
 #: and D, written on the first KV section by the item owning the rows.
 BwdStats = namedtuple("BwdStats", ["neg_lse", "d_sum"])
 #: One loaded Q group: first row, rows, Q_scaled ``[d, rows]`` and dO ``[d, rows]`` (GEMM
-#: operands), the dQ^T accumulator ``[rows, d]``, the head's -LSE and D rows, batch and q-head.
-QGroup = namedtuple("QGroup", ["start", "rows", "q_s", "dy", "dq_t", "neg_lse", "d_sum", "batch", "q_head"])
+#: operands), the dQ accumulator ``[d, rows]``, the head's -LSE and D rows, batch and q-head.
+QGroup = namedtuple("QGroup", ["start", "rows", "q_s", "dy", "dq", "neg_lse", "d_sum", "batch", "q_head"])
 #: A block of a K tile: keys ``k0:k0+n_k`` (section-relative), Q rows ``r0:r1`` (group-relative).
 Block = namedtuple("Block", ["k0", "n_k", "r0", "r1"])
 #: Per-item scratch, sized for the largest tiles.
-Scratch = namedtuple("Scratch", ["q_s", "dq_t", "s_t", "dp_t", "kd_psum", "dq_psum", "dk_acc", "dv_acc",
+Scratch = namedtuple("Scratch", ["q_s", "dq", "s_t", "dp_t", "kd_psum", "dq_psum", "dk_acc", "dv_acc",
                                  "q_op", "p_op", "ds_op", "mult"])
 
 
@@ -195,15 +196,19 @@ def accumulate(acc, psum, scale, round_mixed):
     fp32 value, then the sum, then the one rounding to mixed_dtype -- two
     fp32 roundings, so this function is compiled without contraction (a fused
     multiply-add would round once and can flip the bf16 rounding).
+
+    Both are 2-D of the same shape, rows with unit inner stride (column
+    slices of a wider tile too, as dQ's ``[d, rows]`` slices are).
     """
-    a = acc.reshape(-1)
-    p = psum.reshape(-1)
-    if scale == _ONE:
-        for i in range(a.size):
-            a[i] = round_if(a[i] + p[i], round_mixed)
-    else:
-        for i in range(a.size):
-            a[i] = round_if(p[i] * scale + a[i], round_mixed)
+    for r in range(acc.shape[0]):
+        a = acc[r]
+        p = psum[r]
+        if scale == _ONE:
+            for i in range(a.size):
+                a[i] = round_if(a[i] + p[i], round_mixed)
+        else:
+            for i in range(a.size):
+                a[i] = round_if(p[i] * scale + a[i], round_mixed)
 
 
 @jit()
@@ -240,10 +245,13 @@ def update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum, cut, scratch):
     """Steps 5.1, 3.1 and 5.2 of one block.
 
     Step 5.1, ``dQ += (dS K) * scale``: upstream contracts over transposed
-    128-key sub-tiles (``tiling.K_SUB_TILE``) summed in one fp32 PSUM; a BLAS
-    call over dS^T and K^T is that sum. float32 inputs add the scaled product
-    into dQ directly (``beta = 1``); bf16 inputs (``dq_via_psum``) sum the
-    blocks of the K tile into ``dq_psum`` (this block's rows of it), which
+    128-key sub-tiles (``tiling.K_SUB_TILE``) summed in one fp32 PSUM; one
+    GEMM over the block's keys is that sum, computed as ``dQ^T = K dS^T``
+    into dQ's ``[d, rows]`` accumulator (both operands as they lie: the
+    GEMMs measured fastest in this orientation, docs/performance.md).
+    float32 inputs add the scaled product into dQ directly (``beta = 1``);
+    bf16 inputs (``dq_via_psum``) sum the blocks of the K tile into
+    ``dq_psum`` (this block's columns of it), which
     :func:`_flash_attn_bwd_core` adds once. Steps 3.1 ``dV += P^T dO`` and
     5.2 ``dK += Q_s^T dS`` go into the section accumulators (GQA-reduced);
     bf16 accumulators take their one rounded addition from a PSUM tile.
@@ -254,9 +262,9 @@ def update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum, cut, scratch):
     q_cols = qg.q_s[:, blk.r0:blk.r1]
     dy_cols = qg.dy[:, blk.r0:blk.r1]
     if prec.dq_via_psum:
-        matmul(ds_t, k_cols, dq_psum, True, True, _ONE, _ONE if cut else _ZERO, plan.gemm)
+        matmul(k_cols, ds_t, dq_psum, False, False, _ONE, _ONE if cut else _ZERO, plan.gemm)
     else:
-        matmul(ds_t, k_cols, qg.dq_t[blk.r0:blk.r1], True, True, plan.softmax_scale, _ONE,
+        matmul(k_cols, ds_t, qg.dq[:, blk.r0:blk.r1], False, False, plan.softmax_scale, _ONE,
                plan.gemm)
     if prec.round_mixed:
         d_head = k_cols.shape[0]
@@ -290,7 +298,7 @@ def _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch):
     cut = cut_by_mask(mask, k_abs0 + n_k - 1, qg.start + t0)
     sub = min(tiling.k_sub_tile, n_k) if cut else n_k
     d_head = qg.q_s.shape[0]
-    dq_psum = scratch.dq_psum[:(t1 - t0) * d_head].reshape(t1 - t0, d_head)
+    dq_psum = scratch.dq_psum[:d_head * (t1 - t0)].reshape(d_head, t1 - t0)
     if plan.precision.dq_via_psum and cut:
         dq_psum[:] = _ZERO
     for kb0 in range(k_tile0, k_tile0 + n_k, sub):
@@ -303,9 +311,9 @@ def _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch):
                 continue
         blk = Block(kb0, n_kb, r0, r1)
         p_t, ds_t = recompute_p_ds(plan, sec, qg, blk, scratch)
-        update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum[r0 - t0:r1 - t0], cut, scratch)
+        update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum[:, r0 - t0:r1 - t0], cut, scratch)
     if plan.precision.dq_via_psum:  # dQ += PSUM * scale, one (rounded) addition per K tile
-        accumulate(qg.dq_t[t0:t1], dq_psum, plan.softmax_scale, plan.precision.round_mixed)
+        accumulate(qg.dq[:, t0:t1], dq_psum, plan.softmax_scale, plan.precision.round_mixed)
 
 
 @jit()
@@ -321,11 +329,11 @@ def bwd_q_group(ins, outs, plan, sec, head, i_group, scratch):
     q_h = ins.q[head.batch, head.q_head]
     dq_h = outs.dq[head.batch, head.q_head]
     q_grp0, rows = group_rows(i_group, q_h.shape[1], plan.tiling)
-    dq_t = scratch.dq_t
+    dq = scratch.dq[:, :rows]
     if sec.first:
-        dq_t[:rows] = _ZERO
+        dq[:] = _ZERO
     else:
-        load_transposed(dq_h, q_grp0, rows, dq_t, _ONE, False)
+        load_scaled(dq_h, q_grp0, rows, dq, _ONE, False)
     load_scaled(q_h, q_grp0, rows, scratch.q_s, plan.softmax_scale, prec.round_kernel)
     q_op = narrowed(scratch.q_s[:, :rows], scratch.q_op, plan.operand)
     dy_h = ins.dy[head.batch, head.q_head]
@@ -334,10 +342,10 @@ def bwd_q_group(ins, outs, plan, sec, head, i_group, scratch):
         load_neg_lse(ins.lse[head.batch, head.q_head], q_grp0, rows, prec.round_mixed, head.neg_lse)
         compute_rowsum(ins.o[head.batch, head.q_head], dy_h, q_grp0, rows, plan.tiling.d_tile,
                        head.d_sum, prec)
-    qg = QGroup(q_grp0, rows, q_op, dy_n, dq_t, head.neg_lse, head.d_sum, head.batch, head.q_head)
+    qg = QGroup(q_grp0, rows, q_op, dy_n, dq, head.neg_lse, head.d_sum, head.batch, head.q_head)
     for k_tile0 in range(0, sec.length, plan.tiling.k_tile):
         _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch)
-    store_transposed(dq_t, rows, dq_h, q_grp0, prec.round_kernel)
+    store(dq, rows, dq_h, q_grp0, prec.round_kernel)
 
 
 @jit()
@@ -386,7 +394,7 @@ def make_scratch(d_head, seqlen_k, plan):
     bits = 1 if plan.operand.itemsize == 2 else 0
     drop = 0 if plan.dropout is None else 1
     return Scratch(np.empty((d_head, q_rows), dtype=np.float32),
-                   np.empty((q_rows, d_head), dtype=np.float32),
+                   np.empty((d_head, q_rows), dtype=np.float32),
                    np.empty(tiling.k_tile * q_rows, dtype=np.float32),
                    np.empty(tiling.k_tile * q_rows, dtype=np.float32),
                    np.empty(tiling.k_tile * d_head, dtype=np.float32),

@@ -3,8 +3,9 @@
 Both kernels keep the Neuron ``[d_head, seq]`` layout for their inputs and
 let BLAS read operands transposed; only Q is copied, scaled at load
 (:func:`load_scaled`). Their ``[seq, d_head]`` accumulators go to the outputs
-through :func:`store_transposed`, and the backward's dQ comes back between
-KV sections through :func:`load_transposed`.
+through :func:`store_transposed`; the backward's dQ accumulator is ``[d_head,
+rows]``, stored with :func:`store` and reloaded between KV sections with
+:func:`load_scaled` (scale 1: an exact copy).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 from ..jit import jit
 from ..dtypes import round_to_bf16, widen
 
-__all__ = ["round_if", "load_transposed", "load_scaled", "store_transposed"]
+__all__ = ["round_if", "load_transposed", "load_scaled", "store", "store_transposed"]
 
 
 @jit()
@@ -95,3 +96,14 @@ def store_transposed(src, count, dst, start, round_out):
     for i in range(full_rows, count):
         for j in range(d_head):
             dst[j, start + i] = round_if(src[i, j], round_out)
+
+
+@jit()
+def store(src, count, dst, start, round_out):
+    """Store ``src[:, :count]`` into ``dst[:, start:start+count]`` (both ``[d, seq]``), rounded to
+    bf16 when ``round_out``."""
+    for j in range(dst.shape[0]):
+        s_row = src[j]
+        d_row = dst[j]
+        for i in range(count):
+            d_row[start + i] = round_if(s_row[i], round_out)
