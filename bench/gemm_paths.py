@@ -6,8 +6,8 @@ The GEMM path (``NUMBAFA_GEMM``, :mod:`numbafa.onednn`) is chosen by CPU
 class; this script measures what the choice rests on, on the CPU at hand:
 the five GEMMs of one (Q group of 512 rows, K tile of 512 keys) backward step
 in the orientations the kernel calls them (``[keys, queries]`` score tiles,
-K and dO in the Neuron ``[d, seq]`` layout), one thread, through the
-kernels' own matmul seam:
+K and dO in the Neuron ``[d, seq]`` layout; and dQ's former orientation, for
+comparison), one thread, through the kernels' own matmul seam:
 
 * ``blas``: float32 tiles, BLAS sgemm (SciPy's OpenBLAS);
 * ``onednn-f32``: float32 tiles, oneDNN's ``dnnl_sgemm``;
@@ -59,6 +59,7 @@ def gemms(d_head, rng):
     return {
         "S^T = K^T Q_s (dP^T alike)": (k, q, True, False, KEYS, ROWS, d_head),
         "dQ = K dS^T": (k, ds, False, False, d_head, ROWS, KEYS),
+        "dQ^T = dS K^T (not used: the orientation before 2026-12)": (ds, k, True, True, ROWS, d_head, KEYS),
         "dK^T += dS^T Q_s^T (dV^T alike)": (ds, q, False, True, KEYS, d_head, ROWS),
     }
 
