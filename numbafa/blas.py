@@ -132,6 +132,28 @@ def _cpu_flags():
     return None
 
 
+def _cpu_model():
+    """``"<model name> (<vendor>, family F, model M)"`` from Linux ``/proc/cpuinfo`` (first CPU),
+    or None where unavailable: the model name alone does not tell CPU generations apart
+    (VMs often say just "AMD EPYC")."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("vendor_id", "cpu family", "model", "model name") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip() and fields:
+                    break
+    except OSError:
+        return None
+    if "model name" not in fields:
+        return None
+    return (f"{fields['model name']} ({fields.get('vendor_id', '?')}, family {fields.get('cpu family', '?')}, "
+            f"model {fields.get('model', '?')})")
+
+
 def backend_info() -> dict:
     """Which compute path the kernels take in this process, and on what.
 
@@ -158,6 +180,9 @@ def backend_info() -> dict:
     ``cpu``
         Whether the CPU advertises ``avx2``, ``fma``, ``avx512f``,
         ``avx512_bf16`` and ``amx_bf16`` (None off Linux).
+    ``cpu_model``
+        The CPU's model name, vendor, family and model numbers (None off
+        Linux), so that a benchmark figure names the CPU it ran on.
     ``cache``
         Whether the on-disk kernel cache is on and where:
         :func:`numbafa.jit.cache_info` (``enabled``, ``dir``, ``reason``).
@@ -192,5 +217,6 @@ def backend_info() -> dict:
         "blas": blas,
         "threads": numba.get_num_threads(),
         "cpu": cpu,
+        "cpu_model": _cpu_model(),
         "cache": cache_info(),
     }

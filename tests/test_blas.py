@@ -49,6 +49,7 @@ def test_backend_info_reports_the_blas_the_kernels_pin():
     assert info["cache"]["enabled"] in (True, False) and set(info["cache"]) == {"enabled", "dir", "reason"}
     if info["cpu"] is not None:
         assert set(info["cpu"]) == {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}
+        assert isinstance(info["cpu_model"], str) and "family" in info["cpu_model"]
 
 
 def _multi_threaded_blas():
