@@ -157,9 +157,27 @@ def _dgemm(a, b, c, trans_a, trans_b, alpha, beta):
         raise RuntimeError("matmul: SciPy's BLAS dgemm could not be loaded")
 
 
+def _dnnl_gemm(a, b, c, trans_a, trans_b, m, n, k, alpha, beta):  # pragma: no cover - njit only
+    """oneDNN's GEMM for the operand dtype (uint16 bf16 bits: ``dnnl_gemm_bf16bf16f32``; float32:
+    ``dnnl_sgemm``), row-major, on the calling thread's OpenMP team; returns its status."""
+    raise NotImplementedError("_dnnl_gemm is only callable from @njit code")
+
+
+@overload(_dnnl_gemm)
+def _dnnl_gemm_overload(a, b, c, trans_a, trans_b, m, n, k, alpha, beta):
+    fn = _gemm_bf16_fn if a.dtype == types.uint16 else _dnnl_sgemm_fn
+
+    def impl(a, b, c, trans_a, trans_b, m, n, k, alpha, beta):
+        return fn(_TRANS if trans_a else _NO_TRANS, _TRANS if trans_b else _NO_TRANS, m, n, k,
+                  np.float32(alpha), a.ctypes, _leading_dim(a), b.ctypes, _leading_dim(b),
+                  np.float32(beta), c.ctypes, _leading_dim(c))
+    return impl
+
+
 @jit()
-def _gemm_bf16(a, b, c, trans_a, trans_b, alpha, beta):
-    """bf16 ``a``, ``b`` (uint16 bits), float32 ``c``: ``c = alpha op(a) op(b) + beta c`` by oneDNN.
+def _gemm_onednn(a, b, c, trans_a, trans_b, alpha, beta):
+    """``c = alpha op(a) op(b) + beta c`` by oneDNN: bf16 ``a``, ``b`` (uint16 bits) on the bf16
+    units, or float32 ``a``, ``b`` by ``dnnl_sgemm``; float32 ``c``.
 
     One thread: the call runs inside a work item, so the calling thread's
     OpenMP thread count is set to 1 around it (and restored).
@@ -169,29 +187,10 @@ def _gemm_bf16(a, b, c, trans_a, trans_b, alpha, beta):
         return
     previous = _omp_get_max_threads()
     _omp_set_num_threads(1)
-    status = _gemm_bf16_fn(_TRANS if trans_a else _NO_TRANS, _TRANS if trans_b else _NO_TRANS,
-                           m, n, k, np.float32(alpha), a.ctypes, _leading_dim(a),
-                           b.ctypes, _leading_dim(b), np.float32(beta), c.ctypes, _leading_dim(c))
+    status = _dnnl_gemm(a, b, c, trans_a, trans_b, m, n, k, alpha, beta)
     _omp_set_num_threads(previous)
     if status != 0:
-        raise RuntimeError("matmul: oneDNN's dnnl_gemm_bf16bf16f32 failed")
-
-
-@jit()
-def _gemm_f32_onednn(a, b, c, trans_a, trans_b, alpha, beta):
-    """float32 ``c = alpha op(a) op(b) + beta c`` by oneDNN's ``dnnl_sgemm``, one thread (as
-    :func:`_gemm_bf16`)."""
-    m, n, k = _check_operands(a, b, c, trans_a, trans_b)
-    if min(m, n) == 0:
-        return
-    previous = _omp_get_max_threads()
-    _omp_set_num_threads(1)
-    status = _dnnl_sgemm_fn(_TRANS if trans_a else _NO_TRANS, _TRANS if trans_b else _NO_TRANS,
-                            m, n, k, np.float32(alpha), a.ctypes, _leading_dim(a),
-                            b.ctypes, _leading_dim(b), np.float32(beta), c.ctypes, _leading_dim(c))
-    _omp_set_num_threads(previous)
-    if status != 0:
-        raise RuntimeError("matmul: oneDNN's dnnl_sgemm failed")
+        raise RuntimeError("matmul: oneDNN's GEMM (dnnl_gemm_bf16bf16f32 or dnnl_sgemm) failed")
 
 
 @jit()
@@ -234,11 +233,11 @@ def _matmul_impl(a, b, c, gemm):
     if a.ndim != 2 or b.ndim != 2 or c.ndim != 2:
         return None
     if a.dtype == types.uint16 and b.dtype == types.uint16 and c.dtype == types.float32:
-        return _gemm_bf16 if onednn else None
+        return _gemm_onednn if onednn else None
     if len(dtypes) != 1:
         return None
     if dtypes == {types.float32}:
-        return _gemm_f32_onednn if onednn else _sgemm
+        return _gemm_onednn if onednn else _sgemm
     if dtypes == {types.float64}:
         return _dgemm
     return None
