@@ -17,7 +17,10 @@ Results are bitwise those of the single-process call, whatever the number of
 workers: every task runs the in-process work items with the plan of the
 whole problem (``numbafa.shards``), and the backward of a unit split into
 Q chunks (an odd number of units below 9: batch 1 MQA, one long sequence) is
-merged by the kernel's own fixed-order reduction. See ``docs/distributed.md``.
+merged by the kernel's own fixed-order reduction. With attention dropout,
+every task is given the absolute batch and q-head of its share's first element
+(``numbafa.shards.at_origin``), so it draws the whole problem's mask. See
+``docs/distributed.md``.
 
 Requires the ``dask`` extra (``pip install 'numbafa[dask]'``); Dask is
 imported only when a function here is called.
@@ -69,25 +72,16 @@ def _check_client(client) -> None:
                          f"make a new Client")
 
 
-def _warm(client, kernel: str, dtype) -> None:
-    """Load the kernel on every worker once (``client.run``) and check that the workers
-    would compute the client's bits (same numbafa sources, Numba and GEMM path)."""
+def _warm(client, kernel: str, dtype, dropout: bool) -> None:
+    """Load the kernel (with dropout or without) on every worker once (``client.run``) and
+    check that the workers would compute the client's bits (same numbafa sources, Numba and
+    GEMM path)."""
     expected = shards.fingerprint()
-    for worker, found in client.run(shards.warm, kernel, np.dtype(dtype).name).items():
+    for worker, found in client.run(shards.warm, kernel, np.dtype(dtype).name, dropout).items():
         if tuple(found) != expected:
             raise RuntimeError(f"worker {worker} runs numbafa/Numba/GEMM path {tuple(found)}, the "
                                f"client {expected}: its results would not be bitwise those of the "
                                f"single-process call; install the same numbafa on every worker")
-
-
-def _refuse_dropout(prob) -> None:
-    """Attention dropout is not distributed yet: its mask is keyed on each element's absolute
-    batch and q-head, and a share's arrays start at batch 0, head 0 (``numbafa.shards``); the
-    kernels would need the share's offsets."""
-    if prob.dropout_p > 0:
-        raise ValueError(f"dropout_p must be 0 in numbafa.distributed (dropout is not distributed "
-                         f"yet: its mask depends on each element's absolute batch and q-head), got "
-                         f"dropout_p={prob.dropout_p}; use numbafa.attention_fwd/attention_bwd")
 
 
 def _is_dask(x) -> bool:
@@ -182,8 +176,8 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     softmax_scale, sliding_window, lse_layout
         As in :func:`numbafa.attention_fwd`.
     dropout_p, seed, seed_offset
-        Accepted for the same signature; ``dropout_p`` must be 0 (dropout is not distributed
-        yet: its mask is keyed on each element's absolute batch and q-head).
+        As in :func:`numbafa.attention_fwd`: the same keep mask as the single-process call
+        (each task draws it at its share's absolute batch and q-heads).
 
     Returns
     -------
@@ -211,7 +205,6 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     if _dask_mode(named):
         return _fwd_dask(client, named, sinks_ref, bound_min, bound_max, options, lse_layout)
     prob = validate_fwd_inputs(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, **options)
-    _refuse_dropout(prob)
     bs, nheads, d_head, seqlen_q = prob.q.shape
     if lse_layout == "neuron" and seqlen_q % Q_TILE:
         raise ValueError(f"lse_layout='neuron' needs seqlen_q divisible by {Q_TILE}, got "
@@ -231,8 +224,9 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     token = uuid.uuid4().hex[:12]
 
     def submit(plan_future, i, pieces, attempt):
+        b, heads, _ = units[i // n_chunks]
         return client.submit(shards.fwd_chunk, plan_future, pieces[0], True, seqlen_q, i % n_chunks,
-                             prob.dtype, key=f"numbafa-fwd-{token}-{i}-{attempt}")
+                             prob.dtype, (b, heads.start), key=f"numbafa-fwd-{token}-{i}-{attempt}")
 
     def on_result(i, result):
         b, heads, _ = units[i // n_chunks]
@@ -242,7 +236,7 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
         lse[b, heads][..., cols] = result[1][0]
 
     if shares:
-        _warm(client, "forward", prob.dtype)
+        _warm(client, "forward", prob.dtype, prob.dropout_p > 0)
     _run_shares(client, plan, shares, submit, on_result)
     return o, (lse_to_neuron(lse) if lse_layout == "neuron" else lse)
 
@@ -273,7 +267,8 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     use_causal_mask, mixed_precision, softmax_scale, sliding_window
         As in :func:`numbafa.attention_bwd`.
     dropout_p, seed, seed_offset
-        As for :func:`numbafa.distributed.attention_fwd`: ``dropout_p`` must be 0.
+        As in :func:`numbafa.attention_bwd` (the forward's mask, drawn again by every task at
+        its share's absolute batch and q-heads).
 
     Returns
     -------
@@ -298,7 +293,6 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
         return _bwd_dask(client, named, sinks_ref, bound_min, bound_max, options)
     prob = validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min,
                                bound_max, **options)
-    _refuse_dropout(prob)
     bs, nheads, d_head, seqlen_q = prob.q.shape
     nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
     plan = make_plan(prob, backward=True)
@@ -321,11 +315,12 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
 
     def submit(plan_future, i, pieces, attempt):
         key = f"numbafa-bwd-{token}-{i}-{attempt}"
+        b, heads, _ = units[i]
         parts = [client.submit(shards.bwd_chunk, plan_future, pieces[c], True, seqlen_q, c,
-                               prob.dtype, key=f"{key}-chunk{c}") for c in range(n_chunks)]
+                               prob.dtype, (b, heads.start), key=f"{key}-chunk{c}")
+                 for c in range(n_chunks)]
         if n_chunks == 1:
             return parts[0]
-        b, heads, _ = units[i]
         return client.submit(shards.bwd_merge, plan_future, prob.sinks[b:b + 1, heads], parts,
                              seqlen_q, prob.dtype, key=f"{key}-merge")
 
@@ -337,7 +332,7 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
         dsinks[b, heads] = result[3][0]
 
     if shares:
-        _warm(client, "backward", prob.dtype)
+        _warm(client, "backward", prob.dtype, prob.dropout_p > 0)
     _run_shares(client, plan, shares, submit, on_result)
     if prob.sinks_shape is None:
         return dq, dk, dv
@@ -383,7 +378,6 @@ def _validate_dask(client, named: dict, sinks_ref, bound_min, bound_max, validat
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{exc} (Dask inputs: checked on their metadata, shapes shown with "
                         f"batch 0)") from None
-    _refuse_dropout(prob)
     if sinks is not None and not _is_dask(sinks):
         sinks = da.from_array(sinks, chunks=q.chunks[:2] + tuple((n,) for n in sinks.shape[2:]))
     return prob, sinks, bounds
@@ -422,6 +416,12 @@ def _blocks(x):
     return lambda i, j: delayed_blocks[(i, j) + (0,) * (x.ndim - 2)]
 
 
+def _origin(chunks: tuple, i: int, j: int) -> tuple:
+    """``(batch0, head0)``: the absolute batch and q-head of block ``(i, j)``'s first element
+    (``chunks``: ``q_ref.chunks``)."""
+    return int(sum(chunks[0][:i])), int(sum(chunks[1][:j]))
+
+
 def _assemble(blocks: list, ndim: int):
     """One Dask array from a ``[batch chunk][head chunk]`` grid of blocks."""
     da, _ = _dask()
@@ -442,7 +442,7 @@ def _dask_plan(client, named, sinks, prob, backward: bool):
     _check_chunks(dict(named, **({} if sinks is None else {"sinks_ref": sinks})), ("k_ref", "v_ref"), n_rep)
     plan = make_plan(dataclasses.replace(prob, q=_shape_only(q.shape, prob.q.dtype),
                                          k=_shape_only(k.shape, prob.k.dtype)), backward=backward)
-    _warm(client, "backward" if backward else "forward", q.dtype)
+    _warm(client, "backward" if backward else "forward", q.dtype, prob.dropout_p > 0)
     return plan, delayed(plan, traverse=False)
 
 
@@ -466,7 +466,9 @@ def _fwd_dask(client, named, sinks_ref, bound_min, bound_max, options, lse_layou
         lse_blocks.append([])
         for j, nh in enumerate(q.chunks[1]):
             args = [g(i, j) for g in get] + bounds_d
-            parts = [delayed(shards.fwd_block, pure=True, nout=2)(plan_d, c, options, lse_layout, *args)
+            origin = _origin(q.chunks, i, j)
+            parts = [delayed(shards.fwd_block, pure=True, nout=2)(plan_d, c, origin, options, lse_layout,
+                                                                   *args)
                      for c in range(n_chunks)]
             res = parts[0] if n_chunks == 1 else delayed(shards.fwd_block_merge, pure=True, nout=2)(
                 plan_d, parts, seqlen_q, lse_layout)
@@ -495,7 +497,8 @@ def _bwd_dask(client, named, sinks_ref, bound_min, bound_max, options):
             grid.append([])
         for j, nh in enumerate(q.chunks[1]):
             args = [g(i, j) for g in get] + bounds_d
-            parts = [delayed(shards.bwd_block, pure=True, nout=4)(plan_d, c, options, *args)
+            parts = [delayed(shards.bwd_block, pure=True, nout=4)(plan_d, c, _origin(q.chunks, i, j),
+                                                                   options, *args)
                      for c in range(n_chunks)]
             res = parts[0] if n_chunks == 1 else delayed(shards.bwd_block_merge, pure=True, nout=4)(
                 plan_d, parts, args[6], seqlen_q, q.dtype)
