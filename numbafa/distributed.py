@@ -422,15 +422,23 @@ def _origin(chunks: tuple, i: int, j: int) -> tuple:
     return int(sum(chunks[0][:i])), int(sum(chunks[1][:j]))
 
 
-def _assemble(blocks: list, ndim: int):
-    """One Dask array from a ``[batch chunk][head chunk]`` grid of blocks."""
-    da, _ = _dask()
+def _assemble(results: list, index: int, chunks: tuple, dtype, label: str):
+    """The Dask array whose block ``(i, j)`` is item ``index`` of the tuple that the Delayed
+    ``results[i][j]`` computes: one ``getitem`` task per block, on the block's worker. (Built
+    as ``da.from_delayed`` per block and ``da.block`` it took three tasks per block, each a
+    round trip through the scheduler.)"""
+    import operator
 
-    def nest(x):
-        for _ in range(ndim - 2):
-            x = [x]
-        return x
-    return da.block([[nest(x) for x in row] for row in blocks])
+    from dask.array import Array
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
+    flat = [r for row in results for r in row]
+    name = f"numbafa-{label}-{tokenize([r.key for r in flat], index)}"
+    rest = (0,) * (len(chunks) - 2)
+    layer = {(name, i, j) + rest: (operator.getitem, r.key, index)
+             for i, row in enumerate(results) for j, r in enumerate(row)}
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=flat)
+    return Array(graph, name, chunks, dtype=dtype)
 
 
 def _dask_plan(client, named, sinks, prob, backward: bool):
@@ -447,12 +455,11 @@ def _dask_plan(client, named, sinks, prob, backward: bool):
 
 
 def _fwd_dask(client, named, sinks_ref, bound_min, bound_max, options, lse_layout):
-    da, _ = _dask()
     from dask import delayed
     prob, sinks, bounds = _validate_dask(client, named, sinks_ref, bound_min, bound_max,
                                          validate_fwd_inputs, options)
     q = named["q_ref"]
-    bs, nheads, d_head, seqlen_q = q.shape
+    d_head, seqlen_q = q.shape[2:]
     if lse_layout == "neuron" and seqlen_q % Q_TILE:
         raise ValueError(f"lse_layout='neuron' needs seqlen_q divisible by {Q_TILE}, got "
                          f"seqlen_q={seqlen_q}; use lse_layout='natural'")
@@ -460,54 +467,49 @@ def _fwd_dask(client, named, sinks_ref, bound_min, bound_max, options, lse_layou
     bounds_d = [None if b is None else delayed(b, traverse=False) for b in bounds]
     n_chunks = plan.tiling.q_chunks
     get = [_blocks(x) for x in (q, named["k_ref"], named["v_ref"], sinks)]
-    o_blocks, lse_blocks = [], []
-    for i, nb in enumerate(q.chunks[0]):
-        o_blocks.append([])
-        lse_blocks.append([])
-        for j, nh in enumerate(q.chunks[1]):
+    results = []
+    for i in range(len(q.chunks[0])):
+        results.append([])
+        for j in range(len(q.chunks[1])):
             args = [g(i, j) for g in get] + bounds_d
             origin = _origin(q.chunks, i, j)
             parts = [delayed(shards.fwd_block, pure=True, nout=2)(plan_d, c, origin, options, lse_layout,
                                                                    *args)
                      for c in range(n_chunks)]
-            res = parts[0] if n_chunks == 1 else delayed(shards.fwd_block_merge, pure=True, nout=2)(
-                plan_d, parts, seqlen_q, lse_layout)
-            lse_shape = (nb, nh, Q_TILE, seqlen_q // Q_TILE) if lse_layout == "neuron" else (nb, nh, seqlen_q)
-            o_blocks[-1].append(da.from_delayed(res[0], shape=(nb, nh, d_head, seqlen_q), dtype=q.dtype))
-            lse_blocks[-1].append(da.from_delayed(res[1], shape=lse_shape, dtype=np.float32))
-    return _assemble(o_blocks, 4), _assemble(lse_blocks, 4 if lse_layout == "neuron" else 3)
+            results[-1].append(parts[0] if n_chunks == 1 else delayed(
+                shards.fwd_block_merge, pure=True, nout=2)(plan_d, parts, seqlen_q, lse_layout))
+    lse_rest = ((Q_TILE,), (seqlen_q // Q_TILE,)) if lse_layout == "neuron" else ((seqlen_q,),)
+    return (_assemble(results, 0, q.chunks[:2] + ((d_head,), (seqlen_q,)), q.dtype, "o"),
+            _assemble(results, 1, q.chunks[:2] + lse_rest, np.float32, "lse"))
 
 
 def _bwd_dask(client, named, sinks_ref, bound_min, bound_max, options):
-    da, _ = _dask()
     from dask import delayed
     prob, sinks, bounds = _validate_dask(client, named, sinks_ref, bound_min, bound_max,
                                          validate_bwd_inputs, options)
     q, k = named["q_ref"], named["k_ref"]
-    bs, nheads, d_head, seqlen_q = q.shape
+    nheads, d_head, seqlen_q = q.shape[1:]
     nheads_kv, seqlen_k = k.shape[1], k.shape[3]
     n_rep = nheads // nheads_kv
     plan, plan_d = _dask_plan(client, named, sinks, prob, backward=True)
     bounds_d = [None if b is None else delayed(b, traverse=False) for b in bounds]
     n_chunks = plan.tiling.q_chunks
     get = [_blocks(x) for x in list(named.values()) + [sinks]]
-    grids = [[], [], [], []]
-    for i, nb in enumerate(q.chunks[0]):
-        for grid in grids:
-            grid.append([])
-        for j, nh in enumerate(q.chunks[1]):
+    results = []
+    for i in range(len(q.chunks[0])):
+        results.append([])
+        for j in range(len(q.chunks[1])):
             args = [g(i, j) for g in get] + bounds_d
             parts = [delayed(shards.bwd_block, pure=True, nout=4)(plan_d, c, _origin(q.chunks, i, j),
                                                                    options, *args)
                      for c in range(n_chunks)]
-            res = parts[0] if n_chunks == 1 else delayed(shards.bwd_block_merge, pure=True, nout=4)(
-                plan_d, parts, args[6], seqlen_q, q.dtype)
-            shapes = [(nb, nh, d_head, seqlen_q), (nb, nh // n_rep, d_head, seqlen_k),
-                      (nb, nh // n_rep, d_head, seqlen_k)]
-            for grid, x, shape in zip(grids, res, shapes):
-                grid[-1].append(da.from_delayed(x, shape=shape, dtype=q.dtype))
-            if sinks is not None:
-                grids[3][-1].append(da.from_delayed(res[3], shape=(nb, nh) + tuple(sinks.shape[2:]),
-                                                    dtype=sinks.dtype))
-    grads = tuple(_assemble(grid, 4) for grid in grids[:3])
-    return grads if sinks is None else grads + (_assemble(grids[3], sinks.ndim),)
+            results[-1].append(parts[0] if n_chunks == 1 else delayed(
+                shards.bwd_block_merge, pure=True, nout=4)(plan_d, parts, args[6], seqlen_q, q.dtype))
+    kv_chunks = (q.chunks[0], tuple(c // n_rep for c in q.chunks[1]), (d_head,), (seqlen_k,))
+    grads = (_assemble(results, 0, q.chunks[:2] + ((d_head,), (seqlen_q,)), q.dtype, "dq"),
+             _assemble(results, 1, kv_chunks, q.dtype, "dk"),
+             _assemble(results, 2, kv_chunks, q.dtype, "dv"))
+    if sinks is None:
+        return grads
+    return grads + (_assemble(results, 3, q.chunks[:2] + tuple((n,) for n in sinks.shape[2:]),
+                              sinks.dtype, "dsinks"),)
