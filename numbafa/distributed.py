@@ -46,6 +46,14 @@ __all__ = ["attention_fwd", "attention_bwd"]
 #: How many times a share is run again after its inputs or results were lost with a worker.
 MAX_ATTEMPTS = 3
 
+#: The least work a task of NumPy inputs is given, in visible (query, key) pairs times
+#: ``head_dim`` times q-heads (a backward unit of S2048 d128 is 2**29 full, about 2**28
+#: causal: 90 and 45 ms on one Zen 3 core): units are grouped into blocks up to it, keeping
+#: at least two tasks per worker thread. Each task costs a few milliseconds of the
+#: scheduler's, the client's and the worker's time besides its kernel, on the cores that
+#: compute on one machine (docs/distributed.md, "Measured").
+MIN_TASK_WORK = 2 ** 30
+
 _LSE_LAYOUTS = ("neuron", "natural")
 
 
@@ -155,10 +163,29 @@ def _run_shares(client, plan, shares, submit, on_result) -> None:
         del result
 
 
-def _units(bs: int, nheads_kv: int, n_rep: int) -> list:
-    """``(batch, q-head slice, KV-head slice)`` of every work unit, in unit order."""
-    return [(b, slice(g * n_rep, (g + 1) * n_rep), slice(g, g + 1))
-            for b in range(bs) for g in range(nheads_kv)]
+def _units_per_task(plan, prob, n_slots: int) -> int:
+    """Work units per task: enough for :data:`MIN_TASK_WORK`, at most ``units / (2 *
+    n_slots)``; 1 when units are split into Q chunks (each chunk is a task of its own)."""
+    bs, nheads, d_head, _ = prob.q.shape
+    n_units = bs * prob.k.shape[1]
+    if plan.tiling.q_chunks > 1 or n_units == 0:
+        return 1
+    visible = int(np.maximum(plan.mask.key_hi.astype(np.int64) - plan.mask.key_lo, 0).sum())
+    unit_work = max(1, visible * d_head * (nheads // prob.k.shape[1]))
+    return max(1, min(-(-MIN_TASK_WORK // unit_work), n_units // (2 * max(n_slots, 1))))
+
+
+def _units(bs: int, nheads_kv: int, n_rep: int, per_task: int = 1) -> list:
+    """``(batch slice, q-head slice, KV-head slice)`` of every task's block of work units, in
+    unit order: runs of ``per_task`` KV heads of one batch, or of whole batches when
+    ``per_task >= nheads_kv`` (so that every block is a contiguous slice of the arrays)."""
+    if per_task >= nheads_kv:
+        nb = per_task // nheads_kv
+        return [(slice(b, min(b + nb, bs)), slice(0, nheads_kv * n_rep), slice(0, nheads_kv))
+                for b in range(0, bs, nb)]
+    return [(slice(b, b + 1), slice(g * n_rep, min(g + per_task, nheads_kv) * n_rep),
+             slice(g, min(g + per_task, nheads_kv)))
+            for b in range(bs) for g in range(0, nheads_kv, per_task)]
 
 
 def _fwd_row_chunks(plan, seqlen_q: int, n_units: int, n_slots: int) -> int:
@@ -227,23 +254,24 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     rows = [shards.owned_rows(seqlen_q, plan.tiling, c) for c in range(n_chunks)]
     o = np.empty((bs, nheads, d_head, seqlen_q), dtype=prob.dtype)
     lse = np.empty((bs, nheads, seqlen_q), dtype=np.float32)
-    units = _units(bs, nheads_kv, nheads // nheads_kv)
-    shares = [(FwdInputs(shards.pack_rows(prob.q[b:b + 1, heads], rows[c]), prob.k[b:b + 1, kv],
-                         prob.v[b:b + 1, kv], prob.sinks[b:b + 1, heads]),)
+    units = _units(bs, nheads_kv, nheads // nheads_kv, _units_per_task(plan, prob, n_slots))
+    shares = [(FwdInputs(shards.pack_rows(prob.q[b, heads], rows[c]), prob.k[b, kv], prob.v[b, kv],
+                         prob.sinks[b, heads]),)
               for b, heads, kv in units for c in range(n_chunks)]
     token = uuid.uuid4().hex[:12]
 
     def submit(plan_future, i, pieces, attempt):
         b, heads, _ = units[i // n_chunks]
         return client.submit(shards.fwd_chunk, plan_future, pieces[0], True, seqlen_q, i % n_chunks,
-                             prob.dtype, (b, heads.start), key=f"numbafa-fwd-{token}-{i}-{attempt}")
+                             prob.dtype, (b.start, heads.start), 1,
+                             key=f"numbafa-fwd-{token}-{i}-{attempt}")
 
     def on_result(i, result):
         b, heads, _ = units[i // n_chunks]
         cols = rows[i % n_chunks]
         cols = slice(None) if cols is None else cols
-        o[b, heads][..., cols] = result[0][0]
-        lse[b, heads][..., cols] = result[1][0]
+        o[b, heads][..., cols] = result[0]
+        lse[b, heads][..., cols] = result[1]
 
     if shares:
         _warm(client, "forward", prob.dtype, prob.dropout_p > 0)
@@ -312,13 +340,14 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     dk = np.empty((bs, nheads_kv, d_head, seqlen_k), dtype=prob.dtype)
     dv = np.empty_like(dk)
     dsinks = np.empty(prob.sinks.shape, dtype=np.float32)
-    units = _units(bs, nheads_kv, nheads // nheads_kv)
+    units = _units(bs, nheads_kv, nheads // nheads_kv,
+                   _units_per_task(plan, prob, sum(client.nthreads().values())))
 
     def piece(b, heads, kv, c):
         def rows_of(x):
-            return shards.pack_rows(x[b:b + 1, heads], rows[c])
-        return BwdInputs(rows_of(prob.q), prob.k[b:b + 1, kv], prob.v[b:b + 1, kv], rows_of(prob.o),
-                         rows_of(prob.dy), rows_of(prob.lse), prob.sinks[b:b + 1, heads])
+            return shards.pack_rows(x[b, heads], rows[c])
+        return BwdInputs(rows_of(prob.q), prob.k[b, kv], prob.v[b, kv], rows_of(prob.o),
+                         rows_of(prob.dy), rows_of(prob.lse), prob.sinks[b, heads])
 
     shares = [tuple(piece(b, heads, kv, c) for c in range(n_chunks)) for b, heads, kv in units]
     token = uuid.uuid4().hex[:12]
@@ -327,19 +356,19 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
         key = f"numbafa-bwd-{token}-{i}-{attempt}"
         b, heads, _ = units[i]
         parts = [client.submit(shards.bwd_chunk, plan_future, pieces[c], True, seqlen_q, c,
-                               prob.dtype, (b, heads.start), key=f"{key}-chunk{c}")
+                               prob.dtype, (b.start, heads.start), 1, key=f"{key}-chunk{c}")
                  for c in range(n_chunks)]
         if n_chunks == 1:
             return parts[0]
-        return client.submit(shards.bwd_merge, plan_future, prob.sinks[b:b + 1, heads], parts,
+        return client.submit(shards.bwd_merge, plan_future, prob.sinks[b, heads], parts,
                              seqlen_q, prob.dtype, key=f"{key}-merge")
 
     def on_result(i, result):
         b, heads, kv = units[i]
-        dq[b, heads] = result[0][0]
-        dk[b, kv] = result[1][0]
-        dv[b, kv] = result[2][0]
-        dsinks[b, heads] = result[3][0]
+        dq[b, heads] = result[0]
+        dk[b, kv] = result[1]
+        dv[b, kv] = result[2]
+        dsinks[b, heads] = result[3]
 
     if shares:
         _warm(client, "backward", prob.dtype, prob.dropout_p > 0)

@@ -126,7 +126,8 @@ def _kernel_array(x: np.ndarray) -> np.ndarray:
     return x if x.flags.c_contiguous and x.flags.writeable else np.array(x, order="C")
 
 
-def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, origin=(0, 0)):
+def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, origin=(0, 0),
+              n_threads=None):
     """Forward of one share: the items of Q chunk ``chunk`` of every unit of the block ``ins``.
 
     Parameters
@@ -140,6 +141,8 @@ def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
     out_dtype : the dtype of ``o`` (float32 or bf16).
     origin : ``(batch0, head0)``, the absolute batch and q-head of the block's batch 0, head 0
         (:func:`at_origin`; only the dropout mask depends on it).
+    n_threads : threads for the block's items (None: ``numba.get_num_threads()``); any number
+        gives the same bits.
 
     Returns
     -------
@@ -155,7 +158,8 @@ def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
     lse = np.zeros((nb, nheads, seqlen_q), dtype=np.float32)
     items = _chunk_items(nb * ins.k.shape[1], plan.tiling.q_chunks, chunk)
     with kernel_call("forward", np.dtype(out_dtype).name):
-        _run_items(fwd_work_item, (ins, FwdOutputs(o, lse), plan), items, numba.get_num_threads())
+        _run_items(fwd_work_item, (ins, FwdOutputs(o, lse), plan), items,
+                   numba.get_num_threads() if n_threads is None else n_threads)
     return to_dtype(pack_rows(o, rows), out_dtype), pack_rows(lse, rows)
 
 
@@ -179,7 +183,8 @@ def _bwd_outputs(ins, q_chunks: int) -> BwdOutputs:
                       np.empty(part_shape, dtype=np.float32), np.empty(part_shape, dtype=np.float32))
 
 
-def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, origin=(0, 0)):
+def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, origin=(0, 0),
+              n_threads=None):
     """Backward of one share: the items of Q chunk ``chunk`` of every unit of the block ``ins``.
 
     Parameters
@@ -190,7 +195,7 @@ def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
         ``ins.q, o, dy, lse`` hold only the chunk's rows (:func:`owned_rows`, :func:`pack_rows`).
     seqlen_q, chunk : int
     out_dtype : the dtype of dq, dk, dv (float32 or bf16).
-    origin : ``(batch0, head0)`` of the block, as for :func:`fwd_chunk`.
+    origin, n_threads : as for :func:`fwd_chunk`.
 
     Returns
     -------
@@ -210,7 +215,7 @@ def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
     n_units = ins.q.shape[0] * ins.k.shape[1]
     outs = _bwd_outputs(ins, q_chunks)
     stats = new_bwd_stats(ins)
-    n_threads = numba.get_num_threads()
+    n_threads = numba.get_num_threads() if n_threads is None else n_threads
     with kernel_call("backward", np.dtype(out_dtype).name):
         _run_items(bwd_work_item, (ins, outs, stats, plan), _chunk_items(n_units, q_chunks, chunk),
                    n_threads)

@@ -39,6 +39,12 @@ CASES = [
                                     seqlen_k=640, causal=True, num_sinks=1), BF16, True),
     ("bf16-not-mixed-sinks", Case(bs=1, nheads=4, nheads_kv=2, d_head=32, causal=True, num_sinks=1),
      BF16, False),
+    # Small units, grouped into blocks per task (_units_per_task): 3 + 1 KV heads of a batch,
+    # and 2 whole batches.
+    ("blocks-of-kv-heads", Case(bs=3, nheads=8, nheads_kv=4, d_head=16, seqlen_q=128, seqlen_k=128,
+                                causal=True, num_sinks=1), np.float32, False),
+    ("blocks-of-batches", Case(bs=9, nheads=2, nheads_kv=1, d_head=16, seqlen_q=128, seqlen_k=128),
+     np.float32, False),
 ]
 
 
@@ -220,7 +226,29 @@ def test_invalid_dask_metadata_gets_the_single_process_error(client, small):
         nd.attention_bwd(client, **lazy)
 
 
-# --- the shares without a cluster: any forward row split, the backward merge ------------------
+# --- the shares without a cluster: blocks of units, any forward row split, the backward merge ----
+
+def test_tasks_get_contiguous_blocks_of_units_in_unit_order():
+    assert nd._units(2, 4, 2, 3) == [
+        (slice(0, 1), slice(0, 6), slice(0, 3)), (slice(0, 1), slice(6, 8), slice(3, 4)),
+        (slice(1, 2), slice(0, 6), slice(0, 3)), (slice(1, 2), slice(6, 8), slice(3, 4))]
+    assert nd._units(5, 1, 2, 2) == [(slice(0, 2), slice(0, 2), slice(0, 1)),
+                                     (slice(2, 4), slice(0, 2), slice(0, 1)),
+                                     (slice(4, 5), slice(0, 2), slice(0, 1))]
+    assert nd._units(1, 2, 1) == [(slice(0, 1), slice(0, 1), slice(0, 1)),
+                                  (slice(0, 1), slice(1, 2), slice(1, 2))]
+
+
+@pytest.mark.parametrize("name, expected", [("blocks-of-kv-heads", 3), ("blocks-of-batches", 2),
+                                            ("mha", 1), ("mqa-batch1-split", 1)])
+def test_small_units_are_grouped_up_to_two_tasks_per_worker_thread(name, expected):
+    from numbafa.kernels.bundles import make_plan
+    from numbafa.validation import validate_bwd_inputs
+    case = dict((c[0], c[1]) for c in CASES)[name]
+    prob = validate_bwd_inputs(**make_inputs(case))
+    assert nd._units_per_task(make_plan(prob, backward=True), prob, n_slots=2) == expected
+
+
 
 @pytest.mark.parametrize("n_chunks", [1, 2, 3])
 def test_any_forward_row_split_gives_the_single_process_bits(n_chunks):
@@ -274,6 +302,8 @@ DROPOUT_CASES = [
     ("mqa-batch1-split", CASES[2][1], np.float32, False),
     ("bf16-gqa-causal", Case(bs=2, nheads=4, nheads_kv=2, d_head=32, causal=True), BF16, False),
     ("bf16-mixed-split", CASES[6][1], BF16, True),
+    ("blocks-of-kv-heads", CASES[8][1], np.float32, False),
+    ("blocks-of-batches", CASES[9][1], BF16, False),
 ]
 
 
