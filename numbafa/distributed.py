@@ -5,9 +5,11 @@
 :func:`numbafa.attention_fwd` / :func:`numbafa.attention_bwd`, and return
 what those return:
 
-* NumPy inputs: validated here, cut into one share per work unit (batch, KV
-  head: the q-heads of its GQA group with their K and V), each share
-  scattered once to one worker, one task per share, results gathered as they
+* NumPy inputs: validated here, cut into shares of whole work units (batch,
+  KV head: the q-heads of its GQA group with their K and V; small units
+  grouped into contiguous blocks, ``MIN_TASK_WORK``), each share
+  scattered once to one worker, straight from the client, one task per share
+  run on one thread, results gathered straight from the workers as they
   complete and put in place. NumPy outputs.
 * Dask arrays (chunked along batch and heads only, head chunks holding whole
   GQA groups): one task per block of chunks, validated on the worker; lazy
@@ -48,10 +50,11 @@ MAX_ATTEMPTS = 3
 
 #: The least work a task of NumPy inputs is given, in visible (query, key) pairs times
 #: ``head_dim`` times q-heads (a backward unit of S2048 d128 is 2**29 full, about 2**28
-#: causal: 90 and 45 ms on one Zen 3 core): units are grouped into blocks up to it, keeping
-#: at least two tasks per worker thread. Each task costs a few milliseconds of the
-#: scheduler's, the client's and the worker's time besides its kernel, on the cores that
-#: compute on one machine (docs/distributed.md, "Measured").
+#: causal: about 90 and 45 ms on one Zen 4 core): units are grouped into blocks up to it
+#: while that leaves at least two tasks per worker thread. Each task costs a few
+#: milliseconds of the scheduler's, the client's and the worker's time besides its kernel,
+#: on the cores that compute on one machine; 2**31 (8 causal units per task here) was no
+#: faster than 2**30 and took more of the workers' CPU (docs/distributed.md, "Measured").
 MIN_TASK_WORK = 2 ** 30
 
 _LSE_LAYOUTS = ("neuron", "natural")
@@ -164,7 +167,7 @@ def _run_shares(client, plan, shares, submit, on_result) -> None:
 
 
 def _units_per_task(plan, prob, n_slots: int) -> int:
-    """Work units per task: enough for :data:`MIN_TASK_WORK`, at most ``units / (2 *
+    """Work units per task: enough for ``MIN_TASK_WORK``, at most ``units / (2 *
     n_slots)``; 1 when units are split into Q chunks (each chunk is a task of its own)."""
     bs, nheads, d_head, _ = prob.q.shape
     n_units = bs * prob.k.shape[1]
@@ -284,14 +287,15 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
                   softmax_scale=None, sliding_window=None, dropout_p=0.0, seed=None, seed_offset=0):
     """:func:`numbafa.attention_bwd` on a Dask cluster: same arguments after ``client``, same bits.
 
-    One task per work unit (batch, KV head: the q-heads of its GQA group), so
-    dQ, dK and dV need only be put in place. A problem the single-process call
-    splits into Q chunks (an odd number of units below 9, ``seqlen_q > 512``,
-    not bf16 accumulators) runs one task per (unit, chunk) and one merge task
-    per unit that sums the float32 dK/dV partials in chunk order and computes
-    dsinks, as the kernel does: the results are bitwise those of the
-    single-process call for any number of workers. At most ``bs * nheads_kv``
-    (times the chunks) tasks run at once.
+    One task per block of work units (batch, KV head: the q-heads of its GQA
+    group; units grouped up to ``MIN_TASK_WORK`` while that leaves at least
+    two tasks per worker thread), so dQ, dK and dV need only be put in place. A problem the
+    single-process call splits into Q chunks (an odd number of units below 9,
+    ``seqlen_q > 512``, not bf16 accumulators) runs one task per (unit, chunk)
+    and one merge task per unit that sums the float32 dK/dV partials in chunk
+    order and computes dsinks, as the kernel does: the results are bitwise
+    those of the single-process call for any number of workers. At most ``bs *
+    nheads_kv`` (times the chunks) tasks run at once.
 
     Parameters
     ----------

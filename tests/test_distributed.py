@@ -249,7 +249,6 @@ def test_small_units_are_grouped_up_to_two_tasks_per_worker_thread(name, expecte
     assert nd._units_per_task(make_plan(prob, backward=True), prob, n_slots=2) == expected
 
 
-
 @pytest.mark.parametrize("n_chunks", [1, 2, 3])
 def test_any_forward_row_split_gives_the_single_process_bits(n_chunks):
     from numbafa.kernels.bundles import FwdInputs, make_plan
@@ -324,7 +323,7 @@ def test_dropout_gives_the_single_process_bits(client, name, case, dtype, mixed)
                    numbafa.attention_fwd(*qkv, **fwd, **DROPOUT))
     expected = numbafa.attention_bwd(**inputs, mixed_precision=mixed, **DROPOUT)
     assert_bitwise(nd.attention_bwd(client, **inputs, mixed_precision=mixed, **DROPOUT), expected)
-    # The mask matters: without it (or with another seed) the gradients differ.
+    # The mask matters: with another seed the gradients differ.
     other = nd.attention_bwd(client, **inputs, mixed_precision=mixed, **dict(DROPOUT, seed=2025))
     assert not np.array_equal(other[0], expected[0])
 
