@@ -53,8 +53,9 @@ MAX_ATTEMPTS = 3
 #: causal: about 90 and 45 ms on one Zen 4 core): units are grouped into blocks up to it
 #: while that leaves at least two tasks per worker thread. Each task costs a few
 #: milliseconds of the scheduler's, the client's and the worker's time besides its kernel,
-#: on the cores that compute on one machine; 2**31 (8 causal units per task here) was no
-#: faster than 2**30 and took more of the workers' CPU (docs/distributed.md, "Measured").
+#: on the cores that compute on one machine. 2**31 (8 causal units per task here) was
+#: faster than 2**30 in one loaded run, slower in another, and took more of the workers'
+#: CPU (docs/distributed.md, "Measured").
 MIN_TASK_WORK = 2 ** 30
 
 _LSE_LAYOUTS = ("neuron", "natural")
