@@ -18,9 +18,14 @@ alternately ``--repeats`` times after a warm-up (no compilation is timed):
   inside a Dask pipeline.
 
 Prints medians side by side, the speed of each as a fraction of the
-in-process speed, and the bytes shipped per task (the NumPy payload of a
-share's inputs and of its result; pickling adds a few hundred bytes). The
-machine may be shared: read the ratios of one run, not the milliseconds.
+in-process speed, the CPU time each mode takes in the client's process (with
+a ``LocalCluster`` the scheduler and the nannies run there too) and in every
+worker (medians; on a shared machine the CPU time is steadier than the
+wall time), the tasks of a NumPy call (units are grouped into blocks
+per task, ``numbafa.distributed.MIN_TASK_WORK``) and the bytes shipped per
+task (the NumPy payload of a share's inputs and of its result; pickling adds
+a few hundred bytes). The machine may be shared: read the ratios of one run,
+not the milliseconds.
 """
 
 from __future__ import annotations
@@ -47,14 +52,21 @@ def _cpu_name() -> str:
     return "unknown"
 
 
-def _bytes_per_task(bs, nheads, nheads_kv, d_head, seqlen):
-    """NumPy bytes of one share (one work unit, not split): inputs and result, float32."""
+def _bytes_per_unit(bs, nheads, nheads_kv, d_head, seqlen):
+    """NumPy bytes of one work unit (not split): inputs and result, float32."""
     n_rep = nheads // nheads_kv
     rows = n_rep * d_head * seqlen * 4        # one [1, n_rep, d, S] array
     kv = d_head * seqlen * 4                  # one [1, 1, d, S] array
     inputs = 3 * rows + 2 * kv + n_rep * seqlen * 4   # q, o, dy; k, v; lse
     result = rows + 2 * kv                   # dq; dk, dv
     return inputs, result
+
+
+def _cpu_seconds(client) -> np.ndarray:
+    """CPU seconds used so far by this process (with a LocalCluster: the client, the scheduler
+    and the nannies) and by each worker process, in worker order."""
+    workers = client.run(time.process_time)
+    return np.array([time.process_time()] + [workers[w] for w in sorted(workers)])
 
 
 def main(argv=None):
@@ -74,6 +86,8 @@ def main(argv=None):
 
     import numbafa
     import numbafa.distributed as nd
+    from numbafa.kernels.bundles import make_plan
+    from numbafa.validation import validate_bwd_inputs
 
     bs, h, h_kv, d, s = args.batch, args.heads, args.kv_heads, args.head_dim, args.seqlen
     rng = np.random.default_rng(0)
@@ -84,10 +98,10 @@ def main(argv=None):
           f"threads {numba.get_num_threads()}, gemm {info['gemm']['path']}")
     print(f"shape: batch {bs}, heads {h}, kv heads {h_kv}, seq {s}, head_dim {d}, float32; "
           f"{args.workers} workers x 1 thread; {args.repeats} alternating repeats, medians")
-    n_in, n_out = _bytes_per_task(bs, h, h_kv, d, s)
-    n_tasks = bs * h_kv
-    print(f"per task: {n_in / 2**20:.2f} MiB in, {n_out / 2**20:.2f} MiB out; {n_tasks} tasks "
-          f"({n_tasks * n_in / 2**20:.0f} MiB in, {n_tasks * n_out / 2**20:.0f} MiB out per call)")
+    n_in, n_out = _bytes_per_unit(bs, h, h_kv, d, s)
+    n_units = bs * h_kv
+    print(f"per unit: {n_in / 2**20:.2f} MiB in, {n_out / 2**20:.2f} MiB out; {n_units} units "
+          f"({n_units * n_in / 2**20:.0f} MiB in, {n_units * n_out / 2**20:.0f} MiB out per call)")
 
     # Persisting the NumPy inputs as Dask arrays (set-up, not timed) sends a "large graph".
     warnings.filterwarnings("ignore", message="Sending large graph", category=UserWarning)
@@ -100,6 +114,12 @@ def main(argv=None):
             o, lse = numbafa.attention_fwd(q, k, v, use_causal_mask=causal)
             inputs = dict(q_ref=q, k_ref=k, v_ref=v, o_ref=o, dy_ref=dy, lse_ref=lse,
                           use_causal_mask=causal)
+            prob = validate_bwd_inputs(**inputs)
+            per_task = nd._units_per_task(make_plan(prob, backward=True), prob,
+                                          sum(client.nthreads().values()))
+            print(f"\n{'causal' if causal else 'full'}: NumPy inputs: {per_task} units per task, "
+                  f"{-(-n_units // per_task)} tasks of {per_task * n_in / 2**20:.1f} MiB in, "
+                  f"{per_task * n_out / 2**20:.1f} MiB out")
             chunks = {name: (1, 1 if name in ("k_ref", "v_ref") else h // h_kv) + x.shape[2:]
                       for name, x in inputs.items() if isinstance(x, np.ndarray)}
             on_cluster = dict(inputs, **{name: client.persist(da.from_array(inputs[name], chunks=c))
@@ -120,23 +140,30 @@ def main(argv=None):
             modes = {"in-process": in_process, "dask, numpy in/out": dask_numpy,
                      "dask, arrays on the cluster": dask_arrays}
             times = {name: [] for name in modes}
+            cpu = {name: [] for name in modes}
             for fn in modes.values():  # warm-up: compile/load everywhere, first scatter
                 fn()
             for _ in range(args.repeats):
                 for name, fn in modes.items():
+                    before = _cpu_seconds(client)
                     t0 = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - t0)
+                    cpu[name].append(_cpu_seconds(client) - before)
             label = "causal" if causal else "full"
             medians = {name: float(np.median(t)) for name, t in times.items()}
+            cpu_medians = {name: np.median(c, axis=0).tolist() for name, c in cpu.items()}
             base = medians["in-process"]
-            print(f"\n{label}:")
-            print("| mode | median ms | min ms | speed vs in-process |")
-            print("|---|---|---|---|")
+            print(f"{label}:")
+            print("| mode | median ms | min ms | speed vs in-process | CPU ms: client process, "
+                  "workers |")
+            print("|---|---|---|---|---|")
             for name, t in times.items():
+                main_cpu, *workers_cpu = cpu_medians[name]
                 print(f"| {name} | {1e3 * medians[name]:.0f} | {1e3 * min(t):.0f} | "
-                      f"{base / medians[name]:.2f}x |")
-            results[label] = {"median_s": medians, "all_s": times}
+                      f"{base / medians[name]:.2f}x | {1e3 * main_cpu:.0f}, "
+                      f"{' + '.join(f'{1e3 * w:.0f}' for w in workers_cpu)} |")
+            results[label] = {"median_s": medians, "all_s": times, "cpu_median_s": cpu_medians}
             del on_cluster
     finally:
         client.close()

@@ -5,9 +5,11 @@
 :func:`numbafa.attention_fwd` / :func:`numbafa.attention_bwd`, and return
 what those return:
 
-* NumPy inputs: validated here, cut into one share per work unit (batch, KV
-  head: the q-heads of its GQA group with their K and V), each share
-  scattered once to one worker, one task per share, results gathered as they
+* NumPy inputs: validated here, cut into shares of whole work units (batch,
+  KV head: the q-heads of its GQA group with their K and V; small units
+  grouped into contiguous blocks, ``MIN_TASK_WORK``), each share
+  scattered once to one worker, straight from the client, one task per share
+  run on one thread, results gathered straight from the workers as they
   complete and put in place. NumPy outputs.
 * Dask arrays (chunked along batch and heads only, head chunks holding whole
   GQA groups): one task per block of chunks, validated on the worker; lazy
@@ -17,7 +19,10 @@ Results are bitwise those of the single-process call, whatever the number of
 workers: every task runs the in-process work items with the plan of the
 whole problem (``numbafa.shards``), and the backward of a unit split into
 Q chunks (an odd number of units below 9: batch 1 MQA, one long sequence) is
-merged by the kernel's own fixed-order reduction. See ``docs/distributed.md``.
+merged by the kernel's own fixed-order reduction. With attention dropout,
+every task is given the absolute batch and q-head of its share's first element
+(``numbafa.shards.at_origin``), so it draws the whole problem's mask. See
+``docs/distributed.md``.
 
 Requires the ``dask`` extra (``pip install 'numbafa[dask]'``); Dask is
 imported only when a function here is called.
@@ -42,6 +47,16 @@ __all__ = ["attention_fwd", "attention_bwd"]
 
 #: How many times a share is run again after its inputs or results were lost with a worker.
 MAX_ATTEMPTS = 3
+
+#: The least work a task of NumPy inputs is given, in visible (query, key) pairs times
+#: ``head_dim`` times q-heads (a backward unit of S2048 d128 is 2**29 full, about 2**28
+#: causal: about 90 and 45 ms on one Zen 4 core): units are grouped into blocks up to it
+#: while that leaves at least two tasks per worker thread. Each task costs a few
+#: milliseconds of the scheduler's, the client's and the worker's time besides its kernel,
+#: on the cores that compute on one machine. 2**31 (8 causal units per task here) was
+#: faster than 2**30 in one loaded run, slower in another, and took more of the workers'
+#: CPU (docs/distributed.md, "Measured").
+MIN_TASK_WORK = 2 ** 30
 
 _LSE_LAYOUTS = ("neuron", "natural")
 
@@ -69,25 +84,16 @@ def _check_client(client) -> None:
                          f"make a new Client")
 
 
-def _warm(client, kernel: str, dtype) -> None:
-    """Load the kernel on every worker once (``client.run``) and check that the workers
-    would compute the client's bits (same numbafa sources, Numba and GEMM path)."""
+def _warm(client, kernel: str, dtype, dropout: bool) -> None:
+    """Load the kernel (with dropout or without) on every worker once (``client.run``) and
+    check that the workers would compute the client's bits (same numbafa sources, Numba and
+    GEMM path)."""
     expected = shards.fingerprint()
-    for worker, found in client.run(shards.warm, kernel, np.dtype(dtype).name).items():
+    for worker, found in client.run(shards.warm, kernel, np.dtype(dtype).name, dropout).items():
         if tuple(found) != expected:
             raise RuntimeError(f"worker {worker} runs numbafa/Numba/GEMM path {tuple(found)}, the "
                                f"client {expected}: its results would not be bitwise those of the "
                                f"single-process call; install the same numbafa on every worker")
-
-
-def _refuse_dropout(prob) -> None:
-    """Attention dropout is not distributed yet: its mask is keyed on each element's absolute
-    batch and q-head, and a share's arrays start at batch 0, head 0 (``numbafa.shards``); the
-    kernels would need the share's offsets."""
-    if prob.dropout_p > 0:
-        raise ValueError(f"dropout_p must be 0 in numbafa.distributed (dropout is not distributed "
-                         f"yet: its mask depends on each element's absolute batch and q-head), got "
-                         f"dropout_p={prob.dropout_p}; use numbafa.attention_fwd/attention_bwd")
 
 
 def _is_dask(x) -> bool:
@@ -107,6 +113,14 @@ def _dask_mode(named: dict) -> bool:
     return all(kinds.values())
 
 
+def _direct(client) -> bool:
+    """Scatter and gather between the client and the workers directly, unless the client was
+    made with ``direct_to_workers=False``. (Outside a worker Dask's default is through the
+    scheduler, which then receives and sends every byte again: twice the traffic, and the
+    scheduler's CPU time, for nothing when the client can reach the workers.)"""
+    return client.direct_to_workers is not False
+
+
 def _run_shares(client, plan, shares, submit, on_result) -> None:
     """Scatter every share once, submit its task(s), put each result in place as it arrives.
 
@@ -120,7 +134,8 @@ def _run_shares(client, plan, shares, submit, on_result) -> None:
     _, distributed = _dask()
     if not shares:
         return
-    plan_future = client.scatter([plan], broadcast=True, hash=False)[0]
+    direct = _direct(client)
+    plan_future = client.scatter([plan], broadcast=True, hash=False, direct=direct)[0]
     running = {}
     # Two scatters: one share per worker thread first, so that the workers compute while
     # the client sends the rest (one list per scatter: Dask spreads it over the workers).
@@ -128,7 +143,7 @@ def _run_shares(client, plan, shares, submit, on_result) -> None:
     for wave in (range(first), range(first, len(shares))):
         if not wave:
             continue
-        flat = client.scatter([piece for i in wave for piece in shares[i]], hash=False)
+        flat = client.scatter([piece for i in wave for piece in shares[i]], hash=False, direct=direct)
         for i in wave:
             pieces, flat = flat[:len(shares[i])], flat[len(shares[i]):]
             running[submit(plan_future, i, pieces, 0)] = (i, 0)
@@ -136,14 +151,15 @@ def _run_shares(client, plan, shares, submit, on_result) -> None:
     for future in pending:
         i, attempt = running.pop(future)
         try:
-            result = future.result()
+            result = client.gather(future, direct=direct)
         except CancelledError as exc:
             if attempt + 1 >= MAX_ATTEMPTS:
                 raise RuntimeError(f"share {i} of the call was lost with a worker {MAX_ATTEMPTS} "
                                    f"times; giving up") from exc
             if plan_future.status != "finished":
-                plan_future = client.scatter([plan], broadcast=True, hash=False)[0]
-            retry = submit(plan_future, i, client.scatter(list(shares[i]), hash=False), attempt + 1)
+                plan_future = client.scatter([plan], broadcast=True, hash=False, direct=direct)[0]
+            retry = submit(plan_future, i, client.scatter(list(shares[i]), hash=False, direct=direct),
+                           attempt + 1)
             running[retry] = (i, attempt + 1)
             pending.add(retry)
             continue
@@ -151,10 +167,29 @@ def _run_shares(client, plan, shares, submit, on_result) -> None:
         del result
 
 
-def _units(bs: int, nheads_kv: int, n_rep: int) -> list:
-    """``(batch, q-head slice, KV-head slice)`` of every work unit, in unit order."""
-    return [(b, slice(g * n_rep, (g + 1) * n_rep), slice(g, g + 1))
-            for b in range(bs) for g in range(nheads_kv)]
+def _units_per_task(plan, prob, n_slots: int) -> int:
+    """Work units per task: enough for ``MIN_TASK_WORK``, at most ``units / (2 *
+    n_slots)``; 1 when units are split into Q chunks (each chunk is a task of its own)."""
+    bs, nheads, d_head, _ = prob.q.shape
+    n_units = bs * prob.k.shape[1]
+    if plan.tiling.q_chunks > 1 or n_units == 0:
+        return 1
+    visible = int(np.maximum(plan.mask.key_hi.astype(np.int64) - plan.mask.key_lo, 0).sum())
+    unit_work = max(1, visible * d_head * (nheads // prob.k.shape[1]))
+    return max(1, min(-(-MIN_TASK_WORK // unit_work), n_units // (2 * max(n_slots, 1))))
+
+
+def _units(bs: int, nheads_kv: int, n_rep: int, per_task: int = 1) -> list:
+    """``(batch slice, q-head slice, KV-head slice)`` of every task's block of work units, in
+    unit order: runs of ``per_task`` KV heads of one batch, or of whole batches when
+    ``per_task >= nheads_kv`` (so that every block is a contiguous slice of the arrays)."""
+    if per_task >= nheads_kv:
+        nb = per_task // nheads_kv
+        return [(slice(b, min(b + nb, bs)), slice(0, nheads_kv * n_rep), slice(0, nheads_kv))
+                for b in range(0, bs, nb)]
+    return [(slice(b, b + 1), slice(g * n_rep, min(g + per_task, nheads_kv) * n_rep),
+             slice(g, min(g + per_task, nheads_kv)))
+            for b in range(bs) for g in range(0, nheads_kv, per_task)]
 
 
 def _fwd_row_chunks(plan, seqlen_q: int, n_units: int, n_slots: int) -> int:
@@ -182,8 +217,8 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     softmax_scale, sliding_window, lse_layout
         As in :func:`numbafa.attention_fwd`.
     dropout_p, seed, seed_offset
-        Accepted for the same signature; ``dropout_p`` must be 0 (dropout is not distributed
-        yet: its mask is keyed on each element's absolute batch and q-head).
+        As in :func:`numbafa.attention_fwd`: the same keep mask as the single-process call
+        (each task draws it at its share's absolute batch and q-heads).
 
     Returns
     -------
@@ -211,7 +246,6 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     if _dask_mode(named):
         return _fwd_dask(client, named, sinks_ref, bound_min, bound_max, options, lse_layout)
     prob = validate_fwd_inputs(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, **options)
-    _refuse_dropout(prob)
     bs, nheads, d_head, seqlen_q = prob.q.shape
     if lse_layout == "neuron" and seqlen_q % Q_TILE:
         raise ValueError(f"lse_layout='neuron' needs seqlen_q divisible by {Q_TILE}, got "
@@ -224,25 +258,27 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     rows = [shards.owned_rows(seqlen_q, plan.tiling, c) for c in range(n_chunks)]
     o = np.empty((bs, nheads, d_head, seqlen_q), dtype=prob.dtype)
     lse = np.empty((bs, nheads, seqlen_q), dtype=np.float32)
-    units = _units(bs, nheads_kv, nheads // nheads_kv)
-    shares = [(FwdInputs(shards.pack_rows(prob.q[b:b + 1, heads], rows[c]), prob.k[b:b + 1, kv],
-                         prob.v[b:b + 1, kv], prob.sinks[b:b + 1, heads]),)
+    units = _units(bs, nheads_kv, nheads // nheads_kv, _units_per_task(plan, prob, n_slots))
+    shares = [(FwdInputs(shards.pack_rows(prob.q[b, heads], rows[c]), prob.k[b, kv], prob.v[b, kv],
+                         prob.sinks[b, heads]),)
               for b, heads, kv in units for c in range(n_chunks)]
     token = uuid.uuid4().hex[:12]
 
     def submit(plan_future, i, pieces, attempt):
+        b, heads, _ = units[i // n_chunks]
         return client.submit(shards.fwd_chunk, plan_future, pieces[0], True, seqlen_q, i % n_chunks,
-                             prob.dtype, key=f"numbafa-fwd-{token}-{i}-{attempt}")
+                             prob.dtype, (b.start, heads.start), 1,
+                             key=f"numbafa-fwd-{token}-{i}-{attempt}")
 
     def on_result(i, result):
         b, heads, _ = units[i // n_chunks]
         cols = rows[i % n_chunks]
         cols = slice(None) if cols is None else cols
-        o[b, heads][..., cols] = result[0][0]
-        lse[b, heads][..., cols] = result[1][0]
+        o[b, heads][..., cols] = result[0]
+        lse[b, heads][..., cols] = result[1]
 
     if shares:
-        _warm(client, "forward", prob.dtype)
+        _warm(client, "forward", prob.dtype, prob.dropout_p > 0)
     _run_shares(client, plan, shares, submit, on_result)
     return o, (lse_to_neuron(lse) if lse_layout == "neuron" else lse)
 
@@ -252,14 +288,15 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
                   softmax_scale=None, sliding_window=None, dropout_p=0.0, seed=None, seed_offset=0):
     """:func:`numbafa.attention_bwd` on a Dask cluster: same arguments after ``client``, same bits.
 
-    One task per work unit (batch, KV head: the q-heads of its GQA group), so
-    dQ, dK and dV need only be put in place. A problem the single-process call
-    splits into Q chunks (an odd number of units below 9, ``seqlen_q > 512``,
-    not bf16 accumulators) runs one task per (unit, chunk) and one merge task
-    per unit that sums the float32 dK/dV partials in chunk order and computes
-    dsinks, as the kernel does: the results are bitwise those of the
-    single-process call for any number of workers. At most ``bs * nheads_kv``
-    (times the chunks) tasks run at once.
+    One task per block of work units (batch, KV head: the q-heads of its GQA
+    group; units grouped up to ``MIN_TASK_WORK`` while that leaves at least
+    two tasks per worker thread), so dQ, dK and dV need only be put in place. A problem the
+    single-process call splits into Q chunks (an odd number of units below 9,
+    ``seqlen_q > 512``, not bf16 accumulators) runs one task per (unit, chunk)
+    and one merge task per unit that sums the float32 dK/dV partials in chunk
+    order and computes dsinks, as the kernel does: the results are bitwise
+    those of the single-process call for any number of workers. At most ``bs *
+    nheads_kv`` (times the chunks) tasks run at once.
 
     Parameters
     ----------
@@ -273,7 +310,8 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     use_causal_mask, mixed_precision, softmax_scale, sliding_window
         As in :func:`numbafa.attention_bwd`.
     dropout_p, seed, seed_offset
-        As for :func:`numbafa.distributed.attention_fwd`: ``dropout_p`` must be 0.
+        As in :func:`numbafa.attention_bwd` (the forward's mask, drawn again by every task at
+        its share's absolute batch and q-heads).
 
     Returns
     -------
@@ -298,7 +336,6 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
         return _bwd_dask(client, named, sinks_ref, bound_min, bound_max, options)
     prob = validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min,
                                bound_max, **options)
-    _refuse_dropout(prob)
     bs, nheads, d_head, seqlen_q = prob.q.shape
     nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
     plan = make_plan(prob, backward=True)
@@ -308,36 +345,38 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     dk = np.empty((bs, nheads_kv, d_head, seqlen_k), dtype=prob.dtype)
     dv = np.empty_like(dk)
     dsinks = np.empty(prob.sinks.shape, dtype=np.float32)
-    units = _units(bs, nheads_kv, nheads // nheads_kv)
+    units = _units(bs, nheads_kv, nheads // nheads_kv,
+                   _units_per_task(plan, prob, sum(client.nthreads().values())))
 
     def piece(b, heads, kv, c):
         def rows_of(x):
-            return shards.pack_rows(x[b:b + 1, heads], rows[c])
-        return BwdInputs(rows_of(prob.q), prob.k[b:b + 1, kv], prob.v[b:b + 1, kv], rows_of(prob.o),
-                         rows_of(prob.dy), rows_of(prob.lse), prob.sinks[b:b + 1, heads])
+            return shards.pack_rows(x[b, heads], rows[c])
+        return BwdInputs(rows_of(prob.q), prob.k[b, kv], prob.v[b, kv], rows_of(prob.o),
+                         rows_of(prob.dy), rows_of(prob.lse), prob.sinks[b, heads])
 
     shares = [tuple(piece(b, heads, kv, c) for c in range(n_chunks)) for b, heads, kv in units]
     token = uuid.uuid4().hex[:12]
 
     def submit(plan_future, i, pieces, attempt):
         key = f"numbafa-bwd-{token}-{i}-{attempt}"
+        b, heads, _ = units[i]
         parts = [client.submit(shards.bwd_chunk, plan_future, pieces[c], True, seqlen_q, c,
-                               prob.dtype, key=f"{key}-chunk{c}") for c in range(n_chunks)]
+                               prob.dtype, (b.start, heads.start), 1, key=f"{key}-chunk{c}")
+                 for c in range(n_chunks)]
         if n_chunks == 1:
             return parts[0]
-        b, heads, _ = units[i]
-        return client.submit(shards.bwd_merge, plan_future, prob.sinks[b:b + 1, heads], parts,
+        return client.submit(shards.bwd_merge, plan_future, prob.sinks[b, heads], parts,
                              seqlen_q, prob.dtype, key=f"{key}-merge")
 
     def on_result(i, result):
         b, heads, kv = units[i]
-        dq[b, heads] = result[0][0]
-        dk[b, kv] = result[1][0]
-        dv[b, kv] = result[2][0]
-        dsinks[b, heads] = result[3][0]
+        dq[b, heads] = result[0]
+        dk[b, kv] = result[1]
+        dv[b, kv] = result[2]
+        dsinks[b, heads] = result[3]
 
     if shares:
-        _warm(client, "backward", prob.dtype)
+        _warm(client, "backward", prob.dtype, prob.dropout_p > 0)
     _run_shares(client, plan, shares, submit, on_result)
     if prob.sinks_shape is None:
         return dq, dk, dv
@@ -383,7 +422,6 @@ def _validate_dask(client, named: dict, sinks_ref, bound_min, bound_max, validat
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{exc} (Dask inputs: checked on their metadata, shapes shown with "
                         f"batch 0)") from None
-    _refuse_dropout(prob)
     if sinks is not None and not _is_dask(sinks):
         sinks = da.from_array(sinks, chunks=q.chunks[:2] + tuple((n,) for n in sinks.shape[2:]))
     return prob, sinks, bounds
@@ -422,15 +460,29 @@ def _blocks(x):
     return lambda i, j: delayed_blocks[(i, j) + (0,) * (x.ndim - 2)]
 
 
-def _assemble(blocks: list, ndim: int):
-    """One Dask array from a ``[batch chunk][head chunk]`` grid of blocks."""
-    da, _ = _dask()
+def _origin(chunks: tuple, i: int, j: int) -> tuple:
+    """``(batch0, head0)``: the absolute batch and q-head of block ``(i, j)``'s first element
+    (``chunks``: ``q_ref.chunks``)."""
+    return int(sum(chunks[0][:i])), int(sum(chunks[1][:j]))
 
-    def nest(x):
-        for _ in range(ndim - 2):
-            x = [x]
-        return x
-    return da.block([[nest(x) for x in row] for row in blocks])
+
+def _assemble(results: list, index: int, chunks: tuple, dtype, label: str):
+    """The Dask array whose block ``(i, j)`` is item ``index`` of the tuple that the Delayed
+    ``results[i][j]`` computes: one ``getitem`` task per block, on the block's worker. (Built
+    as ``da.from_delayed`` per block and ``da.block`` it took three tasks per block, each a
+    round trip through the scheduler.)"""
+    import operator
+
+    from dask.array import Array
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
+    flat = [r for row in results for r in row]
+    name = f"numbafa-{label}-{tokenize([r.key for r in flat], index)}"
+    rest = (0,) * (len(chunks) - 2)
+    layer = {(name, i, j) + rest: (operator.getitem, r.key, index)
+             for i, row in enumerate(results) for j, r in enumerate(row)}
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=flat)
+    return Array(graph, name, chunks, dtype=dtype)
 
 
 def _dask_plan(client, named, sinks, prob, backward: bool):
@@ -442,17 +494,16 @@ def _dask_plan(client, named, sinks, prob, backward: bool):
     _check_chunks(dict(named, **({} if sinks is None else {"sinks_ref": sinks})), ("k_ref", "v_ref"), n_rep)
     plan = make_plan(dataclasses.replace(prob, q=_shape_only(q.shape, prob.q.dtype),
                                          k=_shape_only(k.shape, prob.k.dtype)), backward=backward)
-    _warm(client, "backward" if backward else "forward", q.dtype)
+    _warm(client, "backward" if backward else "forward", q.dtype, prob.dropout_p > 0)
     return plan, delayed(plan, traverse=False)
 
 
 def _fwd_dask(client, named, sinks_ref, bound_min, bound_max, options, lse_layout):
-    da, _ = _dask()
     from dask import delayed
     prob, sinks, bounds = _validate_dask(client, named, sinks_ref, bound_min, bound_max,
                                          validate_fwd_inputs, options)
     q = named["q_ref"]
-    bs, nheads, d_head, seqlen_q = q.shape
+    d_head, seqlen_q = q.shape[2:]
     if lse_layout == "neuron" and seqlen_q % Q_TILE:
         raise ValueError(f"lse_layout='neuron' needs seqlen_q divisible by {Q_TILE}, got "
                          f"seqlen_q={seqlen_q}; use lse_layout='natural'")
@@ -460,51 +511,49 @@ def _fwd_dask(client, named, sinks_ref, bound_min, bound_max, options, lse_layou
     bounds_d = [None if b is None else delayed(b, traverse=False) for b in bounds]
     n_chunks = plan.tiling.q_chunks
     get = [_blocks(x) for x in (q, named["k_ref"], named["v_ref"], sinks)]
-    o_blocks, lse_blocks = [], []
-    for i, nb in enumerate(q.chunks[0]):
-        o_blocks.append([])
-        lse_blocks.append([])
-        for j, nh in enumerate(q.chunks[1]):
+    results = []
+    for i in range(len(q.chunks[0])):
+        results.append([])
+        for j in range(len(q.chunks[1])):
             args = [g(i, j) for g in get] + bounds_d
-            parts = [delayed(shards.fwd_block, pure=True, nout=2)(plan_d, c, options, lse_layout, *args)
+            origin = _origin(q.chunks, i, j)
+            parts = [delayed(shards.fwd_block, pure=True, nout=2)(plan_d, c, origin, options, lse_layout,
+                                                                   *args)
                      for c in range(n_chunks)]
-            res = parts[0] if n_chunks == 1 else delayed(shards.fwd_block_merge, pure=True, nout=2)(
-                plan_d, parts, seqlen_q, lse_layout)
-            lse_shape = (nb, nh, Q_TILE, seqlen_q // Q_TILE) if lse_layout == "neuron" else (nb, nh, seqlen_q)
-            o_blocks[-1].append(da.from_delayed(res[0], shape=(nb, nh, d_head, seqlen_q), dtype=q.dtype))
-            lse_blocks[-1].append(da.from_delayed(res[1], shape=lse_shape, dtype=np.float32))
-    return _assemble(o_blocks, 4), _assemble(lse_blocks, 4 if lse_layout == "neuron" else 3)
+            results[-1].append(parts[0] if n_chunks == 1 else delayed(
+                shards.fwd_block_merge, pure=True, nout=2)(plan_d, parts, seqlen_q, lse_layout))
+    lse_rest = ((Q_TILE,), (seqlen_q // Q_TILE,)) if lse_layout == "neuron" else ((seqlen_q,),)
+    return (_assemble(results, 0, q.chunks[:2] + ((d_head,), (seqlen_q,)), q.dtype, "o"),
+            _assemble(results, 1, q.chunks[:2] + lse_rest, np.float32, "lse"))
 
 
 def _bwd_dask(client, named, sinks_ref, bound_min, bound_max, options):
-    da, _ = _dask()
     from dask import delayed
     prob, sinks, bounds = _validate_dask(client, named, sinks_ref, bound_min, bound_max,
                                          validate_bwd_inputs, options)
     q, k = named["q_ref"], named["k_ref"]
-    bs, nheads, d_head, seqlen_q = q.shape
+    nheads, d_head, seqlen_q = q.shape[1:]
     nheads_kv, seqlen_k = k.shape[1], k.shape[3]
     n_rep = nheads // nheads_kv
     plan, plan_d = _dask_plan(client, named, sinks, prob, backward=True)
     bounds_d = [None if b is None else delayed(b, traverse=False) for b in bounds]
     n_chunks = plan.tiling.q_chunks
     get = [_blocks(x) for x in list(named.values()) + [sinks]]
-    grids = [[], [], [], []]
-    for i, nb in enumerate(q.chunks[0]):
-        for grid in grids:
-            grid.append([])
-        for j, nh in enumerate(q.chunks[1]):
+    results = []
+    for i in range(len(q.chunks[0])):
+        results.append([])
+        for j in range(len(q.chunks[1])):
             args = [g(i, j) for g in get] + bounds_d
-            parts = [delayed(shards.bwd_block, pure=True, nout=4)(plan_d, c, options, *args)
+            parts = [delayed(shards.bwd_block, pure=True, nout=4)(plan_d, c, _origin(q.chunks, i, j),
+                                                                   options, *args)
                      for c in range(n_chunks)]
-            res = parts[0] if n_chunks == 1 else delayed(shards.bwd_block_merge, pure=True, nout=4)(
-                plan_d, parts, args[6], seqlen_q, q.dtype)
-            shapes = [(nb, nh, d_head, seqlen_q), (nb, nh // n_rep, d_head, seqlen_k),
-                      (nb, nh // n_rep, d_head, seqlen_k)]
-            for grid, x, shape in zip(grids, res, shapes):
-                grid[-1].append(da.from_delayed(x, shape=shape, dtype=q.dtype))
-            if sinks is not None:
-                grids[3][-1].append(da.from_delayed(res[3], shape=(nb, nh) + tuple(sinks.shape[2:]),
-                                                    dtype=sinks.dtype))
-    grads = tuple(_assemble(grid, 4) for grid in grids[:3])
-    return grads if sinks is None else grads + (_assemble(grids[3], sinks.ndim),)
+            results[-1].append(parts[0] if n_chunks == 1 else delayed(
+                shards.bwd_block_merge, pure=True, nout=4)(plan_d, parts, args[6], seqlen_q, q.dtype))
+    kv_chunks = (q.chunks[0], tuple(c // n_rep for c in q.chunks[1]), (d_head,), (seqlen_k,))
+    grads = (_assemble(results, 0, q.chunks[:2] + ((d_head,), (seqlen_q,)), q.dtype, "dq"),
+             _assemble(results, 1, kv_chunks, q.dtype, "dk"),
+             _assemble(results, 2, kv_chunks, q.dtype, "dv"))
+    if sinks is None:
+        return grads
+    return grads + (_assemble(results, 3, q.chunks[:2] + tuple((n,) for n in sinks.shape[2:]),
+                              sinks.dtype, "dsinks"),)

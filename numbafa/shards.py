@@ -13,11 +13,13 @@ Why the results are bitwise those of the single-process call:
   in-process one: a block of 3 units of a 4-unit problem is not split, a
   1-unit problem is split in two, exactly as in one process;
 * a work item computes the same bits wherever it runs: nothing in it
-  depends on the unit's position in the batch or on the other units, and
-  the kernels are deterministic for any thread count (a per-element feature
-  keyed on the absolute batch or head index, such as a dropout RNG, would
-  have to be given the block's offsets: a block's arrays start at batch 0,
-  head 0);
+  depends on the other units, and the kernels are deterministic for any
+  thread count. The one thing keyed on the unit's position, the dropout
+  mask (drawn from each element's absolute batch, q-head, query and key),
+  is given the block's *origin*: a block's arrays start at batch 0, head 0,
+  so every task takes the absolute batch and q-head of its batch 0, head 0
+  (:func:`at_origin`), while its rows and keys are at their absolute
+  positions already (a chunk's packed rows are unpacked in place);
 * the backward's cross-item reduction is the kernel's own
   :func:`~numbafa.kernels.backward.finish_bwd` (``bwd_finish_unit``): a split
   unit's float32 dK/dV partials summed in chunk order, then rounded once,
@@ -41,13 +43,14 @@ import numpy as np
 from .dtypes import to_bf16_array
 from .kernels.backward import bwd_work_item, finish_bwd, new_bwd_stats, BwdStats
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs
+from .kernels.dropout import with_origin
 from .kernels.forward import fwd_work_item
 from .kernels.loops import group_rows, n_q_groups, owns_group
 from .layout import lse_to_neuron
 from .runtime import kernel_call
 from .validation import validate_bwd_inputs, validate_fwd_inputs
 
-__all__ = ["BwdShard", "owned_rows", "pack_rows", "place_rows", "with_q_chunks", "to_dtype",
+__all__ = ["BwdShard", "owned_rows", "pack_rows", "place_rows", "with_q_chunks", "at_origin", "to_dtype",
            "fwd_chunk", "bwd_chunk", "bwd_merge", "fwd_block", "fwd_block_merge", "bwd_block",
            "bwd_block_merge", "warm", "fingerprint"]
 
@@ -60,6 +63,14 @@ BwdShard = namedtuple("BwdShard", ["dq", "dk", "dv", "neg_lse", "d_sum"])
 def with_q_chunks(plan, q_chunks: int):
     """``plan`` with its Q-chunk split set to ``q_chunks`` (the forward: any split, same bits)."""
     return plan._replace(tiling=plan.tiling._replace(q_chunks=int(q_chunks)))
+
+
+def at_origin(plan, origin):
+    """``plan`` for a block whose batch 0 / q-head 0 are the absolute ``origin = (batch0,
+    head0)`` of the whole problem: the dropout mask's offsets (plain ints, the same compiled
+    kernels; nothing else in the plan depends on the block's position)."""
+    batch0, head0 = origin
+    return plan._replace(dropout=with_origin(plan.dropout, batch0, head0))
 
 
 def owned_rows(seqlen_q: int, tiling, chunk: int):
@@ -115,7 +126,8 @@ def _kernel_array(x: np.ndarray) -> np.ndarray:
     return x if x.flags.c_contiguous and x.flags.writeable else np.array(x, order="C")
 
 
-def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype):
+def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, origin=(0, 0),
+              n_threads=None):
     """Forward of one share: the items of Q chunk ``chunk`` of every unit of the block ``ins``.
 
     Parameters
@@ -127,12 +139,17 @@ def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype):
         ``ins.q`` holds only the chunk's rows (:func:`owned_rows`, :func:`pack_rows`).
     seqlen_q, chunk : int
     out_dtype : the dtype of ``o`` (float32 or bf16).
+    origin : ``(batch0, head0)``, the absolute batch and q-head of the block's batch 0, head 0
+        (:func:`at_origin`; only the dropout mask depends on it).
+    n_threads : threads for the block's items (None: ``numba.get_num_threads()``); any number
+        gives the same bits.
 
     Returns
     -------
     o : ``[nb, nheads, d_head, rows]`` in ``out_dtype``;  lse : float32 ``[nb, nheads, rows]``,
     the chunk's rows (all rows when units are not split).
     """
+    plan = at_origin(plan, origin)
     rows = owned_rows(seqlen_q, plan.tiling, chunk)
     q = _unpack_rows(ins.q, rows if packed else None, seqlen_q)
     ins = FwdInputs(_kernel_array(q), _kernel_array(ins.k), _kernel_array(ins.v), _kernel_array(ins.sinks))
@@ -141,7 +158,8 @@ def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype):
     lse = np.zeros((nb, nheads, seqlen_q), dtype=np.float32)
     items = _chunk_items(nb * ins.k.shape[1], plan.tiling.q_chunks, chunk)
     with kernel_call("forward", np.dtype(out_dtype).name):
-        _run_items(fwd_work_item, (ins, FwdOutputs(o, lse), plan), items, numba.get_num_threads())
+        _run_items(fwd_work_item, (ins, FwdOutputs(o, lse), plan), items,
+                   numba.get_num_threads() if n_threads is None else n_threads)
     return to_dtype(pack_rows(o, rows), out_dtype), pack_rows(lse, rows)
 
 
@@ -165,7 +183,8 @@ def _bwd_outputs(ins, q_chunks: int) -> BwdOutputs:
                       np.empty(part_shape, dtype=np.float32), np.empty(part_shape, dtype=np.float32))
 
 
-def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype):
+def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, origin=(0, 0),
+              n_threads=None):
     """Backward of one share: the items of Q chunk ``chunk`` of every unit of the block ``ins``.
 
     Parameters
@@ -176,6 +195,7 @@ def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype):
         ``ins.q, o, dy, lse`` hold only the chunk's rows (:func:`owned_rows`, :func:`pack_rows`).
     seqlen_q, chunk : int
     out_dtype : the dtype of dq, dk, dv (float32 or bf16).
+    origin, n_threads : as for :func:`fwd_chunk`.
 
     Returns
     -------
@@ -183,6 +203,7 @@ def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype):
     ``out_dtype`` (dsinks float32 ``[nb, nheads, num_sinks]``); else a :data:`BwdShard`
     for :func:`bwd_merge`.
     """
+    plan = at_origin(plan, origin)
     rows = owned_rows(seqlen_q, plan.tiling, chunk)
 
     def full(x):
@@ -194,7 +215,7 @@ def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype):
     n_units = ins.q.shape[0] * ins.k.shape[1]
     outs = _bwd_outputs(ins, q_chunks)
     stats = new_bwd_stats(ins)
-    n_threads = numba.get_num_threads()
+    n_threads = numba.get_num_threads() if n_threads is None else n_threads
     with kernel_call("backward", np.dtype(out_dtype).name):
         _run_items(bwd_work_item, (ins, outs, stats, plan), _chunk_items(n_units, q_chunks, chunk),
                    n_threads)
@@ -260,18 +281,19 @@ def _lse_out(lse: np.ndarray, lse_layout: str) -> np.ndarray:
     return lse_to_neuron(lse) if lse_layout == "neuron" else lse
 
 
-def fwd_block(plan, chunk: int, options: dict, lse_layout: str, q, k, v, sinks=None, bound_min=None,
-              bound_max=None):
+def fwd_block(plan, chunk: int, origin, options: dict, lse_layout: str, q, k, v, sinks=None,
+              bound_min=None, bound_max=None):
     """Forward of one block of Dask chunks (the user's arrays), Q chunk ``chunk``.
 
     Validated here, as :func:`numbafa.attention_fwd` validates (``options``:
-    its keyword arguments). Returns ``(o, lse)``: final (lse in ``lse_layout``)
+    its keyword arguments); ``origin``: the block's ``(batch0, head0)``
+    (:func:`at_origin`). Returns ``(o, lse)``: final (lse in ``lse_layout``)
     when units are not split, else the chunk's rows for :func:`fwd_block_merge`.
     """
     prob = validate_fwd_inputs(q, k, v, sinks, bound_min, bound_max, **options)
     seqlen_q = prob.q.shape[3]
     o, lse = fwd_chunk(plan, FwdInputs(prob.q, prob.k, prob.v, prob.sinks), False, seqlen_q, chunk,
-                       prob.dtype)
+                       prob.dtype, origin)
     return (o, _lse_out(lse, lse_layout)) if plan.tiling.q_chunks == 1 else (o, lse)
 
 
@@ -287,17 +309,18 @@ def _user_dsinks(dsinks: np.ndarray, sinks):
     return None if sinks is None else to_dtype(dsinks, sinks.dtype).reshape(sinks.shape)
 
 
-def bwd_block(plan, chunk: int, options: dict, q, k, v, o, dy, lse, sinks=None, bound_min=None,
-              bound_max=None):
+def bwd_block(plan, chunk: int, origin, options: dict, q, k, v, o, dy, lse, sinks=None,
+              bound_min=None, bound_max=None):
     """Backward of one block of Dask chunks (the user's arrays), Q chunk ``chunk``.
 
-    Validated here, as :func:`numbafa.attention_bwd` validates. Returns ``(dq,
+    Validated here, as :func:`numbafa.attention_bwd` validates; ``origin`` as
+    for :func:`fwd_block`. Returns ``(dq,
     dk, dv, dsinks)`` (dsinks None without sinks) when units are not split,
     else the chunk's :data:`BwdShard` for :func:`bwd_block_merge`.
     """
     prob = validate_bwd_inputs(q, k, v, o, dy, lse, sinks, bound_min, bound_max, **options)
     ins = BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks)
-    out = bwd_chunk(plan, ins, False, prob.q.shape[3], chunk, prob.dtype)
+    out = bwd_chunk(plan, ins, False, prob.q.shape[3], chunk, prob.dtype, origin)
     if plan.tiling.q_chunks > 1:
         return out
     return out[:3] + (_user_dsinks(out[3], sinks),)
@@ -328,19 +351,21 @@ def fingerprint() -> tuple:
     return (__version__, source_hash(), numba.__version__, gemm_path()[0])
 
 
-def warm(kernel: str, dtype_name: str) -> tuple:
+def warm(kernel: str, dtype_name: str, dropout: bool = False) -> tuple:
     """Load (or compile) ``kernel`` ("forward" or "backward") for ``dtype_name`` in this
     process, once, by a tiny call that runs every jitted function of that pass (sinks
-    included); return :func:`fingerprint`. Run on every worker by ``client.run``."""
-    if (kernel, dtype_name) not in _WARM:
+    included; with ``dropout``, the kernels with dropout, which are compiled apart); return
+    :func:`fingerprint`. Run on every worker by ``client.run``."""
+    if (kernel, dtype_name, dropout) not in _WARM:
         from .api import attention_bwd, attention_fwd
         from .dtypes import bf16_dtype
         dtype = np.float32 if dtype_name == "float32" else bf16_dtype()
         rng = np.random.default_rng(0)
         q, k, v = (rng.standard_normal((1, 1, 8, 640)).astype(dtype) for _ in range(3))
         sinks = np.zeros((1, 1), dtype=np.float32)
-        o, lse = attention_fwd(q, k, v, sinks, lse_layout="natural")
+        drop = dict(dropout_p=0.5, seed=0) if dropout else {}
+        o, lse = attention_fwd(q, k, v, sinks, lse_layout="natural", **drop)
         if kernel == "backward":
-            attention_bwd(q, k, v, o, q, lse, sinks)
-        _WARM.add((kernel, dtype_name))
+            attention_bwd(q, k, v, o, q, lse, sinks, **drop)
+        _WARM.add((kernel, dtype_name, dropout))
     return fingerprint()

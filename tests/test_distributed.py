@@ -39,6 +39,12 @@ CASES = [
                                     seqlen_k=640, causal=True, num_sinks=1), BF16, True),
     ("bf16-not-mixed-sinks", Case(bs=1, nheads=4, nheads_kv=2, d_head=32, causal=True, num_sinks=1),
      BF16, False),
+    # Small units, grouped into blocks per task (_units_per_task): 3 + 1 KV heads of a batch,
+    # and 2 whole batches.
+    ("blocks-of-kv-heads", Case(bs=3, nheads=8, nheads_kv=4, d_head=16, seqlen_q=128, seqlen_k=128,
+                                causal=True, num_sinks=1), np.float32, False),
+    ("blocks-of-batches", Case(bs=9, nheads=2, nheads_kv=1, d_head=16, seqlen_q=128, seqlen_k=128),
+     np.float32, False),
 ]
 
 
@@ -59,7 +65,8 @@ def client():
     # Compile (or load) every kernel here first: the workers then load it from the cache.
     for dtype in (np.float32, BF16):
         for kernel in ("forward", "backward"):
-            shards.warm(kernel, np.dtype(dtype).name)
+            for dropout in (False, True):
+                shards.warm(kernel, np.dtype(dtype).name, dropout)
     cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                                        dashboard_address=None)
     with distributed.Client(cluster) as c:
@@ -219,7 +226,28 @@ def test_invalid_dask_metadata_gets_the_single_process_error(client, small):
         nd.attention_bwd(client, **lazy)
 
 
-# --- the shares without a cluster: any forward row split, the backward merge ------------------
+# --- the shares without a cluster: blocks of units, any forward row split, the backward merge ----
+
+def test_tasks_get_contiguous_blocks_of_units_in_unit_order():
+    assert nd._units(2, 4, 2, 3) == [
+        (slice(0, 1), slice(0, 6), slice(0, 3)), (slice(0, 1), slice(6, 8), slice(3, 4)),
+        (slice(1, 2), slice(0, 6), slice(0, 3)), (slice(1, 2), slice(6, 8), slice(3, 4))]
+    assert nd._units(5, 1, 2, 2) == [(slice(0, 2), slice(0, 2), slice(0, 1)),
+                                     (slice(2, 4), slice(0, 2), slice(0, 1)),
+                                     (slice(4, 5), slice(0, 2), slice(0, 1))]
+    assert nd._units(1, 2, 1) == [(slice(0, 1), slice(0, 1), slice(0, 1)),
+                                  (slice(0, 1), slice(1, 2), slice(1, 2))]
+
+
+@pytest.mark.parametrize("name, expected", [("blocks-of-kv-heads", 3), ("blocks-of-batches", 2),
+                                            ("mha", 1), ("mqa-batch1-split", 1)])
+def test_small_units_are_grouped_up_to_two_tasks_per_worker_thread(name, expected):
+    from numbafa.kernels.bundles import make_plan
+    from numbafa.validation import validate_bwd_inputs
+    case = dict((c[0], c[1]) for c in CASES)[name]
+    prob = validate_bwd_inputs(**make_inputs(case))
+    assert nd._units_per_task(make_plan(prob, backward=True), prob, n_slots=2) == expected
+
 
 @pytest.mark.parametrize("n_chunks", [1, 2, 3])
 def test_any_forward_row_split_gives_the_single_process_bits(n_chunks):
@@ -261,8 +289,94 @@ def test_the_backward_merge_of_chunks_gives_the_single_process_bits():
     assert_bitwise((dq, dk, dv, dsinks.reshape(prob.sinks_shape)), expected)
 
 
-def test_dropout_is_refused_with_a_value_error(client, small):
-    with pytest.raises(ValueError, match=r"dropout_p must be 0 in numbafa.distributed .* got dropout_p=0.1"):
-        nd.attention_bwd(client, **small, dropout_p=0.1, seed=1)
-    with pytest.raises(ValueError, match=r"dropout_p must be 0 in numbafa.distributed"):
-        nd.attention_fwd(client, small["q_ref"], small["k_ref"], small["v_ref"], dropout_p=0.1, seed=1)
+# --- attention dropout: every share draws the whole problem's mask at its origin ------------
+
+DROPOUT = dict(dropout_p=0.25, seed=2024, seed_offset=3)
+
+# Several batches and heads per call, so that a share's origin matters. (id, case, dtype, mixed)
+DROPOUT_CASES = [
+    ("mha-batch2", Case(bs=2, nheads=2, nheads_kv=2, d_head=32), np.float32, False),
+    ("gqa-causal-batch2", Case(bs=2, nheads=4, nheads_kv=2, d_head=32, causal=True, num_sinks=1),
+     np.float32, False),
+    ("mqa-batch1-split", CASES[2][1], np.float32, False),
+    ("bf16-gqa-causal", Case(bs=2, nheads=4, nheads_kv=2, d_head=32, causal=True), BF16, False),
+    ("bf16-mixed-split", CASES[6][1], BF16, True),
+    ("blocks-of-kv-heads", CASES[8][1], np.float32, False),
+    ("blocks-of-batches", CASES[9][1], BF16, False),
+]
+
+
+def _dropout_inputs(case, dtype, mixed):
+    """``make_inputs`` with o and lse from the single-process forward *with* dropout."""
+    inputs = make_inputs(case, dtype)
+    fwd = _fwd_kwargs(inputs, mixed)
+    qkv = (inputs["q_ref"], inputs["k_ref"], inputs["v_ref"])
+    o, lse = numbafa.attention_fwd(*qkv, **fwd, **DROPOUT, lse_layout="natural")
+    return dict(inputs, o_ref=o, lse_ref=lse), fwd
+
+
+@pytest.mark.parametrize("name, case, dtype, mixed", DROPOUT_CASES, ids=[c[0] for c in DROPOUT_CASES])
+def test_dropout_gives_the_single_process_bits(client, name, case, dtype, mixed):
+    inputs, fwd = _dropout_inputs(case, dtype, mixed)
+    qkv = (inputs["q_ref"], inputs["k_ref"], inputs["v_ref"])
+    assert_bitwise(nd.attention_fwd(client, *qkv, **fwd, **DROPOUT),
+                   numbafa.attention_fwd(*qkv, **fwd, **DROPOUT))
+    expected = numbafa.attention_bwd(**inputs, mixed_precision=mixed, **DROPOUT)
+    assert_bitwise(nd.attention_bwd(client, **inputs, mixed_precision=mixed, **DROPOUT), expected)
+    # The mask matters: with another seed the gradients differ.
+    other = nd.attention_bwd(client, **inputs, mixed_precision=mixed, **dict(DROPOUT, seed=2025))
+    assert not np.array_equal(other[0], expected[0])
+
+
+@pytest.mark.parametrize("name, case, dtype, mixed, head_chunk", [
+    ("gqa-causal-batch2", DROPOUT_CASES[1][1], np.float32, False, 2),
+    ("mqa-batch1-split", DROPOUT_CASES[2][1], np.float32, False, 2 * 2),
+    ("bf16-gqa-causal", DROPOUT_CASES[3][1], BF16, False, 2),
+], ids=["gqa-causal-batch2", "mqa-batch1-split", "bf16-gqa-causal"])
+def test_dropout_with_dask_inputs_gives_the_single_process_bits(client, name, case, dtype, mixed,
+                                                                head_chunk):
+    inputs, fwd = _dropout_inputs(case, dtype, mixed)
+    lazy_in = _dask_inputs(inputs, case.nheads // case.nheads_kv, head_chunk)
+    expected = numbafa.attention_bwd(**inputs, mixed_precision=mixed, **DROPOUT)
+    lazy = nd.attention_bwd(client, **lazy_in, mixed_precision=mixed, **DROPOUT)
+    assert_bitwise(client.compute(list(lazy), sync=True), expected)
+    qkv = [lazy_in[k] for k in ("q_ref", "k_ref", "v_ref")]
+    expected = numbafa.attention_fwd(*(inputs[k] for k in ("q_ref", "k_ref", "v_ref")), **fwd, **DROPOUT)
+    lazy = nd.attention_fwd(client, *qkv, **fwd, **DROPOUT)
+    assert_bitwise(client.compute(list(lazy), sync=True), expected)
+
+
+@pytest.mark.parametrize("kernel", ["forward", "backward"])
+def test_a_share_needs_its_own_origin_with_dropout(kernel):
+    """Batch 1, q-heads 2-3 (its second KV head) alone: with its origin (1, 2) it computes the
+    single-process bits of those heads; given the origin (0, 0) of the arrays it holds it
+    draws another mask and differs."""
+    from numbafa.kernels.bundles import BwdInputs, FwdInputs, make_plan
+    from numbafa.validation import validate_bwd_inputs
+    case = DROPOUT_CASES[1][1]
+    inputs, fwd = _dropout_inputs(case, np.float32, False)
+    prob = validate_bwd_inputs(**inputs, **DROPOUT)
+    plan = make_plan(prob, backward=kernel == "backward")
+    assert plan.tiling.q_chunks == 1
+    b, heads, kv = 1, slice(2, 4), slice(1, 2)
+    if kernel == "forward":
+        o, lse = numbafa.attention_fwd(inputs["q_ref"], inputs["k_ref"], inputs["v_ref"], **fwd, **DROPOUT,
+                                       lse_layout="natural")
+        expected = (o[b:b + 1, heads], lse[b:b + 1, heads])
+        share = FwdInputs(*(x[b:b + 1, s] for x, s in zip((prob.q, prob.k, prob.v, prob.sinks),
+                                                           (heads, kv, kv, heads))))
+
+        def run(origin):
+            return shards.fwd_chunk(plan, share, False, case.seqlen_q, 0, prob.dtype, origin)
+    else:
+        grads = numbafa.attention_bwd(**inputs, **DROPOUT)
+        expected = (grads[0][b:b + 1, heads], grads[1][b:b + 1, kv], grads[2][b:b + 1, kv])
+        share = BwdInputs(*(x[b:b + 1, s] for x, s in zip(
+            (prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks),
+            (heads, kv, kv, heads, heads, heads, heads))))
+
+        def run(origin):
+            return shards.bwd_chunk(plan, share, False, case.seqlen_q, 0, prob.dtype, origin)[:3]
+    assert_bitwise(run((b, heads.start)), expected)
+    wrong = run((0, 0))
+    assert not np.array_equal(wrong[0], expected[0])

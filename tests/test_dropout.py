@@ -11,7 +11,7 @@ import pytest
 
 import numbafa
 from numbafa import golden
-from numbafa.kernels.dropout import drop_rows, fill_multipliers, make_dropout, philox_words
+from numbafa.kernels.dropout import drop_rows, fill_multipliers, make_dropout, philox_words, with_origin
 
 from _problems import Case, forward_options, make_inputs
 from _tolerances import BF16_MIXED, FLOAT32, MIN_IDENTICAL, assert_close
@@ -60,6 +60,29 @@ def test_any_sub_tile_draws_the_same_elements(keys_major):
         assert not np.isnan(out).any()
         np.testing.assert_array_equal(kept, mask[b, h, q0:q0 + n_q, k0:k0 + n_k], err_msg=str((k0, n_k, q0, n_q)))
         assert set(np.unique(out)) <= {0.0, np.float32(1 / 0.75)}
+
+
+@pytest.mark.parametrize("keys_major", [True, False], ids=["bwd-tiles", "fwd-tiles"])
+def test_arrays_of_a_slice_draw_the_whole_mask_at_their_origin(keys_major):
+    """Batch ``b`` / head ``h`` of arrays starting at batch0 / head0 (a share in
+    numbafa.shards) draw the mask of the absolute batch0 + b / head0 + h; the default origin
+    is (0, 0) and another origin draws another mask."""
+    mask = numbafa.dropout_mask(3, 5, 70, 130, 0.25, 99, 3)
+    dropout = make_dropout(0.25, 99, 3)
+    assert (dropout.batch0, dropout.head0) == (0, 0)
+    assert with_origin(None, 1, 2) is None
+
+    def draw(d, b, h):
+        if keys_major:
+            out = np.empty((130, 70), np.float32)
+            fill_multipliers(out, 0, 0, h, b, d)
+            return out.T != 0
+        out = np.ones((70, 130), np.float32)
+        drop_rows(out, 0, 0, h, b, d, False)
+        return out != 0
+    for (b0, h0), (b, h) in [((2, 3), (0, 0)), ((1, 2), (1, 1)), ((0, 4), (2, 0))]:
+        np.testing.assert_array_equal(draw(with_origin(dropout, b0, h0), b, h), mask[b0 + b, h0 + h])
+    assert (draw(dropout, 0, 0) != mask[2, 3]).any()
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])

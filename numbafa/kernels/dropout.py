@@ -23,7 +23,11 @@ interleave the words into its rows, which took as long as drawing them. The
 ``(offset_lo, offset_hi, 0, 0)`` under key ``(seed_lo, seed_hi)``, its
 first two words. Nothing here depends on the tiling, the Q chunks, the KV
 sections, the thread count or the machine, so the backward regenerates
-exactly the forward's mask.
+exactly the forward's mask. ``batch``, ``q_head``, ``query`` and ``key`` are
+absolute: the kernels index queries and keys absolutely, and add the
+bundle's ``batch0``/``head0`` to their batch and head indices, so a kernel
+given a slice of the batches and heads (a share of :mod:`numbafa.shards`)
+draws the whole problem's mask for them (:func:`with_origin`).
 
 A kept element is scaled by ``scale = float32(1 / (1 - dropout_p))``:
 ``P~ = P * Z * scale``. The kernels apply it through a *multiplier* tile
@@ -45,13 +49,16 @@ import numpy as np
 from ..dtypes import round_to_bf16_inplace
 from ..jit import jit
 
-__all__ = ["Dropout", "make_dropout", "derive_key", "philox4x32_10", "philox_words", "fill_multipliers",
-           "drop_rows", "apply_multipliers", "drop_scores", "drop_probabilities", "drop_forward"]
+__all__ = ["Dropout", "make_dropout", "with_origin", "derive_key", "philox4x32_10", "philox_words",
+           "fill_multipliers", "drop_rows", "apply_multipliers", "drop_scores", "drop_probabilities",
+           "drop_forward"]
 
 #: Dropout of one call: ``threshold`` (int, keep iff word >= it), ``scale`` (float32,
-#: 1 / (1 - p)), ``key0``/``key1`` (ints < 2**32, the call key). A call without dropout
-#: has ``None`` instead (:func:`make_dropout`).
-Dropout = namedtuple("Dropout", ["threshold", "scale", "key0", "key1"])
+#: 1 / (1 - p)), ``key0``/``key1`` (ints < 2**32, the call key), ``batch0``/``head0`` (ints:
+#: the absolute batch and q-head of the arrays' batch 0 and head 0, which the counter adds to
+#: the kernels' array indices; 0 in the single-process call, a share's origin in
+#: :mod:`numbafa.shards`). A call without dropout has ``None`` instead (:func:`make_dropout`).
+Dropout = namedtuple("Dropout", ["threshold", "scale", "key0", "key1", "batch0", "head0"])
 
 _MASK32 = np.uint64(0xFFFFFFFF)
 _M0 = np.uint64(0xD2511F53)
@@ -139,8 +146,11 @@ def derive_key(seed: int, seed_offset: int) -> tuple:
     return int(words[0]), int(words[1])
 
 
-def make_dropout(dropout_p: float, seed: int, seed_offset: int):
+def make_dropout(dropout_p: float, seed: int, seed_offset: int, batch0: int = 0, head0: int = 0):
     """The :data:`Dropout` bundle of validated arguments, or ``None`` for ``dropout_p == 0``.
+
+    ``batch0``/``head0``: the absolute batch and q-head of the arrays' batch 0
+    and head 0 (0 for a whole problem; :func:`with_origin` moves them).
 
     ``None`` is a type of its own to Numba: the kernels' ``if dropout is None``
     branches are pruned at compile time (:func:`drop_scores`), so a call
@@ -151,7 +161,13 @@ def make_dropout(dropout_p: float, seed: int, seed_offset: int):
         return None
     threshold = min(int(round(dropout_p * 2.0 ** 32)), 2 ** 32)
     k0, k1 = derive_key(seed, seed_offset)
-    return Dropout(threshold, np.float32(1.0 / (1.0 - dropout_p)), k0, k1)
+    return Dropout(threshold, np.float32(1.0 / (1.0 - dropout_p)), k0, k1, int(batch0), int(head0))
+
+
+def with_origin(dropout, batch0: int, head0: int):
+    """``dropout`` for arrays whose batch 0 / head 0 are absolute batch ``batch0`` / q-head
+    ``head0`` (plain ints: the same compiled kernels); ``None`` stays ``None``."""
+    return None if dropout is None else dropout._replace(batch0=int(batch0), head0=int(head0))
 
 
 @jit(inline=True)
@@ -169,7 +185,8 @@ def fill_multipliers(out, k0, q0, q_head, batch, dropout):
         Row ``j`` is key ``k0 + j``, column ``i`` query ``q0 + i`` (absolute indices).
     k0, q0 : int
     q_head, batch : int
-        The elements' q-head and batch (the counter's last two words).
+        The elements' q-head and batch in the arrays; the counter's last two words are
+        ``q_head + dropout.head0`` and ``batch + dropout.batch0`` (absolute indices).
     dropout : :data:`Dropout`
 
     The four words of a Philox call are four key rows: the loop runs along
@@ -181,8 +198,8 @@ def fill_multipliers(out, k0, q0, q_head, batch, dropout):
     scale = dropout.scale
     key0 = np.uint64(dropout.key0)
     key1 = np.uint64(dropout.key1)
-    c2 = np.uint64(q_head)
-    c3 = np.uint64(batch)
+    c2 = np.uint64(q_head + dropout.head0)
+    c3 = np.uint64(batch + dropout.batch0)
     for blk in range(k0 // BLOCK_KEYS, (k0 + n_k + BLOCK_KEYS - 1) // BLOCK_KEYS):
         for g in range(CALLS_PER_BLOCK):
             c0 = np.uint64(blk * CALLS_PER_BLOCK + g)
@@ -210,8 +227,9 @@ def fill_multipliers(out, k0, q0, q_head, batch, dropout):
 def drop_rows(s, k0, q0, q_head, batch, dropout, round_kernel):
     """``s *= M`` in place on a ``[queries, keys]`` tile (the forward's orientation).
 
-    Row ``i`` is query ``q0 + i``, column ``j`` key ``k0 + j``; each row is
-    rounded to bf16 afterwards if ``round_kernel``. Along a row, the 16 calls
+    Row ``i`` is query ``q0 + i``, column ``j`` key ``k0 + j`` (``q_head``,
+    ``batch`` as in :func:`fill_multipliers`); each row is rounded to bf16
+    afterwards if ``round_kernel``. Along a row, the 16 calls
     of a block of 64 keys run as one vectorised loop, each word multiplying
     its run of 16 consecutive keys in place. No tile of multipliers is
     written (one the size of ``s``, 1 MiB, cost another pass through L2, and
@@ -222,8 +240,8 @@ def drop_rows(s, k0, q0, q_head, batch, dropout, round_kernel):
     scale = dropout.scale
     key0 = np.uint64(dropout.key0)
     key1 = np.uint64(dropout.key1)
-    c2 = np.uint64(q_head)
-    c3 = np.uint64(batch)
+    c2 = np.uint64(q_head + dropout.head0)
+    c3 = np.uint64(batch + dropout.batch0)
     blk0 = k0 // BLOCK_KEYS
     n_blk = (k0 + n_k + BLOCK_KEYS - 1) // BLOCK_KEYS - blk0
     step = CALLS_PER_BLOCK
