@@ -7,7 +7,7 @@ import pytest
 
 from numbafa.jit import jit
 from numbafa.dtypes import widened
-from numbafa.kernels.common import load_scaled, load_transposed, store, store_transposed
+from numbafa.kernels.common import load_scaled, store, store_transposed
 from numbafa.kernels.forward import _row_max
 
 SCALE = np.float32(0.0883883)  # 1/sqrt(128), not a power of two: scaling rounds
@@ -38,15 +38,10 @@ def _expected(values, scale, round_kernel):
 @pytest.mark.parametrize("dtype", ["float32", "bf16"])
 @pytest.mark.parametrize("scale, round_kernel", [(np.float32(1.0), True), (SCALE, False), (SCALE, True)])
 @pytest.mark.parametrize("d_head, start, count", [(128, 0, 2048), (64, 37, 201), (5, 3, 17), (128, 5, 0)])
-def test_loads_match_numpy(dtype, scale, round_kernel, d_head, start, count):
+def test_load_scaled_matches_numpy(dtype, scale, round_kernel, d_head, start, count):
     rng = np.random.default_rng(d_head + count)
     values, src = _source(rng, dtype, (d_head, start + count + 7))
     want = _expected(values[:, start:start + count], scale, round_kernel)
-
-    out_t = np.full((count + 3, d_head), np.nan, np.float32)
-    load_transposed(src, start, count, out_t, scale, round_kernel)
-    np.testing.assert_array_equal(out_t[:count], want.T)
-    assert np.isnan(out_t[count:]).all()    # rows past count untouched
 
     out_s = np.full((d_head, count + 3), np.nan, np.float32)
     load_scaled(src, start, count, out_s, scale, round_kernel)

@@ -246,7 +246,7 @@ def update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum, cut, scratch):
 
     Step 5.1, ``dQ += (dS K) * scale``: upstream contracts over transposed
     128-key sub-tiles (``tiling.K_SUB_TILE``) summed in one fp32 PSUM; one
-    GEMM over the block's keys is that sum, computed as ``dQ^T = K dS^T``
+    GEMM over the block's keys is that sum, computed as ``dQ = K dS^T``
     into dQ's ``[d, rows]`` accumulator (both operands as they lie: the
     GEMMs measured fastest in this orientation, docs/performance.md).
     float32 inputs add the scaled product into dQ directly (``beta = 1``);

@@ -15,7 +15,7 @@ import numpy as np
 from ..jit import jit
 from ..dtypes import round_to_bf16, widen
 
-__all__ = ["round_if", "load_transposed", "load_scaled", "store", "store_transposed"]
+__all__ = ["round_if", "load_scaled", "store", "store_transposed"]
 
 
 @jit()
@@ -34,7 +34,7 @@ def round_if(x, flag):
 # reads with a stride of d floats over the full sequence, which at d = 128
 # (512-byte stride) thrashes L1's sets: 1.3-2.3x slower than the strips. The
 # strips made the *load* faster in isolation but the backward 8-10 % slower
-# (old and new alternated in one process), so load_transposed keeps its plain loop.
+# (old and new alternated in one process), so the loads kept their plain loop.
 _TRANSPOSE_BLOCK = 16
 
 
@@ -48,27 +48,13 @@ def _loaded(x, scale, round_kernel):
 
 
 @jit()
-def load_transposed(src, start, count, out, scale, round_kernel):
-    """Load ``src[:, start:start+count]`` (``[d, seq]``) into ``out[:count]`` as ``[seq, d]``.
+def load_scaled(src, start, count, out, scale, round_kernel):
+    """Load ``src[:, start:start+count]`` (``[d, seq]``) into ``out[:, :count]``, same layout.
 
     Elements are widened to float32 (bf16 bit patterns included), multiplied
     by ``scale`` and, for ``round_kernel``, rounded to bf16 -- ``load_q_dy``'s
     "scale folded into Q at load" when ``scale != 1`` (``scale == 1``: an
     exact copy, never rounded).
-    """
-    d_head = src.shape[0]
-    for i_d in range(d_head):
-        row = src[i_d]
-        for i in range(count):
-            out[i, i_d] = _loaded(row[start + i], scale, round_kernel)
-
-
-@jit()
-def load_scaled(src, start, count, out, scale, round_kernel):
-    """Load ``src[:, start:start+count]`` (``[d, seq]``) into ``out[:, :count]``, same layout.
-
-    The same values as :func:`load_transposed` (widened, scaled and, when
-    ``scale != 1`` and ``round_kernel``, rounded to bf16), not transposed.
     """
     d_head = src.shape[0]
     for i_d in range(d_head):

@@ -146,11 +146,11 @@ def derive_key(seed: int, seed_offset: int) -> tuple:
     return int(words[0]), int(words[1])
 
 
-def make_dropout(dropout_p: float, seed: int, seed_offset: int, batch0: int = 0, head0: int = 0):
+def make_dropout(dropout_p: float, seed: int, seed_offset: int):
     """The :data:`Dropout` bundle of validated arguments, or ``None`` for ``dropout_p == 0``.
 
-    ``batch0``/``head0``: the absolute batch and q-head of the arrays' batch 0
-    and head 0 (0 for a whole problem; :func:`with_origin` moves them).
+    Its origin ``batch0``/``head0`` is 0, a whole problem's; :func:`with_origin`
+    moves it for a share of the batches and heads.
 
     ``None`` is a type of its own to Numba: the kernels' ``if dropout is None``
     branches are pruned at compile time (:func:`drop_scores`), so a call
@@ -161,7 +161,7 @@ def make_dropout(dropout_p: float, seed: int, seed_offset: int, batch0: int = 0,
         return None
     threshold = min(int(round(dropout_p * 2.0 ** 32)), 2 ** 32)
     k0, k1 = derive_key(seed, seed_offset)
-    return Dropout(threshold, np.float32(1.0 / (1.0 - dropout_p)), k0, k1, int(batch0), int(head0))
+    return Dropout(threshold, np.float32(1.0 / (1.0 - dropout_p)), k0, k1, 0, 0)
 
 
 def with_origin(dropout, batch0: int, head0: int):
