@@ -120,34 +120,34 @@ def single_threaded_blas():
         _PIN.leave()
 
 
-def _cpu_flags():
-    """The CPU feature flags (Linux ``/proc/cpuinfo``), or None where unavailable."""
+def _first_cpu() -> dict:
+    """The fields of the first CPU in Linux ``/proc/cpuinfo`` (``{}`` where unavailable)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if not line.strip():
+                    if fields:
+                        break
+                    continue
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return None
+    return fields
+
+
+def _cpu_flags():
+    """The CPU feature flags (Linux ``/proc/cpuinfo``), or None where unavailable."""
+    flags = _first_cpu().get("flags")
+    return None if flags is None else set(flags.split())
 
 
 def _cpu_model():
     """``"<model name> (<vendor>, family F, model M)"`` from Linux ``/proc/cpuinfo`` (first CPU),
     or None where unavailable: the model name alone does not tell CPU generations apart
     (VMs often say just "AMD EPYC")."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("vendor_id", "cpu family", "model", "model name") and key not in fields:
-                    fields[key] = value.strip()
-                if not line.strip() and fields:
-                    break
-    except OSError:
-        return None
+    fields = _first_cpu()
     if "model name" not in fields:
         return None
     return (f"{fields['model name']} ({fields.get('vendor_id', '?')}, family {fields.get('cpu family', '?')}, "

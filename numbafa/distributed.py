@@ -544,8 +544,8 @@ def _bwd_dask(client, named, sinks_ref, bound_min, bound_max, options):
         results.append([])
         for j in range(len(q.chunks[1])):
             args = [g(i, j) for g in get] + bounds_d
-            parts = [delayed(shards.bwd_block, pure=True, nout=4)(plan_d, c, _origin(q.chunks, i, j),
-                                                                   options, *args)
+            origin = _origin(q.chunks, i, j)
+            parts = [delayed(shards.bwd_block, pure=True, nout=4)(plan_d, c, origin, options, *args)
                      for c in range(n_chunks)]
             results[-1].append(parts[0] if n_chunks == 1 else delayed(
                 shards.bwd_block_merge, pure=True, nout=4)(plan_d, parts, args[6], seqlen_q, q.dtype))
