@@ -28,25 +28,11 @@ import subprocess
 import sys
 import tempfile
 
-_CHILD = r"""
-import json, os, resource, sys, time
-import numba, numpy as np
-import numbafa
-a = json.loads(sys.argv[1])
-numba.set_num_threads(a["threads"])
-if a["dtype"] == "bf16":
-    import ml_dtypes
-    dtype = ml_dtypes.bfloat16
-else:
-    dtype = np.float32
-rng = np.random.default_rng(0)
-shape = (1, a["heads"], a["head_dim"], a["seqlen"])
-q, k, v, dy = (rng.standard_normal(shape, dtype=np.float32).astype(dtype) for _ in range(4))
-kw = dict(use_causal_mask=a["causal"], mixed_precision=True)
-o, lse = numbafa.attention_fwd(q, k, v, **kw)
-numbafa.attention_bwd(q, k, v, o, dy, lse, **kw)
-ctl = open(a["ctl"], "w")
-ack = open(a["ack"], "r")
+from _child import BACKWARD_SETUP
+
+_CHILD = BACKWARD_SETUP + r"""
+ctl = open(args["ctl"], "w")
+ack = open(args["ack"], "r")
 def command(word):
     ctl.write(word + "\n")
     ctl.flush()
@@ -54,13 +40,13 @@ def command(word):
 command("enable")
 r0 = resource.getrusage(resource.RUSAGE_SELF)
 t0 = time.perf_counter()
-for _ in range(a["calls"]):
+for _ in range(args["calls"]):
     numbafa.attention_bwd(q, k, v, o, dy, lse, **kw)
 wall = time.perf_counter() - t0
 r1 = resource.getrusage(resource.RUSAGE_SELF)
 command("disable")
 cpu = r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
-print(json.dumps({"wall": wall / a["calls"], "cpu": cpu / a["calls"],
+print(json.dumps({"wall": wall / args["calls"], "cpu": cpu / args["calls"],
                   "gemm": numbafa.backend_info()["gemm"]["path"]}))
 """
 
@@ -120,7 +106,7 @@ def main(argv=None):
         ctl, ack, data = (os.path.join(tmp, n) for n in ("ctl", "ack", "perf.data"))
         os.mkfifo(ctl)
         os.mkfifo(ack)
-        child = dict(vars(args), ctl=ctl, ack=ack)
+        child = dict(vars(args), ctl=ctl, ack=ack, mixed_precision=True)
         env = dict(os.environ, ONEDNN_JIT_PROFILE="2")
         run = subprocess.run(["perf", "record", "-q", "-F", "1999", "-D", "-1", f"--control=fifo:{ctl},{ack}",
                               "-o", data, "--", sys.executable, "-c", _CHILD, json.dumps(child)],

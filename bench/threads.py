@@ -9,6 +9,8 @@ Each round starts one process per thread count (alternately), which warms up
 (``resource.getrusage``), medians. One thread shows the loop's own rate;
 the CPU time of two threads against one shows how much the cores slow each
 other down, and wall x threads against CPU how long threads wait.
+The calls use the API's default ``mixed_precision=False`` (bench/gemm_share.py and
+bench/compare.py use True).
 """
 
 from __future__ import annotations
@@ -18,27 +20,14 @@ import json
 import subprocess
 import sys
 
-_CHILD = r"""
-import json, resource, sys, time
-import numba, numpy as np
-import numbafa
-args = json.loads(sys.argv[1])
-numba.set_num_threads(args["threads"])
-if args["dtype"] == "bf16":
-    import ml_dtypes
-    dtype = ml_dtypes.bfloat16
-else:
-    dtype = np.float32
-rng = np.random.default_rng(0)
-shape = (1, args["heads"], args["head_dim"], args["seqlen"])
-q, k, v, dy = (rng.standard_normal(shape, dtype=np.float32).astype(dtype) for _ in range(4))
-o, lse = numbafa.attention_fwd(q, k, v, use_causal_mask=args["causal"])
-numbafa.attention_bwd(q, k, v, o, dy, lse, use_causal_mask=args["causal"])
+from _child import BACKWARD_SETUP
+
+_CHILD = BACKWARD_SETUP + r"""
 wall, cpu = [], []
 for _ in range(args["repeats"]):
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
-    numbafa.attention_bwd(q, k, v, o, dy, lse, use_causal_mask=args["causal"])
+    numbafa.attention_bwd(q, k, v, o, dy, lse, **kw)
     wall.append(time.perf_counter() - t0)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu.append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
@@ -60,7 +49,7 @@ def main(argv=None):
     results = {1: [], 2: []}
     for _ in range(args.rounds):
         for threads in (1, 2):
-            child = dict(vars(args), threads=threads)
+            child = dict(vars(args), threads=threads, mixed_precision=False)
             out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(child)],
                                  capture_output=True, text=True, check=True).stdout
             results[threads].append(json.loads(out.strip().splitlines()[-1]))

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 
 import pytest
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "gemm_share.py"
+_BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+_PATH = _BENCH / "gemm_share.py"
+if str(_BENCH) not in sys.path:  # its sibling bench/_child.py, as when run as a script
+    sys.path.insert(0, str(_BENCH))
 _spec = importlib.util.spec_from_file_location("gemm_share", _PATH)
 gemm_share = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gemm_share)
