@@ -1,5 +1,5 @@
 """Where the backward's CPU time goes, by code: the GEMM library's micro-kernels, its packing
-(operand copies), and everything else (numbafa's own Numba code, the API, the kernel).
+(operand copies), and everything else (numbafa's own Numba code, the API, the OS kernel).
 
     python bench/gemm_share.py [--dtype bf16] [--threads 1] [--heads 8] [--seqlen 2048]
                                [--head-dim 128] [--causal] [--calls 20] [--top N]
@@ -10,9 +10,8 @@ in a child process under ``perf record``, which samples only the timed calls
 and off through perf's control FIFO). oneDNN names its JIT kernels for perf
 (``ONEDNN_JIT_PROFILE=2``, a ``/tmp/perf-PID.map``); Numba's code has no names
 and is counted under "other". The GFLOP/s of the micro-kernels is the
-backward's FLOPs (5 GEMMs of ``2 * rows * keys * d`` per visible block, from
-the flash-attention convention: 2.5 x the forward's 4 * B * H * S^2 * D, halved
-when causal) over the CPU time their samples stand for: the rate the GEMMs
+backward's FLOPs in the flash-attention convention (2.5 x the forward's
+4 * B * H * S^2 * D, halved when causal: its five GEMMs) over the CPU time their samples stand for: the rate the GEMMs
 run at while they run (a lower bound when causal: the diagonal blocks compute
 some masked products too).
 """
