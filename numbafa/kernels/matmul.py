@@ -53,10 +53,11 @@ from ..jit import jit
 
 __all__ = ["matmul", "OneDNN", "ONEDNN"]
 
-#: The marker type of the oneDNN GEMM path (``plan.gemm``); BLAS is ``None``.
-OneDNN = namedtuple("OneDNN", ["threads"])
-#: The oneDNN path's marker: each GEMM call runs on ``threads`` (1) OpenMP thread.
-ONEDNN = OneDNN(1)
+#: The marker type of the oneDNN GEMM path (``plan.gemm``); BLAS is ``None``. It has no
+#: fields: only its type matters, which picks the implementation when a kernel is compiled.
+OneDNN = namedtuple("OneDNN", [])
+#: The oneDNN path's marker (each of its GEMM calls runs on one OpenMP thread, :func:`_gemm_onednn`).
+ONEDNN = OneDNN()
 
 
 def _xxgemm(dtype):
