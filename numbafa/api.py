@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
 from .runtime import kernel_call
 from .dtypes import to_bf16_array
-from .kernels.backward import flash_attn_bwd
+from .kernels.backward import new_bwd_stats
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, make_plan
 from .kernels.dropout import drop_rows, make_dropout
-from .kernels.forward import flash_attn_fwd
+from .kernels.launch import run_backward, run_forward
 from .tiling import Q_TILE
 from .layout import lse_to_neuron
 from .validation import validate_bwd_inputs, validate_dropout, validate_fwd_inputs
@@ -85,8 +84,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     o = np.empty((bs, nheads, d_head, seqlen_q), dtype=np.float32)
     lse = np.empty((bs, nheads, seqlen_q), dtype=np.float32)
     with kernel_call(_kernel_name("forward", plan), prob.dtype.name):
-        flash_attn_fwd(FwdInputs(prob.q, prob.k, prob.v, prob.sinks), FwdOutputs(o, lse), plan,
-                       numba.get_num_threads())
+        run_forward(FwdInputs(prob.q, prob.k, prob.v, prob.sinks), FwdOutputs(o, lse), plan)
     return _to_dtype(o, prob.dtype), (lse_to_neuron(lse) if lse_layout == "neuron" else lse)
 
 
@@ -188,7 +186,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
                       np.empty(part_shape, dtype=np.float32))
     ins = BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks)
     with kernel_call(_kernel_name("backward", plan), prob.dtype.name):
-        flash_attn_bwd(ins, outs, plan, numba.get_num_threads())
+        run_backward(ins, outs, new_bwd_stats(ins), plan)
 
     grads = (_to_dtype(dq, prob.dtype), _to_dtype(dk, prob.dtype), _to_dtype(dv, prob.dtype))
     if prob.sinks_shape is None:

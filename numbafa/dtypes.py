@@ -138,7 +138,7 @@ def _widened_overload(x):
     return None
 
 
-@jit()
+@jit(entry=True)
 def _f32_to_bf16_bits_array(src, dst):
     s = src.reshape(-1)
     d = dst.reshape(-1)
@@ -146,7 +146,7 @@ def _f32_to_bf16_bits_array(src, dst):
         d[i] = f32_to_bf16_bits(s[i])
 
 
-@jit()
+@jit(entry=True)
 def _bf16_bits_to_f32_array(src, dst):
     s = src.reshape(-1)
     d = dst.reshape(-1)

@@ -93,8 +93,12 @@ import warnings
 
 import numba
 from numba.core import caching
+from numba.core.registry import CPUDispatcher
 
-__all__ = ["JIT_FLAGS", "jit", "cache_info", "source_hash", "CacheWarning", "KEEP_SOURCE_VERSIONS"]
+from . import linking
+
+__all__ = ["JIT_FLAGS", "jit", "callable_from_python", "KernelDispatcher", "cache_info", "source_hash",
+           "CacheWarning", "KEEP_SOURCE_VERSIONS"]
 
 #: The package directory: functions defined under it are "the package's".
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -254,7 +258,7 @@ def _warn_once(key, message: str) -> None:
 
 # -- the cache classes ------------------------------------------------------------------------
 
-_MAGIC = b"numbafa-cache-1\n"
+_MAGIC = b"numbafa-cache-2\n"
 
 
 class _CorruptCacheFile(Exception):
@@ -303,7 +307,12 @@ _CompileResultCacheImpl = getattr(caching, "CompileResultCacheImpl", None) or ca
 
 
 class _CacheImpl(_CompileResultCacheImpl):
-    """Numba's compile-result serialisation with :class:`_Locator` (no locator search)."""
+    """Numba's compile-result serialisation with :class:`_Locator` (no locator search).
+
+    A compile result is stored with the cells of the apart functions its code calls
+    (:func:`numbafa.linking.cells_of`); loading it first loads those functions and fills their
+    cells (:func:`numbafa.linking.ensure_cells`), so its machine code finds every symbol.
+    """
 
     def __init__(self, py_func):
         self._lineno = py_func.__code__.co_firstlineno
@@ -312,6 +321,14 @@ class _CacheImpl(_CompileResultCacheImpl):
         self._locator = _Locator.from_function(py_func, source_path)
         modname = os.path.splitext(os.path.basename(source_path))[0]
         self._filename_base = self.get_filename_base(f"{modname}.{qualname}", getattr(sys, "abiflags", ""))
+
+    def reduce(self, cres):
+        return linking.cells_of(cres.library), super().reduce(cres)
+
+    def rebuild(self, target_context, payload):
+        cells, reduced = payload
+        linking.ensure_cells(cells)
+        return super().rebuild(target_context, reduced)
 
 
 class _CheckedFiles(caching.IndexDataCacheFile):
@@ -411,13 +428,26 @@ def _enable_cache(dispatcher) -> None:
         dispatcher._cache = _Cache(dispatcher.py_func)
 
 
-def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True):
+class KernelDispatcher(CPUDispatcher):
+    """The dispatcher of a function compiled for ``@njit`` callers only (``jit(entry=False)``).
+
+    It has no CPython wrapper, so calling it from Python would jump into nothing; it raises a
+    ``TypeError`` instead. Tests reach such a function through :func:`callable_from_python`.
+    """
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(f"{self.py_func.__qualname__} is compiled for @njit callers only (no Python "
+                        f"wrapper); call it from @njit code, or through numbafa.jit.callable_from_python")
+
+
+def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True, entry: bool = False,
+        apart: bool = False):
     """Return a decorator like ``numba.njit``, configured with :data:`JIT_FLAGS`.
 
     Parameters
     ----------
     parallel : bool
-        For kernels with a ``prange`` loop; numbafa's own kernels have none (numbafa.parallel).
+        For the launchers, whose ``prange`` loop runs the work items (:mod:`numbafa.kernels.launch`).
     inline : bool
         Inline at the Numba IR level (``inline="always"``): for tiny scalar
         functions called in vectorised inner loops.
@@ -427,15 +457,47 @@ def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True):
         two-operator instruction of the Neuron kernel (``scalar_tensor_tensor``
         applies its operators in sequence, each result an fp32 value), where
         a fused rounding could flip a bf16 rounding point (docs/numerics.md).
+    entry : bool
+        Callable from Python: Numba generates its CPython wrapper. Functions
+        only ``@njit`` code calls (the default) get no wrapper -- and no C
+        wrapper -- which saves about a fifth of the kernels' cold compile; their
+        dispatcher (:class:`KernelDispatcher`) refuses a call from Python.
+    apart : bool
+        Compiled on its own, once, and called through a cell, so its callers'
+        compilation never links, re-optimises or re-emits its body
+        (:mod:`numbafa.linking`): for the large steps of a kernel, each called
+        at most once per tile. Returns the intrinsic ``@njit`` code calls.
     """
     flags = {key: value for key, value in JIT_FLAGS.items() if key != "cache"}
     flags["fastmath"] = set(flags["fastmath"]) if contract else False
-    njit = numba.njit(parallel=parallel, inline="always" if inline else "never", **flags)
+    wrappers = entry and not apart
+    njit = numba.njit(parallel=parallel, inline="always" if inline else "never",
+                      no_cpython_wrapper=not wrappers, no_cfunc_wrapper=True, **flags)
 
     def decorate(func):
         dispatcher = njit(func)
+        if not wrappers:
+            dispatcher.__class__ = KernelDispatcher
         if JIT_FLAGS["cache"]:
             _enable_cache(dispatcher)
-        return dispatcher
+        return linking.apart(dispatcher) if apart else dispatcher
 
     return decorate
+
+
+_python_twins: dict = {}
+_python_twins_lock = threading.Lock()
+
+
+def callable_from_python(function):
+    """A twin of a ``jit()`` function (or an apart one) that Python can call: the same source and
+    flags compiled with a CPython wrapper (tests and benchmarks use it to reach kernel helpers)."""
+    py_func = function.py_func
+    with _python_twins_lock:
+        twin = _python_twins.get(py_func)
+        if twin is None:
+            dispatcher = getattr(function, "dispatcher", function)
+            options = {k: v for k, v in dispatcher.targetoptions.items()
+                       if k not in ("no_cpython_wrapper", "no_cfunc_wrapper", "nopython")}
+            twin = _python_twins[py_func] = numba.njit(**options)(py_func)
+    return twin

@@ -21,7 +21,7 @@ Why the results are bitwise those of the single-process call:
   (:func:`at_origin`), while its rows and keys are at their absolute
   positions already (a chunk's packed rows are unpacked in place);
 * the backward's cross-item reduction is the kernel's own
-  :func:`~numbafa.kernels.backward.finish_bwd` (``bwd_finish_unit``): a split
+  :func:`~numbafa.kernels.backward.bwd_finish_unit`, run by the launcher: a split
   unit's float32 dK/dV partials summed in chunk order, then rounded once,
   and dsinks from the per-row statistics (-LSE, D) of both chunks, gathered
   first (:func:`bwd_merge`).
@@ -34,17 +34,17 @@ and are never read.
 
 from __future__ import annotations
 
+import contextlib
 from collections import namedtuple
-from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
 
 from .dtypes import to_bf16_array
-from .kernels.backward import bwd_work_item, finish_bwd, new_bwd_stats, BwdStats
+from .kernels.backward import BwdStats, new_bwd_stats
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs
 from .kernels.dropout import with_origin
-from .kernels.forward import fwd_work_item
+from .kernels.launch import needs_finish, run_backward, run_forward
 from .kernels.loops import group_rows, n_q_groups, owns_group
 from .layout import lse_to_neuron
 from .runtime import kernel_call
@@ -103,22 +103,23 @@ def to_dtype(x: np.ndarray, dtype) -> np.ndarray:
     return x if np.dtype(dtype) == np.float32 else to_bf16_array(x)
 
 
-def _run_items(kernel, args: tuple, items, n_threads: int) -> None:
-    """:func:`numbafa.parallel.parallel_for` over the given item indices only."""
-    kernel.compile(tuple(numba.typeof(a) for a in args) + (numba.types.int64,))
-    items = list(items)
-    n_threads = max(1, min(int(n_threads), len(items)))
-    if n_threads == 1:
-        for item in items:
-            kernel(*args, item)
+@contextlib.contextmanager
+def _threads(n_threads):
+    """Numba's thread count of this thread set to ``n_threads`` (None: left as it is), then
+    restored (``numba.set_num_threads`` is per thread)."""
+    if n_threads is None:
+        yield
         return
-    with ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="numbafa") as pool:
-        for future in [pool.submit(kernel, *args, item) for item in items]:
-            future.result()
+    previous = numba.get_num_threads()
+    numba.set_num_threads(max(1, min(int(n_threads), numba.config.NUMBA_NUM_THREADS)))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(previous)
 
 
-def _chunk_items(n_units: int, q_chunks: int, chunk: int):
-    return [unit * q_chunks + chunk for unit in range(n_units)]
+def _chunk_items(n_units: int, q_chunks: int, chunk: int) -> np.ndarray:
+    return np.arange(n_units, dtype=np.int64) * q_chunks + chunk
 
 
 def _kernel_array(x: np.ndarray) -> np.ndarray:
@@ -157,9 +158,8 @@ def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
     o = np.zeros((nb, nheads, d_head, seqlen_q), dtype=np.float32)
     lse = np.zeros((nb, nheads, seqlen_q), dtype=np.float32)
     items = _chunk_items(nb * ins.k.shape[1], plan.tiling.q_chunks, chunk)
-    with kernel_call("forward", np.dtype(out_dtype).name):
-        _run_items(fwd_work_item, (ins, FwdOutputs(o, lse), plan), items,
-                   numba.get_num_threads() if n_threads is None else n_threads)
+    with kernel_call("forward", np.dtype(out_dtype).name), _threads(n_threads):
+        run_forward(ins, FwdOutputs(o, lse), plan, items)
     return to_dtype(pack_rows(o, rows), out_dtype), pack_rows(lse, rows)
 
 
@@ -215,12 +215,10 @@ def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
     n_units = ins.q.shape[0] * ins.k.shape[1]
     outs = _bwd_outputs(ins, q_chunks)
     stats = new_bwd_stats(ins)
-    n_threads = numba.get_num_threads() if n_threads is None else n_threads
-    with kernel_call("backward", np.dtype(out_dtype).name):
-        _run_items(bwd_work_item, (ins, outs, stats, plan), _chunk_items(n_units, q_chunks, chunk),
-                   n_threads)
-        if q_chunks == 1:
-            finish_bwd(ins, outs, stats, plan, n_threads)
+    finish = q_chunks == 1 and needs_finish(ins, plan)
+    with kernel_call("backward", np.dtype(out_dtype).name), _threads(n_threads):
+        run_backward(ins, outs, stats, plan, _chunk_items(n_units, q_chunks, chunk),
+                     np.arange(n_units if finish else 0, dtype=np.int64))
     if q_chunks == 1:
         return (to_dtype(outs.dq, out_dtype), to_dtype(outs.dk, out_dtype),
                 to_dtype(outs.dv, out_dtype), outs.dsinks)
@@ -239,8 +237,8 @@ def bwd_merge(plan, sinks: np.ndarray, shards, seqlen_q: int, out_dtype):
     Exactly the in-process end of the backward: the statistics and dQ rows of
     every chunk are put in place, chunk 0's float32 dK/dV partial takes the
     place of the kernel's output and the others that of its ``part_dk`` /
-    ``part_dv`` scratch, then :func:`~numbafa.kernels.backward.finish_bwd`
-    (the kernel's ``bwd_finish_unit``) sums them in chunk order, rounds once
+    ``part_dv`` scratch, then the launcher's finishing pass
+    (:func:`~numbafa.kernels.backward.bwd_finish_unit`) sums them in chunk order, rounds once
     and computes dsinks. The shards are not modified (a worker may keep them
     to run this again after a failure).
 
@@ -271,7 +269,8 @@ def bwd_merge(plan, sinks: np.ndarray, shards, seqlen_q: int, out_dtype):
                       np.array(first.dv, order="C"), np.empty(sinks.shape, dtype=np.float32),
                       np.ascontiguousarray(parts[0]), np.ascontiguousarray(parts[1]))
     with kernel_call("backward", np.dtype(out_dtype).name):
-        finish_bwd(ins, outs, stats, plan, numba.get_num_threads())
+        run_backward(ins, outs, stats, plan, np.empty(0, dtype=np.int64),
+                     np.arange(n_units, dtype=np.int64))
     return dq, to_dtype(outs.dk, out_dtype), to_dtype(outs.dv, out_dtype), outs.dsinks
 
 

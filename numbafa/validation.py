@@ -127,7 +127,7 @@ class Problem:
         return is_bf16(self.dtype)
 
 
-@jit()
+@jit(entry=True)
 def _count_nonfinite(flat):
     n = 0
     for i in range(flat.size):
@@ -136,7 +136,7 @@ def _count_nonfinite(flat):
     return n
 
 
-@jit()
+@jit(entry=True)
 def _count_nan_or_neg_inf(flat):
     n = 0
     for i in range(flat.size):

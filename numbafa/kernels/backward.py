@@ -58,19 +58,20 @@ from __future__ import annotations
 from collections import namedtuple
 
 import numpy as np
+from numba import prange
 
 from ..dtypes import as_operand, narrowed, round_to_bf16_inplace, widen
 from ..jit import jit
-from ..parallel import parallel_for
+from ..linking import call_status, pack, unpack
 from ..tiling import FLOAT32_MIN
 from .common import load_scaled, round_if, store, store_transposed
 from .dropout import drop_probabilities, drop_scores
 from .fastexp import expf
-from .loops import decode_item, group_rows, n_q_groups, owns_group
+from .loops import decode_item, group_rows, n_q_groups, owns_group, raise_failed
 from .mask import cut_by_mask, queries_seeing_key, required_q_rows
 from .matmul import matmul
 
-__all__ = ["flash_attn_bwd", "new_bwd_stats", "finish_bwd"]
+__all__ = ["flash_attn_bwd", "bwd_work_item", "bwd_finish_unit", "new_bwd_stats"]
 
 _F32_MIN = np.float32(FLOAT32_MIN)
 _ONE = np.float32(1.0)
@@ -408,12 +409,13 @@ def make_scratch(d_head, seqlen_k, plan):
 
 
 @jit()
-def bwd_work_item(ins, outs, stats, plan, item):
+def bwd_work_item(args, item):
     """The loop nest of one work item: KV sections -> q-heads -> owned Q groups (upstream 1143-1353).
 
-    ``stats`` (:data:`BwdStats`) is filled in on the first section by
-    whichever item owns the rows.
+    ``args`` points to the launcher's ``(ins, outs, stats, plan)`` (:func:`numbafa.linking.pack`);
+    ``stats`` (:data:`BwdStats`) is filled in on the first section by whichever item owns the rows.
     """
+    ins, outs, stats, plan = unpack(args)
     tiling = plan.tiling
     _, nheads, d_head, seqlen_q = ins.q.shape
     nheads_kv, seqlen_k = ins.k.shape[1], ins.k.shape[3]
@@ -483,13 +485,14 @@ def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, round_mixed):
 
 
 @jit()
-def bwd_finish_unit(ins, outs, stats, plan, unit):
+def bwd_finish_unit(args, unit):
     """After every item: a split unit's dK/dV, then the unit's dsinks (upstream 1355-1405).
 
-    A split unit's chunk 0 left its float32 partial in the outputs; the other
-    chunks' partials are added in chunk order, then rounded once. dsinks
-    needs D and the -LSE bias of every row, so it waits for all items.
+    ``args`` as for :func:`bwd_work_item`. A split unit's chunk 0 left its float32 partial in
+    the outputs; the other chunks' partials are added in chunk order, then rounded once.
+    dsinks needs D and the -LSE bias of every row, so it waits for all items.
     """
+    ins, outs, stats, plan = unpack(args)
     nheads_kv = ins.k.shape[1]
     batch = unit // nheads_kv
     kv_head = unit % nheads_kv
@@ -508,13 +511,17 @@ def bwd_finish_unit(ins, outs, stats, plan, unit):
             outs.dsinks[batch, h, i_sink] = dsinks[i_sink]
 
 
-def flash_attn_bwd(ins, outs, plan, n_threads):
-    """Flash-attention backward over all ``bs * nheads_kv`` work units.
+@jit(parallel=True, entry=True)
+def flash_attn_bwd(ins, outs, stats, plan, entries, items, units):
+    """Flash-attention backward: the launcher (upstream ``flash_attn_bwd``'s SPMD shards).
 
-    The launcher level of upstream ``flash_attn_bwd`` (its SPMD shards):
-    every work item (:func:`bwd_work_item`) on ``n_threads`` threads
-    (:func:`numbafa.parallel.parallel_for`), then every unit's
-    :func:`bwd_finish_unit` where there is something to finish.
+    A ``prange`` over the work ``items`` runs :func:`bwd_work_item` for each, then one over
+    ``units`` runs :func:`bwd_finish_unit` (a split unit's dK/dV partials, the sink gradients),
+    on ``numba.get_num_threads()`` threads. Both are called by address
+    (:func:`numbafa.linking.call_status`): they are compiled once, apart, and this loop is
+    all that Numba's parallel backend compiles. Items write disjoint outputs, and every
+    cross-item sum is the later, fixed-order ``units`` pass, so the bits never depend on the
+    thread count or the schedule. :mod:`numbafa.kernels.launch` builds the arguments.
 
     Parameters
     ----------
@@ -532,13 +539,23 @@ def flash_attn_bwd(ins, outs, plan, n_threads):
         ``plan.tiling.q_chunks > 1``, which ``plan.precision.round_mixed``
         excludes: bf16 accumulators cannot be split without changing their
         rounding).
+    stats : :data:`BwdStats`, filled in by the items.
     plan : :data:`~numbafa.kernels.bundles.Plan`
-    n_threads : int
+    entries : :data:`~numbafa.kernels.bundles.BwdEntries`
+        Addresses of :func:`bwd_work_item` and :func:`bwd_finish_unit`, compiled for a pointer
+        to exactly the type of ``(ins, outs, stats, plan)``, and an int64.
+    items, units : int64 1-D arrays
+        The work items to run (``unit * q_chunks + chunk``) and the units to finish.
     """
-    stats = new_bwd_stats(ins)
-    n_units = ins.q.shape[0] * ins.k.shape[1]
-    parallel_for(bwd_work_item, n_units * plan.tiling.q_chunks, (ins, outs, stats, plan), n_threads)
-    finish_bwd(ins, outs, stats, plan, n_threads)
+    args = pack((ins, outs, stats, plan))
+    status = np.zeros(items.size, dtype=np.int32)
+    for i in prange(items.size):
+        status[i] = call_status(entries.item, (args, items[i]))
+    raise_failed(entries.item, args, items, status)
+    done = np.zeros(units.size, dtype=np.int32)
+    for i in prange(units.size):
+        done[i] = call_status(entries.finish, (args, units[i]))
+    raise_failed(entries.finish, args, units, done)
 
 
 def new_bwd_stats(ins):
@@ -547,12 +564,3 @@ def new_bwd_stats(ins):
     nheads_kv = ins.k.shape[1]
     shape = (bs * nheads_kv, nheads // nheads_kv, seqlen_q)
     return BwdStats(np.empty(shape, dtype=np.float32), np.empty(shape, dtype=np.float32))
-
-
-def finish_bwd(ins, outs, stats, plan, n_threads):
-    """Every unit's :func:`bwd_finish_unit` on ``n_threads`` threads, if there is something to
-    finish (split units' dK/dV partials, or sinks); :func:`flash_attn_bwd` runs it after every
-    work item, :mod:`numbafa.shards` after gathering the items run elsewhere."""
-    if plan.tiling.q_chunks > 1 or ins.sinks.shape[2] > 0:
-        parallel_for(bwd_finish_unit, ins.q.shape[0] * ins.k.shape[1], (ins, outs, stats, plan),
-                     n_threads)

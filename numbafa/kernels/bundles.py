@@ -39,7 +39,7 @@ from .mask import fill_key_ranges
 from .matmul import ONEDNN
 
 __all__ = ["Tiling", "Mask", "Precision", "Plan", "FwdInputs", "FwdOutputs", "BwdInputs",
-           "BwdOutputs", "make_plan"]
+           "BwdOutputs", "BwdEntries", "make_plan"]
 
 Tiling = namedtuple("Tiling", ["q_tile", "k_tile", "k_sub_tile", "q_tile_group", "d_tile",
                                "section_len", "q_chunks"])
@@ -66,6 +66,8 @@ operand tiles: float32 (float32 inputs; bf16 values widened on the BLAS path) or
 bits, oneDNN on the bf16 units). dropout: numbafa.kernels.dropout.Dropout, or None for p = 0
 (a type of its own: kernels without dropout compile no dropout code)."""
 
+#: Addresses of the backward's work item and unit finish (:func:`numbafa.linking.native_address`).
+BwdEntries = namedtuple("BwdEntries", ["item", "finish"])
 FwdInputs = namedtuple("FwdInputs", ["q", "k", "v", "sinks"])
 FwdOutputs = namedtuple("FwdOutputs", ["o", "lse"])
 BwdInputs = namedtuple("BwdInputs", ["q", "k", "v", "o", "dy", "lse", "sinks"])

@@ -223,7 +223,7 @@ def fill_multipliers(out, k0, q0, q_head, batch, dropout):
                         out[j, i] = _multiplier(words[r], thr, scale)
 
 
-@jit()
+@jit(entry=True)
 def drop_rows(s, k0, q0, q_head, batch, dropout, round_kernel):
     """``s *= M`` in place on a ``[queries, keys]`` tile (the forward's orientation).
 

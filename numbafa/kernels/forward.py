@@ -37,18 +37,19 @@ import math
 from collections import namedtuple
 
 import numpy as np
+from numba import prange
 
 from ..dtypes import as_operand, narrowed, round_to_bf16_inplace
 from ..jit import jit
-from ..parallel import parallel_for
+from ..linking import call_status, pack, unpack
 from .common import load_scaled, round_if, store_transposed
 from .dropout import drop_forward
 from .fastexp import expf
-from .loops import decode_item, group_rows, n_q_groups, owns_group
+from .loops import decode_item, group_rows, n_q_groups, owns_group, raise_failed
 from .mask import cut_by_mask, required_q_rows, static_key_range, visible_keys
 from .matmul import matmul
 
-__all__ = ["flash_attn_fwd"]
+__all__ = ["flash_attn_fwd", "fwd_work_item"]
 
 _NEG_INF = np.float32(-np.inf)
 _ONE = np.float32(1.0)
@@ -267,8 +268,10 @@ def make_fwd_scratch(d_head, plan):
 
 
 @jit()
-def fwd_work_item(ins, outs, plan, item):
-    """One work item: its unit's K and V serve every q-head of the GQA group; owned Q groups."""
+def fwd_work_item(args, item):
+    """One work item: its unit's K and V serve every q-head of the GQA group; owned Q groups.
+    ``args`` points to the launcher's ``(ins, outs, plan)`` (:func:`numbafa.linking.pack`)."""
+    ins, outs, plan = unpack(args)
     tiling = plan.tiling
     _, nheads, d_head, seqlen_q = ins.q.shape
     nheads_kv = ins.k.shape[1]
@@ -289,9 +292,11 @@ def fwd_work_item(ins, outs, plan, item):
                 fwd_q_group(ins, outs, plan, k_n, v_n, head, i_group, scratch)
 
 
-def flash_attn_fwd(ins, outs, plan, n_threads):
-    """Flash-attention forward over all ``bs * nheads_kv`` work units: every work item
-    (:func:`fwd_work_item`) on ``n_threads`` threads (:func:`numbafa.parallel.parallel_for`).
+@jit(parallel=True, entry=True)
+def flash_attn_fwd(ins, outs, plan, item, items):
+    """Flash-attention forward: the launcher, a ``prange`` over the work ``items`` that runs
+    :func:`fwd_work_item` for each, called by address (as in
+    :func:`numbafa.kernels.backward.flash_attn_bwd`), on ``numba.get_num_threads()`` threads.
 
     Parameters
     ----------
@@ -304,7 +309,14 @@ def flash_attn_fwd(ins, outs, plan, n_threads):
         dtype), ``lse`` float32 ``[bs, nheads, seqlen_q]``.
     plan : :data:`~numbafa.kernels.bundles.Plan`
         Rows are independent, so the Q-chunk split changes no result.
-    n_threads : int
+    item : int64
+        Address of :func:`fwd_work_item` compiled for a pointer to exactly the type of
+        ``(ins, outs, plan)``, and an int64.
+    items : int64 1-D array
+        The work items to run (``unit * q_chunks + chunk``).
     """
-    n_units = ins.q.shape[0] * ins.k.shape[1]
-    parallel_for(fwd_work_item, n_units * plan.tiling.q_chunks, (ins, outs, plan), n_threads)
+    args = pack((ins, outs, plan))
+    status = np.zeros(items.size, dtype=np.int32)
+    for i in prange(items.size):
+        status[i] = call_status(item, (args, items[i]))
+    raise_failed(item, args, items, status)

@@ -1,6 +1,6 @@
 """Loop scaffolding shared by the forward and the backward kernels.
 
-Both kernels run over *work items* (:func:`numbafa.parallel.parallel_for`): the upstream kernel's work
+Both kernels run over *work items* (the launchers' ``prange``): the upstream kernel's work
 units (one per ``(batch, KV head)``, ``flash_attn_bwd`` lines 1134-1143),
 each split into ``q_chunks`` items when there are few units
 (:func:`numbafa.schedule.q_chunks`). Within an item, the q-heads of the GQA
@@ -12,8 +12,9 @@ group share the unit's K and V, and each q-head's queries run in Q groups of
 from __future__ import annotations
 
 from ..jit import jit
+from ..linking import call_or_raise
 
-__all__ = ["decode_item", "n_q_groups", "owns_group", "group_rows"]
+__all__ = ["decode_item", "n_q_groups", "owns_group", "group_rows", "raise_failed"]
 
 
 @jit()
@@ -48,3 +49,14 @@ def group_rows(i_group, seqlen_q, tiling):
     size = tiling.q_tile * tiling.q_tile_group
     start = i_group * size
     return start, min(size, seqlen_q - start)
+
+
+@jit()
+def raise_failed(address, args, items, status):
+    """After a launcher's ``prange``: run the first item whose ``status`` is not 0 again, in this
+    thread, and let its exception propagate (an exception cannot leave a ``prange`` body).
+    ``address``: the item's entry; ``args``: the packed arguments it takes before the item."""
+    for i in range(items.size):
+        if status[i] != 0:
+            call_or_raise(address, (args, items[i]))
+            raise RuntimeError("numbafa: a work item failed, then passed when run again")

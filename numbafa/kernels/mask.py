@@ -52,7 +52,7 @@ def _ceil_clamped(bound, seqlen_k):
     return np.int64(math.ceil(x))
 
 
-@jit()
+@jit(entry=True)
 def fill_key_ranges(causal, window, use_packing, bound_min, bound_max, seqlen_k, key_lo, key_hi):
     """Write every query's visible key range ``[key_lo[q], key_hi[q])`` (module docstring).
 

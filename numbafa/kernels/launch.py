@@ -1,0 +1,106 @@
+"""Launching a pass from Python: the work items' addresses, the item lists, the threading layer.
+
+:func:`run_forward` and :func:`run_backward` call the launchers
+(:func:`~numbafa.kernels.forward.flash_attn_fwd`,
+:func:`~numbafa.kernels.backward.flash_attn_bwd`). A launcher calls its work
+item by address (:mod:`numbafa.linking`); the address is that of the work
+item compiled for exactly the types of the bundles the launcher gets, looked
+up by their fingerprint (the one Numba's dispatcher computes, in C, a few
+microseconds) and compiled -- or loaded from the disk cache -- on the first
+call with new types.
+
+Threading layers: a launcher runs its ``prange`` on Numba's threading layer,
+with ``numba.get_num_threads()`` threads of the calling thread. ``omp`` and
+``tbb`` take launches from several Python threads at once; ``workqueue`` is
+not thread-safe (a second concurrent launch aborts the process), so under it
+launches are serialised by a lock: concurrent calls then run one after the
+other, each on all its threads. Until the first launch the layer is unknown
+(Numba picks it then), so the first launches take the lock too.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numba
+import numpy as np
+from numba import _dispatcher, types
+
+from ..linking import native_address
+from .backward import bwd_finish_unit, bwd_work_item, flash_attn_bwd
+from .bundles import BwdEntries
+from .forward import flash_attn_fwd, fwd_work_item
+
+__all__ = ["run_forward", "run_backward", "work_item_addresses", "threading_layer_is_thread_safe"]
+
+_addresses: dict = {}        # (pass, fingerprint of the argument bundles) -> addresses
+_launch_lock = threading.Lock()
+_thread_safe_layer = None    # None: not known yet
+
+
+def threading_layer_is_thread_safe() -> bool:
+    """True once Numba's threading layer is known and is not ``workqueue``."""
+    global _thread_safe_layer
+    if _thread_safe_layer is None:
+        try:
+            layer = numba.threading_layer()
+        except ValueError:   # no parallel region has run yet: Numba has not chosen
+            return False
+        _thread_safe_layer = layer != "workqueue"
+    return _thread_safe_layer
+
+
+def _launch(launcher, *args) -> None:
+    if threading_layer_is_thread_safe():
+        launcher(*args)
+    else:
+        with _launch_lock:
+            launcher(*args)
+
+
+def work_item_addresses(pass_name: str, args: tuple) -> tuple:
+    """Addresses of the work item (and, for ``"backward"``, the unit finish) compiled for a
+    pointer to the type of ``args`` (the launcher's packed bundles: ``(ins, outs, plan)``
+    forward, ``(ins, outs, stats, plan)`` backward) and an int64."""
+    try:
+        key = (pass_name, _dispatcher.compute_fingerprint(args))
+    except (ValueError, TypeError):   # a value Numba fingerprints no faster than it types
+        key = None
+    found = _addresses.get(key) if key is not None else None
+    if found is None:
+        argtys = (types.CPointer(numba.typeof(args)), types.int64)
+        kernels = (fwd_work_item,) if pass_name == "forward" else (bwd_work_item, bwd_finish_unit)
+        found = tuple(native_address(k, argtys) for k in kernels)
+        if key is not None:
+            _addresses[key] = found
+    return found
+
+
+def _all(n: int) -> np.ndarray:
+    return np.arange(n, dtype=np.int64)
+
+
+def run_forward(ins, outs, plan, items=None) -> None:
+    """The forward's work ``items`` (default: all, ``range(units * q_chunks)``)."""
+    if items is None:
+        items = _all(ins.q.shape[0] * ins.k.shape[1] * plan.tiling.q_chunks)
+    (item,) = work_item_addresses("forward", (ins, outs, plan))
+    _launch(flash_attn_fwd, ins, outs, plan, item, items)
+
+
+def needs_finish(ins, plan) -> bool:
+    """Whether the backward's units need :func:`~numbafa.kernels.backward.bwd_finish_unit`:
+    split units (dK/dV partials to sum) or sinks (dsinks)."""
+    return plan.tiling.q_chunks > 1 or ins.sinks.shape[2] > 0
+
+
+def run_backward(ins, outs, stats, plan, items=None, units=None) -> None:
+    """The backward's work ``items``, then the ``units`` to finish (defaults: every item, then
+    every unit if :func:`needs_finish`)."""
+    n_units = ins.q.shape[0] * ins.k.shape[1]
+    if items is None:
+        items = _all(n_units * plan.tiling.q_chunks)
+    if units is None:
+        units = _all(n_units if needs_finish(ins, plan) else 0)
+    entries = BwdEntries(*work_item_addresses("backward", (ins, outs, stats, plan)))
+    _launch(flash_attn_bwd, ins, outs, stats, plan, entries, items, units)

@@ -1,0 +1,247 @@
+"""Calls between separately compiled functions: compiled once, never re-optimised by a caller.
+
+Numba links the LLVM code of every jitted callee into each caller and
+optimises the whole again, level after level, and emits machine code for
+every level: a kernel's call tree of ~60 small functions is optimised and
+emitted several times over, and a ``prange`` loop's gufunc once more. Two
+ways of calling a function whose body LLVM never sees again:
+
+**By address** (the launchers, :mod:`numbafa.kernels.launch`). The caller
+gets the callee's address as an ``int64`` argument and calls it with
+:func:`call_status` (or :func:`call_or_raise`); :func:`native_address`
+gives, in Python, the address of a dispatcher's native function for given
+argument types (compiling it, or loading it from the disk cache, first).
+Nothing of the callee is in the caller's code, so the caller is cached, and
+may be inlined into a user's own ``@njit`` code, independently of it.
+
+**By cell** (``jit(apart=True)``, :class:`Apart`). Inside a kernel's call
+tree, where no argument can carry an address, the call goes through a
+pointer-sized global, a *cell*, named after the callee and its argument
+types. Typing a call compiles (or loads) the callee for those types and
+fills the cell (``llvmlite.binding.add_symbol``); the caller's code loads
+the cell and calls what it holds. A cached caller records the cells it
+reads (:func:`cells_of`); loading it from the cache first loads those
+callees and fills their cells (:func:`ensure_cells`), so the machine code
+never meets an unresolved symbol.
+
+Both use Numba's own calling convention (``context.call_conv``): the callee
+is the very native function Numba calls internally, with its status and
+exception info; no C wrapper is generated for it.
+
+The callee must have been compiled for exactly the argument types the call
+passes. :class:`Apart` guarantees it (it compiles for the types it is
+typed with); a call by address relies on its caller, which computes both
+from the same objects (:mod:`numbafa.kernels.launch`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib
+import inspect
+import threading
+
+import llvmlite.binding as llvm
+import llvmlite.ir as llvm_ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+__all__ = ["Apart", "apart", "native_address", "call_status", "call_or_raise", "pack", "unpack",
+           "cells_of", "ensure_cells", "CELL_PREFIX"]
+
+#: Name prefix of the cells (pointer-sized globals) through which apart functions are called.
+CELL_PREFIX = "numbafa.apart$"
+
+_lock = threading.RLock()
+_cells = {}        # cell name -> (ctypes.c_void_p of the callee's address, Apart, argument types, return type)
+
+
+def _native_function(dispatcher, argtys):
+    """``(compile result, address)`` of ``dispatcher``'s native function for ``argtys``."""
+    dispatcher.compile(argtys)
+    cres = dispatcher.overloads[argtys]
+    address = cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name)
+    if not address:
+        raise RuntimeError(f"numbafa: no native function of {dispatcher.py_func.__qualname__}{argtys}")
+    return cres, address
+
+
+def native_address(dispatcher, argtys) -> int:
+    """Address of ``dispatcher``'s native function for the Numba types ``argtys`` (compiled, or
+    loaded from the disk cache, first); valid as long as ``dispatcher`` lives."""
+    return _native_function(dispatcher, tuple(argtys))[1]
+
+
+def _call(context, builder, address, argtys, llargs, restype):
+    """Call the native function at ``address`` with Numba's calling convention; ``(status, value)``."""
+    fnty = context.call_conv.get_function_type(restype, argtys)
+    fn = builder.inttoptr(address, fnty.as_pointer())
+    return context.call_conv.call_function(builder, fn, restype, argtys, llargs)
+
+
+def _unpacked(builder, args_ty, tuple_value):
+    return list(args_ty.types), cgutils.unpack_tuple(builder, tuple_value, len(args_ty))
+
+
+@intrinsic
+def call_status(typingctx, address, args):
+    """``call_status(address, args)``: call the native function at ``address`` (int64) with the
+    tuple ``args`` spread as its arguments; return 0 if it returned, 1 if it raised (the
+    exception is dropped: use :func:`call_or_raise` to see it). The callee returns nothing."""
+    if not isinstance(address, types.Integer) or not isinstance(args, types.BaseTuple):
+        return None
+
+    def codegen(context, builder, sig, llargs):
+        argtys, values = _unpacked(builder, sig.args[1], llargs[1])
+        status, _ = _call(context, builder, llargs[0], argtys, values, types.none)
+        return builder.zext(status.is_error, llvm_ir.IntType(32))
+
+    return types.int32(address, args), codegen
+
+
+@intrinsic
+def call_or_raise(typingctx, address, args):
+    """As :func:`call_status`, but an exception of the callee propagates to the caller."""
+    if not isinstance(address, types.Integer) or not isinstance(args, types.BaseTuple):
+        return None
+
+    def codegen(context, builder, sig, llargs):
+        argtys, values = _unpacked(builder, sig.args[1], llargs[1])
+        status, _ = _call(context, builder, llargs[0], argtys, values, types.none)
+        with cgutils.if_unlikely(builder, status.is_error):
+            context.call_conv.return_status_propagate(builder, status)
+        return context.get_dummy_value()
+
+    return types.none(address, args), codegen
+
+
+@intrinsic
+def pack(typingctx, value):
+    """``pack(value)``: a pointer (``CPointer(typeof(value))``) to a copy of ``value`` in the
+    caller's stack frame, valid until the caller returns. A launcher hands its argument
+    bundles to the ``prange`` body this way: Numba's parallel backend cannot pass nested
+    tuples of arrays into a ``prange`` loop, and a pointer is one scalar."""
+    def codegen(context, builder, sig, args):
+        model = context.data_model_manager[sig.args[0]]
+        return cgutils.alloca_once_value(builder, model.as_data(builder, args[0]))
+
+    return types.CPointer(value)(value), codegen
+
+
+@intrinsic
+def unpack(typingctx, pointer):
+    """``unpack(pointer)``: the value :func:`pack` stored, as a new reference (its arrays are
+    increfed, as Numba expects of a value an intrinsic returns)."""
+    if not isinstance(pointer, types.CPointer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        model = context.data_model_manager[sig.return_type]
+        value = model.from_data(builder, builder.load(args[0]))
+        context.nrt.incref(builder, sig.return_type, value)
+        return value
+
+    return pointer.dtype(pointer), codegen
+
+
+def _cell_name(module: str, qualname: str, argtys) -> str:
+    # Numba's mangled names carry a per-process counter; the cell's name must be the same in
+    # every process that loads a cached caller, so it is built from stable parts.
+    digest = hashlib.sha1(repr(tuple(str(t) for t in argtys)).encode()).hexdigest()[:16]
+    return f"{CELL_PREFIX}{module}.{qualname}${digest}"
+
+
+def apart(dispatcher):
+    """The callable that ``@njit`` code uses to call ``dispatcher`` through a cell: a Numba
+    intrinsic with the attributes ``apart`` (its :class:`Apart`), ``dispatcher`` and
+    ``py_func``. What ``numbafa.jit.jit(apart=True)`` returns."""
+    state = Apart(dispatcher)
+    call = intrinsic(state.typer())
+    call.apart = state
+    call.dispatcher = dispatcher
+    call.py_func = dispatcher.py_func
+    call.__doc__ = dispatcher.py_func.__doc__
+    call.__wrapped__ = dispatcher.py_func
+    return call
+
+
+class Apart:
+    """A jitted function compiled on its own and called through a cell (module docstring)."""
+
+    def __init__(self, dispatcher):
+        self.dispatcher = dispatcher
+        self.py_func = dispatcher.py_func
+        self.__name__ = dispatcher.py_func.__name__
+        self.__qualname__ = dispatcher.py_func.__qualname__
+        self.__module__ = dispatcher.py_func.__module__
+
+    def ensure(self, argtys) -> str:
+        """Compile (or load) the function for ``argtys`` and fill its cell; return the cell's name."""
+        argtys = tuple(argtys)
+        name = _cell_name(self.__module__, self.__qualname__, argtys)
+        with _lock:
+            if name not in _cells:
+                cres, address = _native_function(self.dispatcher, argtys)
+                cell = ctypes.c_void_p(address)
+                llvm.add_symbol(name, ctypes.addressof(cell))
+                _cells[name] = (cell, self, argtys, cres.signature.return_type)
+        return name
+
+    def typer(self):
+        """The intrinsic's typing function, with the wrapped function's own parameters."""
+        params = list(inspect.signature(self.py_func).parameters)
+        source = (f"def {self.__name__}(typingctx, {', '.join(params)}):\n"
+                  f"    return _type(({', '.join(params)},))\n")
+        namespace = {"_type": self._type}
+        exec(source, namespace)
+        return namespace[self.__name__]
+
+    def _type(self, args):
+        argtys = tuple(types.unliteral(a) for a in args)
+        name = self.ensure(argtys)
+        restype = _cells[name][3]
+
+        def codegen(context, builder, sig, llargs):
+            values = [context.cast(builder, v, a, b) for v, a, b in zip(llargs, args, argtys)]
+            module = builder.module
+            try:
+                cell = module.get_global(name)
+            except KeyError:
+                cell = llvm_ir.GlobalVariable(module, llvm_ir.IntType(8).as_pointer(), name=name)
+                cell.linkage = "external"
+            address = builder.ptrtoint(builder.load(cell), llvm_ir.IntType(64))
+            status, value = _call(context, builder, address, argtys, values, restype)
+            with cgutils.if_unlikely(builder, status.is_error):
+                context.call_conv.return_status_propagate(builder, status)
+            return value
+
+        return restype(*args), codegen
+
+
+def cells_of(library) -> list:
+    """The apart callees a finalized code library reads cells of: ``[(module, qualname,
+    argument types)]``, to be stored with its cached code (:func:`ensure_cells`)."""
+    module = getattr(library, "_final_module", None)
+    if module is None:
+        return []
+    found = []
+    with _lock:
+        for gv in module.global_variables:
+            if gv.name.startswith(CELL_PREFIX) and gv.name in _cells:
+                apart, argtys = _cells[gv.name][1:3]
+                found.append((apart.__module__, apart.__qualname__, argtys))
+    return found
+
+
+def ensure_cells(cells) -> None:
+    """Load every callee of :func:`cells_of`'s list and fill its cell (before loading the caller)."""
+    for module_name, qualname, argtys in cells:
+        target = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            target = getattr(target, part)
+        state = getattr(target, "apart", None)
+        if not isinstance(state, Apart):
+            raise TypeError(f"numbafa: {module_name}.{qualname} is not an apart function")
+        state.ensure(argtys)
