@@ -62,7 +62,7 @@ from numba import prange
 
 from ..dtypes import as_operand, narrowed, round_to_bf16_inplace, widen
 from ..jit import jit
-from ..linking import call_status, pack, unpack
+from ..linking import call_or_raise, call_status, pack, unpack
 from ..tiling import FLOAT32_MIN
 from .common import load_scaled, round_if, store, store_transposed
 from .dropout import drop_probabilities, drop_scores
@@ -102,7 +102,7 @@ def load_neg_lse(lse_h, start, count, round_mixed, neg_lse):
         neg_lse[i] = round_if(-lse_h[i], round_mixed)
 
 
-@jit()
+@jit(apart=True)
 def compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum, precision):
     """Step 1: ``D = rowsum(O * dO)`` for rows ``start:start+count`` of one q-head.
 
@@ -212,7 +212,7 @@ def accumulate(acc, psum, scale, round_mixed):
                 a[i] = round_if(p[i] * scale + a[i], round_mixed)
 
 
-@jit()
+@jit(apart=True)
 def recompute_p_ds(plan, sec, qg, blk, scratch):
     """Steps 2-4 of one block: returns ``(P^T, dS^T)``, ``[keys, queries]`` GEMM operands in scratch.
 
@@ -241,7 +241,7 @@ def recompute_p_ds(plan, sec, qg, blk, scratch):
     return narrowed(s_t, scratch.p_op, plan.operand), narrowed(dp_t, scratch.ds_op, plan.operand)
 
 
-@jit()
+@jit(apart=True)
 def update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum, cut, scratch):
     """Steps 5.1, 3.1 and 5.2 of one block.
 
@@ -279,7 +279,7 @@ def update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum, cut, scratch):
         matmul(ds_t, q_cols, sec.dk_acc[keys], False, True, _ONE, _ONE, plan.gemm)
 
 
-@jit()
+@jit(apart=True)
 def _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch):
     """Everything one (Q group, K tile) pair does (upstream ``_flash_attn_bwd_core``).
 
@@ -317,7 +317,7 @@ def _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch):
         accumulate(qg.dq[:, t0:t1], dq_psum, plan.softmax_scale, plan.precision.round_mixed)
 
 
-@jit()
+@jit(apart=True)
 def bwd_q_group(ins, outs, plan, sec, head, i_group, scratch):
     """One Q group of one q-head against one KV section (upstream 1184-1335).
 
@@ -364,7 +364,7 @@ def load_kv_section(ins, plan, batch, kv_head, i_section, scratch):
     return KVSection(start, length, i_section == 0, k_n, v_n, scratch.dk_acc, scratch.dv_acc)
 
 
-@jit()
+@jit(apart=True)
 def store_kv_section(outs, plan, sec, unit, chunk, batch, kv_head):
     """Write a section's dK/dV (upstream 1340-1353).
 
@@ -515,9 +515,9 @@ def bwd_finish_unit(args, unit):
 def flash_attn_bwd(ins, outs, stats, plan, entries, items, units):
     """Flash-attention backward: the launcher (upstream ``flash_attn_bwd``'s SPMD shards).
 
-    A ``prange`` over the work ``items`` runs :func:`bwd_work_item` for each, then one over
-    ``units`` runs :func:`bwd_finish_unit` (a split unit's dK/dV partials, the sink gradients),
-    on ``numba.get_num_threads()`` threads. Both are called by address
+    A ``prange`` over the work ``items`` runs :func:`bwd_work_item` for each, on
+    ``numba.get_num_threads()`` threads; then, in order, :func:`bwd_finish_unit` runs for each
+    of the ``units`` (a split unit's dK/dV partials, the sink gradients: O(seqlen) work). Both are called by address
     (:func:`numbafa.linking.call_status`): they are compiled once, apart, and this loop is
     all that Numba's parallel backend compiles. Items write disjoint outputs, and every
     cross-item sum is the later, fixed-order ``units`` pass, so the bits never depend on the
@@ -552,10 +552,8 @@ def flash_attn_bwd(ins, outs, stats, plan, entries, items, units):
     for i in prange(items.size):
         status[i] = call_status(entries.item, (args, items[i]))
     raise_failed(entries.item, args, items, status)
-    done = np.zeros(units.size, dtype=np.int32)
-    for i in prange(units.size):
-        done[i] = call_status(entries.finish, (args, units[i]))
-    raise_failed(entries.finish, args, units, done)
+    for i in range(units.size):  # O(seqlen) per unit: not worth a second parallel region
+        call_or_raise(entries.finish, (args, units[i]))
 
 
 def new_bwd_stats(ins):

@@ -64,7 +64,7 @@ def load_scaled(src, start, count, out, scale, round_kernel):
             dst[i] = _loaded(row[start + i], scale, round_kernel)
 
 
-@jit()
+@jit(apart=True)
 def store_transposed(src, count, dst, start, round_out):
     """Store ``src[:count]`` (``[seq, d]``) into ``dst[:, start:start+count]`` (``[d, seq]``)."""
     d_head = dst.shape[0]

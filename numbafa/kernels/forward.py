@@ -134,7 +134,7 @@ def rescale_accumulate(stats, pv, tile_sum, round_mixed):
             stats.acc[i, x] = round_if(stats.acc[i, x] * a + pv[i, x], round_mixed)
 
 
-@jit()
+@jit(apart=True)
 def online_softmax_block(plan, head, q_cols, k_cols, v_cols, q_abs0, k_abs0, stats, scratch):
     """One online-softmax update of the queries ``q_cols`` by the keys ``k_cols`` / ``v_cols``.
 
@@ -161,7 +161,7 @@ def online_softmax_block(plan, head, q_cols, k_cols, v_cols, q_abs0, k_abs0, sta
     rescale_accumulate(stats, pv, tile_sum, plan.precision.round_mixed)
 
 
-@jit()
+@jit(apart=True)
 def fwd_k_tile(plan, head, q_op, k_n, v_n, q_grp0, k0, scratch):
     """One K tile's update of a Q group's statistics (``scratch`` rows; ``q_op``: its Q_scaled
     ``[d, rows]`` as a GEMM operand).
@@ -216,7 +216,7 @@ def finalize_rows(o_acc, row_max, row_sum, rows, lse_out):
             lse_out[i] = np.float32(np.inf)
 
 
-@jit()
+@jit(apart=True)
 def fwd_q_group(ins, outs, plan, k_n, v_n, head, i_group, scratch):
     """One Q group of one q-head over all keys: load Q scaled, K tiles, finalise, store."""
     round_mixed = plan.precision.round_mixed

@@ -31,9 +31,9 @@ from .backward import bwd_finish_unit, bwd_work_item, flash_attn_bwd
 from .bundles import BwdEntries
 from .forward import flash_attn_fwd, fwd_work_item
 
-__all__ = ["run_forward", "run_backward", "work_item_addresses", "threading_layer_is_thread_safe"]
+__all__ = ["run_forward", "run_backward", "work_item_address", "needs_finish", "threading_layer_is_thread_safe"]
 
-_addresses: dict = {}        # (pass, fingerprint of the argument bundles) -> addresses
+_addresses: dict = {}        # (kernel, fingerprint of the argument bundles) -> address
 _launch_lock = threading.Lock()
 _thread_safe_layer = None    # None: not known yet
 
@@ -58,22 +58,20 @@ def _launch(launcher, *args) -> None:
             launcher(*args)
 
 
-def work_item_addresses(pass_name: str, args: tuple) -> tuple:
-    """Addresses of the work item (and, for ``"backward"``, the unit finish) compiled for a
-    pointer to the type of ``args`` (the launcher's packed bundles: ``(ins, outs, plan)``
-    forward, ``(ins, outs, stats, plan)`` backward) and an int64."""
+def work_item_address(kernel, args: tuple) -> int:
+    """Address of ``kernel`` (a work item or the unit finish) compiled for a pointer to the type
+    of ``args`` (the launcher's packed bundles: ``(ins, outs, plan)`` forward, ``(ins, outs,
+    stats, plan)`` backward) and an int64."""
     try:
-        key = (pass_name, _dispatcher.compute_fingerprint(args))
+        key = (kernel, _dispatcher.compute_fingerprint(args))
     except (ValueError, TypeError):   # a value Numba fingerprints no faster than it types
         key = None
-    found = _addresses.get(key) if key is not None else None
-    if found is None:
-        argtys = (types.CPointer(numba.typeof(args)), types.int64)
-        kernels = (fwd_work_item,) if pass_name == "forward" else (bwd_work_item, bwd_finish_unit)
-        found = tuple(native_address(k, argtys) for k in kernels)
+    address = _addresses.get(key) if key is not None else None
+    if address is None:
+        address = native_address(kernel, (types.CPointer(numba.typeof(args)), types.int64))
         if key is not None:
-            _addresses[key] = found
-    return found
+            _addresses[key] = address
+    return address
 
 
 def _all(n: int) -> np.ndarray:
@@ -84,8 +82,7 @@ def run_forward(ins, outs, plan, items=None) -> None:
     """The forward's work ``items`` (default: all, ``range(units * q_chunks)``)."""
     if items is None:
         items = _all(ins.q.shape[0] * ins.k.shape[1] * plan.tiling.q_chunks)
-    (item,) = work_item_addresses("forward", (ins, outs, plan))
-    _launch(flash_attn_fwd, ins, outs, plan, item, items)
+    _launch(flash_attn_fwd, ins, outs, plan, work_item_address(fwd_work_item, (ins, outs, plan)), items)
 
 
 def needs_finish(ins, plan) -> bool:
@@ -102,5 +99,8 @@ def run_backward(ins, outs, stats, plan, items=None, units=None) -> None:
         items = _all(n_units * plan.tiling.q_chunks)
     if units is None:
         units = _all(n_units if needs_finish(ins, plan) else 0)
-    entries = BwdEntries(*work_item_addresses("backward", (ins, outs, stats, plan)))
+    args = (ins, outs, stats, plan)
+    # The finish is compiled only when some call needs it (0: never called).
+    entries = BwdEntries(work_item_address(bwd_work_item, args),
+                         work_item_address(bwd_finish_unit, args) if units.size else 0)
     _launch(flash_attn_bwd, ins, outs, stats, plan, entries, items, units)

@@ -47,7 +47,7 @@ from collections import namedtuple
 import numpy as np
 import scipy.linalg.cython_blas  # noqa: F401  -- the BLAS behind numba_xxgemm must be importable
 from numba import types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 from ..jit import jit
 
@@ -125,7 +125,7 @@ def _leading_dim(x):
     return max(x.strides[0] // x.itemsize, x.shape[1], 1)
 
 
-@jit()
+@jit(apart=True)
 def _sgemm(a, b, c, trans_a, trans_b, alpha, beta):
     """float32 ``c = alpha op(a) op(b) + beta c`` by BLAS sgemm.
 
@@ -244,10 +244,30 @@ def _matmul_impl(a, b, c, gemm):
     return None
 
 
+@intrinsic
+def _any_layout(typingctx, x):
+    """``x`` typed as an array of any layout (``"A"``): the GEMMs read pointers and strides
+    only, so each is compiled once, not once per combination of its operands' layouts."""
+    if not isinstance(x, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        context.nrt.incref(builder, sig.return_type, args[0])
+        return args[0]
+
+    return x.copy(layout="A")(x), codegen
+
+
 @overload(matmul)
 def _matmul_overload(a, b, c, trans_a, trans_b, alpha, beta, gemm):
     impl = _matmul_impl(a, b, c, gemm)
     if impl is None:
         return None
-    return lambda a, b, c, trans_a, trans_b, alpha, beta, gemm: impl(a, b, c, trans_a, trans_b, alpha,
-                                                                    beta)
+
+    if impl is _gemv:
+        return lambda a, b, c, trans_a, trans_b, alpha, beta, gemm: impl(a, b, c, trans_a, trans_b,
+                                                                        alpha, beta)
+
+    def matmul_impl(a, b, c, trans_a, trans_b, alpha, beta, gemm):
+        impl(_any_layout(a), _any_layout(b), _any_layout(c), trans_a, trans_b, alpha, beta)
+    return matmul_impl
