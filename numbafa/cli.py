@@ -263,9 +263,10 @@ def _kernels_loaded(kernel_dtype: np.dtype, dropout: bool = False) -> bool:
     nb_dtype = numba.from_dtype(kernel_dtype)
 
     def matches(sig) -> bool:
-        plan = sig[-2]   # (..., plan, item)
+        bundles = sig[0].dtype   # (pointer to (ins, outs, [stats,] plan), item)
+        plan = bundles.types[-1]
         has_dropout = not isinstance(plan.types[plan.fields.index("dropout")], numba.types.NoneType)
-        return sig[0].types[0].dtype == nb_dtype and has_dropout == dropout
+        return bundles.types[0].types[0].dtype == nb_dtype and has_dropout == dropout
 
     return all(any(matches(sig) for sig in kernel.signatures) for kernel in (fwd_work_item, bwd_work_item))
 

@@ -328,7 +328,12 @@ class _CacheImpl(_CompileResultCacheImpl):
     def rebuild(self, target_context, payload):
         cells, reduced = payload
         linking.ensure_cells(cells)
-        return super().rebuild(target_context, reduced)
+        cres = super().rebuild(target_context, reduced)
+        # Numba runs a loaded entry's reload hooks (a parallel function's: start the threading
+        # layer) but leaves its library without them, so a caller compiled later against that
+        # library would not inherit them: put them back.
+        cres.library._reload_init.update(cres.reload_init)
+        return cres
 
 
 class _CheckedFiles(caching.IndexDataCacheFile):

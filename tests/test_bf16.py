@@ -12,7 +12,7 @@ import pytest
 import numbafa
 from numbafa import golden
 from numbafa.dtypes import from_bf16_array, round_to_bf16, to_bf16_array
-from numbafa.jit import jit
+from numbafa.jit import callable_from_python, jit
 from numbafa.kernels.backward import accumulate
 
 from _problems import CASES, Case, make_inputs
@@ -67,8 +67,9 @@ def test_rounding_matches_ml_dtypes():
 
 
 def test_scalar_rounding_helper():
-    assert round_to_bf16(np.float32(1.0 + 2 ** -8)) == 1.0          # tie -> even
-    assert round_to_bf16(np.float32(1.0 + 3 * 2 ** -8)) == 1.0 + 2 ** -6
+    rounded = callable_from_python(round_to_bf16)
+    assert rounded(np.float32(1.0 + 2 ** -8)) == 1.0          # tie -> even
+    assert rounded(np.float32(1.0 + 3 * 2 ** -8)) == 1.0 + 2 ** -6
 
 
 def test_rounding_of_nan_gives_nan():
@@ -403,7 +404,7 @@ def test_sinks_are_rounded_at_load_and_after_the_partition_sum():
     assert (to_bf16_array(got).astype(np.float32) != got).any()
 
 
-@jit()
+@jit(entry=True)
 def _accumulate(acc, psum, scale, round_mixed):
     accumulate(acc, psum, scale, round_mixed)
 

@@ -29,7 +29,7 @@ from .jit import jit
 from ._probe_helper import offset
 
 
-@jit()
+@jit(entry=True)
 def probe(x):
     return x + offset()
 '''
@@ -38,7 +38,7 @@ HELPER = '''\
 from .jit import jit
 
 
-@jit()
+@jit(entry=True)
 def offset():
     return {value}
 '''

@@ -11,7 +11,12 @@ import pytest
 
 import numbafa
 from numbafa import golden
-from numbafa.kernels.dropout import drop_rows, fill_multipliers, make_dropout, philox_words, with_origin
+from numbafa.jit import callable_from_python
+from numbafa.kernels import dropout as _dropout
+from numbafa.kernels.dropout import drop_rows, make_dropout, with_origin
+
+fill_multipliers = callable_from_python(_dropout.fill_multipliers)
+philox_words = callable_from_python(_dropout.philox_words)
 
 from _problems import Case, forward_options, make_inputs
 from _tolerances import BF16_MIXED, FLOAT32, MIN_IDENTICAL, assert_close

@@ -8,7 +8,7 @@ from numbafa.jit import jit
 from numbafa.kernels.fastexp import expf
 
 
-@jit()
+@jit(entry=True)
 def _apply(x, out):
     for i in range(x.size):
         out[i] = expf(x[i])

@@ -5,10 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from numbafa.jit import jit
+from numbafa.jit import callable_from_python, jit
 from numbafa.dtypes import widened
-from numbafa.kernels.common import load_scaled, store, store_transposed
-from numbafa.kernels.forward import _row_max
+from numbafa.kernels import common
+from numbafa.kernels.forward import _row_max as _kernel_row_max
+
+# The kernels' own helpers, compiled with a Python wrapper (kernel code calls them without one).
+load_scaled = callable_from_python(common.load_scaled)
+store = callable_from_python(common.store)
+store_transposed = callable_from_python(common.store_transposed)
+_row_max = callable_from_python(_kernel_row_max)
 
 SCALE = np.float32(0.0883883)  # 1/sqrt(128), not a power of two: scaling rounds
 
@@ -75,7 +81,7 @@ def test_store_matches_numpy(round_out, d_head, start, count):
     assert np.isnan(dst[:, :start]).all() and np.isnan(dst[:, start + count:]).all()
 
 
-@jit()
+@jit(entry=True)
 def _widened_and_identity(x):
     w = widened(x)
     return w, w.ctypes.data == x.ctypes.data
@@ -92,9 +98,9 @@ def test_widened_is_a_view_for_float32_and_a_widened_copy_for_bf16_bits():
     np.testing.assert_array_equal(w, values)
 
 
-@jit()
+@jit(entry=True)
 def _row_max_of_slice(x, lo, hi):
-    return _row_max(x[lo:hi])
+    return _kernel_row_max(x[lo:hi])
 
 
 @pytest.mark.parametrize("values", [

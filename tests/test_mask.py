@@ -59,12 +59,12 @@ def test_key_ranges_are_the_golden_mask(causal, window, name):
     np.testing.assert_array_equal(ours, expected)
 
 
-@jit()
+@jit(entry=True)
 def _queries_seeing(mask, k, q0, n_q):
     return queries_seeing_key(mask, k, q0, n_q)
 
 
-@jit()
+@jit(entry=True)
 def _required(mask, q_grp0, rows, q_tile, k_min, k_max):
     return required_q_rows(mask, q_grp0, rows, q_tile, k_min, k_max)
 

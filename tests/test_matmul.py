@@ -17,13 +17,13 @@ needs_onednn = pytest.mark.skipif(onednn.gemm_path()[0] != "onednn",
                                   reason=f"the oneDNN path does not run here: {onednn.gemm_path()[1]}")
 
 
-@jit()
+@jit(entry=True)
 def gemm(a, b, c, trans_a, trans_b, alpha, beta):
     """The seam is only callable from njit code; this is the tests' way in (BLAS path)."""
     matmul(a, b, c, trans_a, trans_b, alpha, beta, None)
 
 
-@jit()
+@jit(entry=True)
 def gemm_onednn(a, b, c, trans_a, trans_b, alpha, beta):
     """The same on the oneDNN path (only called where :func:`onednn.gemm_path` loaded it)."""
     matmul(a, b, c, trans_a, trans_b, alpha, beta, ONEDNN)

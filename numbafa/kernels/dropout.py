@@ -130,7 +130,7 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
     return c0, c1, c2, c3
 
 
-@jit()
+@jit(entry=True)
 def philox_words(c0, c1, c2, c3, k0, k1):
     """:func:`philox4x32_10` as a function of its own, callable from Python (ints in, a tuple
     of four ints out) and from the rarely taken edge paths of the draw loops (inlining it
