@@ -241,20 +241,23 @@ def _canonical(kernel_plan):  # pragma: no cover - replaced inside njit code
 def _canonical_overload(kernel_plan):
     """A kernel plan with its float32 fields float32 again (a plan that went back to Python
     from njit code comes back with float64 ones: Numba boxes float32 as a Python float)."""
-    dropout_type = kernel_plan.types[kernel_plan.fields.index("dropout")]
-    if isinstance(dropout_type, types.NoneType):
-        def canonical_dropout(d):
-            return None
-    else:
-        def canonical_dropout(d):
-            return Dropout(d.threshold, np.float32(d.scale), d.key0, d.key1, d.batch0, d.head0)
-    canonical_dropout = numba.njit(canonical_dropout)
-
     def impl(kernel_plan):
         p = kernel_plan
         return Plan(p.tiling, p.mask, p.precision, np.float32(p.softmax_scale), p.gemm, p.operand,
-                    canonical_dropout(p.dropout))
+                    _canonical_dropout(p.dropout))
     return impl
+
+
+def _canonical_dropout(dropout):  # pragma: no cover - replaced inside njit code
+    raise NotImplementedError
+
+
+@overload(_canonical_dropout)
+def _canonical_dropout_overload(dropout):
+    if isinstance(dropout, types.NoneType):
+        return lambda dropout: None
+    return lambda dropout: Dropout(dropout.threshold, np.float32(dropout.scale), dropout.key0,
+                                   dropout.key1, dropout.batch0, dropout.head0)
 
 
 @jit()

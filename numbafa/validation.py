@@ -35,6 +35,7 @@ Empty problems
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -56,6 +57,11 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 def _allowed_dtype(dtype) -> bool:
     return dtype == np.float32 or is_bf16(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _inverse_perm(layout: str) -> tuple:
+    return tuple(int(i) for i in np.argsort(_check_layout(layout)))
 
 
 @dataclass(frozen=True)
@@ -82,8 +88,7 @@ class _Caller:
 
     def order(self, neuron_items) -> tuple:
         """Items given in the Neuron layout's axis order, in the caller's order."""
-        inverse = np.argsort(self._perm())
-        return tuple(neuron_items[i] for i in inverse)
+        return tuple(neuron_items[i] for i in _inverse_perm(self.layout))
 
     def shape(self, x: np.ndarray) -> tuple:
         """Shape of a 4-D Neuron-layout view as the caller's array has it."""
@@ -146,9 +151,30 @@ def _count_nan_or_neg_inf(flat):
     return n
 
 
+class _WritableView:
+    """Exposes a read-only array's memory as writable (``__array_interface__``), for
+    :func:`kernel_view` only: the kernels never write their inputs."""
+
+    def __init__(self, x: np.ndarray):
+        self.base = x
+        interface = dict(x.__array_interface__)
+        interface["data"] = (interface["data"][0], False)
+        self.__array_interface__ = interface
+
+
+def kernel_view(x: np.ndarray) -> np.ndarray:
+    """``x`` as the kernels take an input: C-contiguous and aligned (a copy only if it is not),
+    and of a writable type (a read-only array, such as a buffer JAX hands to a callback, is
+    viewed as writable, not copied): every call then has the one compiled signature."""
+    x = np.require(x, requirements=("C", "A"))
+    if not x.flags.writeable:
+        x = np.asarray(_WritableView(x))
+    return x
+
+
 def _as_kernel_array(x: np.ndarray) -> np.ndarray:
-    """C-contiguous copy-if-needed; bf16 as uint16 bits, float32 as is."""
-    x = np.ascontiguousarray(x)
+    """:func:`kernel_view`; bf16 as uint16 bits, float32 as is."""
+    x = kernel_view(x)
     return x.view(np.uint16) if is_bf16(x.dtype) else x
 
 
@@ -169,9 +195,11 @@ def _require_bool(name: str, x) -> bool:
     return bool(x)
 
 
-def _require_ndim(name: str, x: np.ndarray, ndim: int, layout: str) -> None:
+def _require_ndim(name: str, x: np.ndarray, ndim: int, layout) -> None:
+    """``layout``: the dims' text, or a function giving it (called only for the message)."""
     if x.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {x.shape}")
+        raise ValueError(f"{name} must be {ndim}-D {layout() if callable(layout) else layout}, got shape "
+                         f"{x.shape}")
 
 
 def _require_shape(name: str, shape: tuple, expected: tuple, why: str = "") -> None:
@@ -259,7 +287,7 @@ def _validate_lse(c: _Caller, lse_ref, bs: int, nheads: int, seqlen_q: int) -> n
     natural = (bs, nheads, seqlen_q)
     if lse.ndim == 3:
         _require_shape(name, lse.shape, natural, "natural layout [bs, nheads, seqlen_q]")
-        out = np.ascontiguousarray(lse)
+        out = kernel_view(lse)
     elif lse.ndim == 4:
         if seqlen_q % Q_TILE:
             raise ValueError(
@@ -268,7 +296,7 @@ def _validate_lse(c: _Caller, lse_ref, bs: int, nheads: int, seqlen_q: int) -> n
         _require_shape(name, lse.shape, (bs, nheads, Q_TILE, seqlen_q // Q_TILE),
                        f"Neuron layout [bs, nheads, {Q_TILE}, seqlen_q // {Q_TILE}]")
         # lse[b, h, p, t] is row t * 128 + p.
-        out = np.ascontiguousarray(lse.transpose(0, 1, 3, 2)).reshape(natural)
+        out = kernel_view(np.ascontiguousarray(lse.transpose(0, 1, 3, 2)).reshape(natural))
     else:
         raise ValueError(f"{name} must be 4-D [bs, nheads, {Q_TILE}, seqlen_q // {Q_TILE}] or 3-D "
                          f"[bs, nheads, seqlen_q], got shape {lse.shape}")
@@ -293,7 +321,7 @@ def _validate_bounds(c: _Caller, bound_min, bound_max, seqlen_q: int):
         _require_shape(name, b.shape, (seqlen_q,), "one bound per query row")
         if np.isnan(b).any():
             raise ValueError(f"{name} must not contain NaN")
-        out.append(np.ascontiguousarray(b))
+        out.append(kernel_view(b))
     return out[0], out[1], True
 
 
@@ -329,7 +357,7 @@ def _validate_attention(c: _Caller, keys, arrays, sinks_ref, bound_min, bound_ma
     for key, x in zip(keys, arrays):
         dims = ("bs", "nheads_kv", "d_head", "seqlen_k") if key in ("k_ref", "v_ref") \
             else ("bs", "nheads", "d_head", "seqlen_q")
-        _require_ndim(c(key), x, 4, c.dims(dims))
+        _require_ndim(c(key), x, 4, functools.partial(c.dims, dims))
     q, k, v = arrays[:3]
     qn, kn = c("q_ref"), c("k_ref")
     dtype = q.dtype
@@ -350,9 +378,11 @@ def _validate_attention(c: _Caller, keys, arrays, sinks_ref, bound_min, bound_ma
     if nheads_kv < 1 or nheads % nheads_kv:
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({kn}.shape[{c.axis(1)}]), got "
                          f"nheads_kv={nheads_kv}")
-    _require_shape(c("v_ref"), c.shape(v), c.shape(k), f"same as {kn}")
+    if v.shape != k.shape:
+        _require_shape(c("v_ref"), c.shape(v), c.shape(k), f"same as {kn}")
     for key, x in zip(keys[3:], arrays[3:]):
-        _require_shape(c(key), c.shape(x), c.shape(q), f"same as {qn}")
+        if x.shape != q.shape:
+            _require_shape(c(key), c.shape(x), c.shape(q), f"same as {qn}")
     if use_causal_mask and seqlen_q != seqlen_k:
         raise ValueError(f"use_causal_mask=True requires seqlen_q == seqlen_k, got seqlen_q={seqlen_q}, "
                          f"seqlen_k={seqlen_k}")

@@ -169,6 +169,41 @@ def test_inputs_are_not_modified_and_views_work():
         np.testing.assert_array_equal(a, b)
 
 
+def _unaligned(x):
+    raw = np.zeros(x.nbytes + 1, np.uint8)[1:].view(np.uint8)
+    out = raw.view(x.dtype).reshape(x.shape)
+    out[...] = x
+    assert not out.flags.aligned
+    return out
+
+
+def test_read_only_and_unaligned_inputs_compile_no_second_kernel():
+    """JAX hands read-only buffers to its callbacks: they, and unaligned arrays, take the kernels
+    compiled for ordinary arrays (the launchers' and the work items' signatures do not grow)."""
+    from numbafa.kernels import backward, forward
+
+    case = Case(nheads=2, nheads_kv=1, causal=True, num_sinks=1, packing=(100, 156))
+    inputs = make_inputs(case)
+    expected = numbafa.attention_bwd(**inputs)
+    o_expected = numbafa.attention_fwd(inputs["q_ref"], inputs["k_ref"], inputs["v_ref"],
+                                       inputs["sinks_ref"], lse_layout="natural", **case.kwargs())
+    kernels = (backward.flash_attn_bwd, backward.bwd_work_item, forward.flash_attn_fwd, forward.fwd_work_item)
+    before = [len(k.signatures) for k in kernels]
+    frozen = {}
+    for name, arr in inputs.items():
+        if isinstance(arr, np.ndarray):
+            arr = _unaligned(arr) if name in ("q_ref", "k_ref") else arr.copy()
+            arr.flags.writeable = False
+        frozen[name] = arr
+    for a, b in zip(expected, numbafa.attention_bwd(**frozen)):
+        np.testing.assert_array_equal(a, b)
+    got = numbafa.attention_fwd(frozen["q_ref"], frozen["k_ref"], frozen["v_ref"], frozen["sinks_ref"],
+                                lse_layout="natural", **case.kwargs())
+    for a, b in zip(o_expected, got):
+        np.testing.assert_array_equal(a, b)
+    assert [len(k.signatures) for k in kernels] == before
+
+
 def test_repeated_calls_are_bitwise_identical():
     inputs = make_inputs(Case(nheads=4, nheads_kv=1, causal=True, num_sinks=1))
     first = numbafa.attention_bwd(**inputs)

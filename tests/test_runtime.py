@@ -38,7 +38,8 @@ for t in threads:
     t.start()
 for t in threads:
     t.join()
-print("calls", errors)
+import numba
+print(numba.threading_layer(), "calls", errors)
 '''
 
 
@@ -49,11 +50,70 @@ def _run(script, **env):
     return proc.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("layer", ["workqueue", "default"])
+def _layer_available(layer: str) -> bool:
+    """Whether Numba can load the threading layer ``layer`` here (``tbb`` needs the tbb package)."""
+    probe = ("import numba, numpy as np\n@numba.njit(parallel=True)\ndef f(x):\n"
+             "    for i in numba.prange(x.size):\n        x[i] = i\nf(np.zeros(4))\n"
+             "print(numba.threading_layer())")
+    proc = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, NUMBA_THREADING_LAYER=layer),
+                          capture_output=True, text=True, timeout=120)
+    return proc.returncode == 0 and proc.stdout.strip() == layer
+
+
+@pytest.mark.parametrize("layer", ["workqueue", "omp", "tbb"])
 def test_threads_calling_at_once_get_the_single_call_result(layer):
-    # workqueue is Numba's fallback when neither TBB nor OpenMP is there; it aborts the
-    # process (SIGABRT) on concurrent parallel launches, which numbafa never makes.
-    assert _run(THREADED_CALLS, NUMBA_THREADING_LAYER=layer) == "calls []"
+    """Every threading layer runs concurrent calls to their single-call bits. workqueue (Numba's
+    fallback when neither TBB nor OpenMP is there) aborts the process on concurrent parallel
+    launches: numbafa serialises its launches under it (numbafa.kernels.launch)."""
+    if not _layer_available(layer):
+        pytest.skip(f"Numba's {layer} threading layer is not available here")
+    assert _run(THREADED_CALLS, NUMBA_THREADING_LAYER=layer) == f"{layer} calls []"
+
+
+SERIALISED = '''\
+import threading, time
+import numpy as np
+import numbafa
+from numbafa.kernels import launch
+
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, 2, 32, 256), dtype=np.float32) for _ in range(3))
+numbafa.attention_fwd(q, k, v)
+inside, overlap = [0], [0]
+lock = threading.Lock()
+launcher = launch.flash_attn_fwd
+
+class Counting:
+    def __call__(self, *args):
+        with lock:
+            inside[0] += 1
+            overlap[0] = max(overlap[0], inside[0])
+        time.sleep(0.01)
+        launcher(*args)
+        with lock:
+            inside[0] -= 1
+
+launch.flash_attn_fwd = Counting()
+
+def calls():
+    for _ in range(5):
+        numbafa.attention_fwd(q, k, v)
+
+threads = [threading.Thread(target=calls) for _ in range(3)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(overlap[0])
+'''
+
+
+@pytest.mark.parametrize("layer", ["workqueue", "omp"])
+def test_launches_are_serialised_only_under_workqueue(layer):
+    if not _layer_available(layer):
+        pytest.skip(f"Numba's {layer} threading layer is not available here")
+    overlap = int(_run(SERIALISED, NUMBA_THREADING_LAYER=layer))
+    assert overlap == 1 if layer == "workqueue" else overlap > 1
 
 
 GUARDED_PROBE = '''\
