@@ -21,6 +21,17 @@ SHAPES = [
 ]
 
 
+#: Shapes of training small models on a CPU (B*H 1-64, S 128-1024, d 32-128): many short calls,
+#: where a call's fixed cost counts as much as its kernel.
+TRAINING_SHAPES = [
+    ("train-b1-h1-s128-d64-causal", 1, 1, 1, 128, 64, dict(use_causal_mask=True)),
+    ("train-b8-h4-s256-d32-causal", 8, 4, 4, 256, 32, dict(use_causal_mask=True)),
+    ("train-b16-h4-s128-d32-full", 16, 4, 4, 128, 32, dict(use_causal_mask=False)),
+    ("train-b4-h8-s512-d64-causal", 4, 8, 8, 512, 64, dict(use_causal_mask=True)),
+    ("train-b2-h8/2-s1024-d128-causal", 2, 8, 2, 1024, 128, dict(use_causal_mask=True)),
+]
+
+
 def forward_flops(bs, nheads, seqlen, d_head, options):
     visible = 0.5 if options.get("use_causal_mask") else 1.0
     return 4.0 * bs * nheads * seqlen * seqlen * d_head * visible

@@ -36,8 +36,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import pathlib
 import threading
 
+import scipy
 import scipy.linalg  # noqa: F401  -- loads the BLAS Numba's np.dot calls, so it can be pinned
 import threadpoolctl
 from threadpoolctl import ThreadpoolController
@@ -47,8 +49,15 @@ __all__ = ["single_threaded_blas", "blas_controller", "backend_info"]
 
 @functools.lru_cache(maxsize=1)
 def blas_controller() -> ThreadpoolController:
-    """The BLAS thread pools loaded in this process (found once)."""
-    return ThreadpoolController().select(user_api="blas")
+    """The BLAS thread pools the kernels call, found once: SciPy's BLAS (Numba's GEMM helper and
+    its ``np.dot`` call SciPy's ``cython_blas``), or every loaded BLAS where SciPy's cannot be
+    told apart (one shared by NumPy and SciPy, say)."""
+    blas = ThreadpoolController().select(user_api="blas")
+    scipy_dir = pathlib.Path(scipy.__file__).resolve().parent
+    own = [str(scipy_dir), str(scipy_dir.parent / (scipy_dir.name + ".libs"))]
+    mine = [lib for lib in blas.lib_controllers
+            if any(str(pathlib.Path(lib.filepath).resolve()).startswith(d + os.sep) for d in own)]
+    return ThreadpoolController._from_controllers(mine) if mine else blas
 
 
 def _set_threads(libs, counts) -> None:
@@ -76,16 +85,19 @@ class _BlasPin:
         with self._lock:
             if self._active == 0:
                 libs = blas_controller().lib_controllers
-                before = [lib.num_threads for lib in libs]
-                _set_threads(libs, [1] * len(libs))
-                # restore only what really changed (threadpoolctl may have ignored us)
-                self._saved = [(lib, n) for lib, n in zip(libs, before) if n != 1 and lib.num_threads == 1]
+                before = [(lib, lib.get_num_threads()) for lib in libs]
+                change = [(lib, n) for lib, n in before if n != 1]
+                if change:
+                    _set_threads([lib for lib, _ in change], [1] * len(change))
+                    # restore only what really changed (threadpoolctl may have ignored us)
+                    change = [(lib, n) for lib, n in change if lib.get_num_threads() == 1]
+                self._saved = change
             self._active += 1
 
     def leave(self) -> None:
         with self._lock:
             self._active -= 1
-            if self._active == 0:
+            if self._active == 0 and self._saved:
                 saved, self._saved = self._saved, []
                 _set_threads([lib for lib, _ in saved], [n for _, n in saved])
 

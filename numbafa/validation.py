@@ -166,7 +166,9 @@ def kernel_view(x: np.ndarray) -> np.ndarray:
     """``x`` as the kernels take an input: C-contiguous and aligned (a copy only if it is not),
     and of a writable type (a read-only array, such as a buffer JAX hands to a callback, is
     viewed as writable, not copied): every call then has the one compiled signature."""
-    x = np.require(x, requirements=("C", "A"))
+    flags = x.flags
+    if not (flags.c_contiguous and flags.aligned):
+        x = np.require(x, requirements=("C", "A"))
     if not x.flags.writeable:
         x = np.asarray(_WritableView(x))
     return x
