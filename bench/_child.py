@@ -2,9 +2,10 @@
 
 :data:`BACKWARD_SETUP` is Python source: it reads a JSON dict from
 ``sys.argv[1]`` into ``args`` (``threads``, ``dtype`` "bf16" or "float32",
-``heads``, ``head_dim``, ``seqlen``, ``causal``, ``mixed_precision``), sets
+``heads``, ``kv_heads`` (optional, default ``heads``), ``head_dim``, ``seqlen``, ``causal``,
+``mixed_precision``), sets
 Numba's thread count, makes ``q, k, v, dy`` ``[1, heads, head_dim, seqlen]``
-(seeded), ``o, lse`` from the forward, and ``kw`` (the keyword arguments of
+(``k, v`` with ``kv_heads``; seeded), ``o, lse`` from the forward, and ``kw`` (the keyword arguments of
 both calls), and warms the backward up (compile or cache load). A script
 appends its own timing code.
 """
@@ -22,7 +23,8 @@ else:
     dtype = np.float32
 rng = np.random.default_rng(0)
 shape = (1, args["heads"], args["head_dim"], args["seqlen"])
-q, k, v, dy = (rng.standard_normal(shape, dtype=np.float32).astype(dtype) for _ in range(4))
+kv_shape = (1, args.get("kv_heads") or args["heads"], args["head_dim"], args["seqlen"])
+q, k, v, dy = (rng.standard_normal(s, dtype=np.float32).astype(dtype) for s in (shape, kv_shape, kv_shape, shape))
 kw = dict(use_causal_mask=args["causal"], mixed_precision=args["mixed_precision"])
 o, lse = numbafa.attention_fwd(q, k, v, **kw)
 numbafa.attention_bwd(q, k, v, o, dy, lse, **kw)

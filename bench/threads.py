@@ -1,6 +1,6 @@
 """The backward on 1 and on 2 threads, each in a fresh process: wall time and CPU time.
 
-    python bench/threads.py [--dtype bf16] [--heads 8] [--seqlen 2048] [--head-dim 128]
+    python bench/threads.py [--dtype bf16] [--heads 8] [--kv-heads 1] [--seqlen 2048] [--head-dim 128]
                             [--causal] [--repeats 5] [--rounds 2]
 
 Each round starts one process per thread count (alternately), which warms up
@@ -39,6 +39,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=["float32", "bf16"], default="bf16")
     parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: --heads; 1: MQA)")
     parser.add_argument("--seqlen", type=int, default=2048)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
@@ -54,12 +55,16 @@ def main(argv=None):
                                  capture_output=True, text=True, check=True).stdout
             results[threads].append(json.loads(out.strip().splitlines()[-1]))
     print(f"backward, {args.dtype}, [1, {args.heads}, {args.head_dim}, {args.seqlen}], "
+          f"{args.kv_heads or args.heads} KV heads, "
           f"{'causal' if args.causal else 'full'}; medians of {args.repeats} calls per process")
     print("| threads | wall ms (per round) | CPU s (per round) |")
     print("|---|---|---|")
     for threads, runs in results.items():
         print(f"| {threads} | " + ", ".join(f"{r['wall'] * 1e3:.0f}" for r in runs) + " | "
               + ", ".join(f"{r['cpu']:.3f}" for r in runs) + " |")
+    speedups = [one["wall"] / two["wall"] for one, two in zip(results[1], results[2])]
+    print("2-thread speed-up per round (1-thread wall / 2-thread wall): "
+          + ", ".join(f"{x:.2f}x" for x in speedups))
 
 
 if __name__ == "__main__":

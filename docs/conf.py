@@ -47,7 +47,7 @@ nitpick_ignore = [
     # unresolved reference still fails the build).
     ("py:mod", "numbafa.kernels"),
     ("py:mod", "numbafa.kernels.matmul"),
-    ("py:mod", "numbafa.parallel"),
+    ("py:mod", "numbafa.kernels.launch"),
     ("py:func", "numbafa.onednn.gemm_path"),
     ("py:func", "numbafa.jit.cache_info"),
 ]

@@ -188,7 +188,7 @@ def backend_info() -> dict:
         a kernel call; inside one they are pinned to 1).
     ``threads``
         Threads each kernel call runs its work items on
-        (``numba.get_num_threads()``; :mod:`numbafa.parallel`).
+        (``numba.get_num_threads()``: the launchers' ``prange``, :mod:`numbafa.kernels.launch`).
     ``cpu``
         Whether the CPU advertises ``avx2``, ``fma``, ``avx512f``,
         ``avx512_bf16`` and ``amx_bf16`` (None off Linux).

@@ -1,4 +1,4 @@
-"""The kernels from your own ``@numba.njit`` code: a plan built once in Python, calls in njit.
+"""The kernels from your own ``@numba.njit`` code: a plan built once in Python, calls in njit::
 
     import numba, numbafa.nb
 

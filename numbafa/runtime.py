@@ -9,16 +9,15 @@ dtype):``, which
 
 Thread safety
 -------------
-The public functions may be called from several Python threads at once, and
-the calls run concurrently: each call runs its work items on threads of its
-own (:mod:`numbafa.parallel`), in jitted code that releases the GIL, and
-writes only its own outputs, so results never depend on the interleaving.
-numbafa launches no Numba parallel region (no ``prange``), so it works under
-every Numba threading layer, ``workqueue`` included (which aborts the
-process on concurrent parallel launches). The BLAS pin is shared and
-reference counted (see :mod:`numbafa.blas`). Several calls at once each use
-``numba.get_num_threads()`` threads: more threads than cores in total, which
-is correct but not faster than calling one after the other.
+The public functions may be called from several Python threads at once.
+Each pass is launched by one parallel function whose ``prange`` runs its
+work items on ``numba.get_num_threads()`` threads (:mod:`numbafa.kernels.launch`),
+in jitted code that releases the GIL and writes only its own outputs, so
+results never depend on the interleaving. Under Numba's ``omp`` and ``tbb``
+threading layers concurrent calls run concurrently; ``workqueue`` aborts the
+process on concurrent parallel launches, so under it the launches take a
+lock and run one after the other. The BLAS pin is shared and reference
+counted (see :mod:`numbafa.blas`).
 
 Compile announcement
 --------------------
@@ -107,7 +106,7 @@ def kernel_call(kernel: str, dtype: str):
     Pins BLAS to one thread while it runs (reference counted across
     threads) and announces a real compilation once per kernel and dtype
     (logger ``"numbafa"``, WARNING); the kernel is compiled in the calling
-    thread (:func:`numbafa.parallel.parallel_for`). See the module docstring for the thread-safety
+    thread (:mod:`numbafa.kernels.launch`). See the module docstring for the thread-safety
     guarantees.
 
     Parameters

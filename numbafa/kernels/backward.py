@@ -16,10 +16,10 @@ lines 113-139), which the helpers below cite by step number::
 Shape of the code, as upstream splits ``flash_attn_bwd`` from
 ``_flash_attn_bwd_core``: the schedule is in one place, the math in another.
 
-* :func:`flash_attn_bwd` -- the launcher: every work item (:mod:`.loops`) on
-  a thread pool (:mod:`numbafa.parallel`), then per unit
-  :func:`bwd_finish_unit`: the fixed-order sum of split units' dK/dV
-  partials and the sink gradients;
+* :func:`flash_attn_bwd` -- the launcher: a ``prange`` over the work items
+  (:mod:`.loops`), each :func:`bwd_work_item` called by address
+  (:mod:`numbafa.linking`), then per unit :func:`bwd_finish_unit`: the
+  fixed-order sum of split units' dK/dV partials and the sink gradients;
 * :func:`bwd_work_item` -- KV sections (dK/dV section accumulators summed
   over every q-head of the GQA group) -> q-heads -> the item's Q groups;
 * :func:`bwd_q_group` -- one Q group of 4 x 128 rows: dQ zeroed on the

@@ -3,7 +3,7 @@
 It produces exactly the statistic the backward consumes: ``lse = max +
 log(sum)`` per query row (sinks included in the sum), in float32.
 
-Loop nest: a thread pool (:mod:`numbafa.parallel`) over ``bs * nheads_kv`` work units (an odd number of
+Loop nest: the launcher's ``prange`` over ``bs * nheads_kv`` work units (an odd number of
 units, fewer than 9, is split into two items each owning alternate Q groups:
 :func:`numbafa.schedule.q_chunks`; :mod:`.loops`); per unit K and V
 (``[d, seq]``, as given: no transposed copies, BLAS reads them transposed)

@@ -1,0 +1,100 @@
+"""CPU time of the first forward + backward calls: compiled cold, and loaded from the disk cache.
+
+    python bench/cold_compile.py [--rounds 2]
+
+Each measurement is a fresh process (``B1 H2 S256 D16``, causal) that times,
+in CPU seconds (``time.process_time``), its first ``attention_fwd`` and
+``attention_bwd`` calls:
+
+* ``cold``: ``NUMBAFA_CACHE=0`` and an empty ``NUMBA_CACHE_DIR``: everything
+  compiled, nothing read or written;
+* ``cached``: a process compiles into an empty ``NUMBAFA_CACHE_DIR``, then a
+  second process loads the kernels from it (the figure is the second's).
+
+for float32, bf16 (``mixed_precision=True``), and float32 with dropout (a
+kernel of its own). Also prints each process's wall time, and Numba's own
+breakdown of the cold float32 compile (CPU in LLVM, number of compiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+_CHILD = r"""
+import json, sys, time
+t_start = time.process_time()
+from numba.core import event
+llvm = [0.0]
+compiles = [0]
+class Listener(event.Listener):
+    def on_start(self, ev):
+        if ev.kind == "numba:llvm_lock":
+            self.t = time.process_time()
+        else:
+            compiles[0] += 1
+    def on_end(self, ev):
+        if ev.kind == "numba:llvm_lock":
+            llvm[0] += time.process_time() - self.t
+listener = Listener()
+event.register("numba:llvm_lock", listener)
+event.register("numba:compile", listener)
+import numpy as np, numbafa
+args = json.loads(sys.argv[1])
+dtype = np.float32
+if args["dtype"] == "bf16":
+    import ml_dtypes
+    dtype = ml_dtypes.bfloat16
+rng = np.random.default_rng(0)
+q, k, v, dy = (rng.standard_normal((1, 2, 16, 256)).astype(dtype) for _ in range(4))
+kw = dict(use_causal_mask=True, mixed_precision=args["dtype"] == "bf16")
+if args["dropout"]:
+    kw.update(dropout_p=0.1, seed=1)
+t0 = time.process_time()
+o, lse = numbafa.attention_fwd(q, k, v, **kw)
+t1 = time.process_time()
+numbafa.attention_bwd(q, k, v, o, dy, lse, **kw)
+t2 = time.process_time()
+print(json.dumps(dict(fwd=t1 - t0, bwd=t2 - t1, total=t2 - t0, llvm=llvm[0], compiles=compiles[0],
+                      process=t2 - t_start)))
+"""
+
+VARIANTS = [("float32", False), ("bf16", False), ("float32", True)]
+
+
+def _child(variant, env):
+    dtype, dropout = variant
+    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(dict(dtype=dtype, dropout=dropout))],
+                         env=env, capture_output=True, text=True, timeout=1800)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args(argv)
+    import numbafa
+    print(f"CPU: {numbafa.backend_info()['cpu_model']}; GEMM path {numbafa.backend_info()['gemm']['path']}; "
+          f"numbafa {numbafa.__version__}")
+    for round_ in range(args.rounds):
+        for variant in VARIANTS:
+            name = variant[0] + (" + dropout" if variant[1] else "")
+            with tempfile.TemporaryDirectory() as tmp:
+                cold = _child(variant, dict(os.environ, NUMBAFA_CACHE="0", NUMBA_CACHE_DIR=tmp))
+            with tempfile.TemporaryDirectory() as tmp:
+                env = dict(os.environ, NUMBAFA_CACHE_DIR=tmp, NUMBA_CACHE_DIR=tmp)
+                _child(variant, env)
+                cached = _child(variant, env)
+            print(f"round {round_ + 1}, {name:18s} cold: fwd {cold['fwd']:5.2f} s + bwd {cold['bwd']:5.2f} s "
+                  f"= {cold['total']:5.2f} s CPU (LLVM {cold['llvm']:5.2f} s, {cold['compiles']} compiles); "
+                  f"cached: {cached['total']:.2f} s (whole process {cached['process']:.2f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
