@@ -15,8 +15,14 @@ from numbafa.blas import blas_controller, single_threaded_blas
 from numbafa.runtime import kernel_call
 
 
-def _blas_threads():
+def _all_blas_threads():
     return {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+
+
+def _blas_threads():
+    """Thread counts of the BLAS libraries the kernels call (the ones the pin touches)."""
+    pinned = {lib.filepath for lib in blas_controller().lib_controllers}
+    return {path: n for path, n in _all_blas_threads().items() if path in pinned}
 
 
 def test_pinned_inside_and_restored_after():
@@ -34,6 +40,16 @@ def test_controller_sees_the_blas_numba_calls():
     # Numba's np.dot goes through SciPy's BLAS; the controller must hold it.
     paths = [lib.filepath for lib in blas_controller().lib_controllers]
     assert any("scipy" in p for p in paths), paths
+
+
+def test_numpys_own_blas_is_left_alone():
+    """The kernels call SciPy's BLAS only: where NumPy ships another one (the PyPI wheels),
+    the pin does not touch it, so NumPy work in other threads keeps its threads."""
+    others = {path: n for path, n in _all_blas_threads().items() if path not in _blas_threads()}
+    if not others:
+        pytest.skip("NumPy and SciPy share one BLAS here")
+    with single_threaded_blas():
+        assert {path: n for path, n in _all_blas_threads().items() if path in others} == others
 
 
 def test_backend_info_reports_the_blas_the_kernels_pin():
