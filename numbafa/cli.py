@@ -276,7 +276,7 @@ def _compile_notice(name: str) -> str:
     cache = cache_info()
     where = f"cached in {cache['dir']}" if cache["enabled"] else f"not cached: {cache['reason']}"
     return (f"first {name} calls: loading the kernels from the on-disk cache, or compiling them "
-            f"(about 20-40 s, once per numbafa version; {where})")
+            f"(about 15-30 s, once per numbafa version; {where})")
 
 
 # ---------------------------------------------------------------------------

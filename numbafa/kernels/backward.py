@@ -385,12 +385,12 @@ def store_kv_section(outs, plan, sec, unit, chunk, batch, kv_head):
 
 
 @jit()
-def make_scratch(d_head, seqlen_k, plan):
-    """Per-item scratch buffers (:data:`Scratch`), sized for the largest tiles; the bf16
-    operand copies (``q_op``, ``p_op``, ``ds_op``) only on the oneDNN path, the dropout
-    multipliers (``mult``) only with dropout."""
+def make_scratch(d_head, seqlen_q, seqlen_k, plan):
+    """Per-item scratch buffers (:data:`Scratch`), sized for the largest tiles (Q groups of at
+    most ``seqlen_q`` rows); the bf16 operand copies (``q_op``, ``p_op``, ``ds_op``) only on the
+    oneDNN path, the dropout multipliers (``mult``) only with dropout."""
     tiling = plan.tiling
-    q_rows = tiling.q_tile * tiling.q_tile_group
+    q_rows = max(1, min(tiling.q_tile * tiling.q_tile_group, seqlen_q))
     sec_cap = min(tiling.section_len, seqlen_k)
     bits = 1 if plan.operand.itemsize == 2 else 0
     drop = 0 if plan.dropout is None else 1
@@ -421,7 +421,7 @@ def bwd_work_item(args, item):
     nheads_kv, seqlen_k = ins.k.shape[1], ins.k.shape[3]
     n_rep = nheads // nheads_kv
     unit, chunk, batch, kv_head = decode_item(item, tiling.q_chunks, nheads_kv)
-    scratch = make_scratch(d_head, seqlen_k, plan)
+    scratch = make_scratch(d_head, seqlen_q, seqlen_k, plan)
     n_groups = n_q_groups(seqlen_q, tiling)
     # A zero-length key sequence still runs one (empty) section, so that D,
     # dQ = 0 and dsinks come from the same code path.

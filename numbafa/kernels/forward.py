@@ -248,10 +248,11 @@ def sink_statistics(sinks_h):
 
 
 @jit()
-def make_fwd_scratch(d_head, plan):
-    """Per-item scratch buffers (:data:`FwdScratch`); the bf16 operand copies only on the oneDNN path."""
+def make_fwd_scratch(d_head, seqlen_q, plan):
+    """Per-item scratch buffers (:data:`FwdScratch`), for Q groups of at most ``seqlen_q`` rows; the
+    bf16 operand copies only on the oneDNN path."""
     tiling = plan.tiling
-    q_rows = tiling.q_tile * tiling.q_tile_group
+    q_rows = max(1, min(tiling.q_tile * tiling.q_tile_group, seqlen_q))
     k_cap = max(tiling.k_tile, 1)
     bits = 1 if plan.operand.itemsize == 2 else 0
     return FwdScratch(np.empty((d_head, q_rows), dtype=np.float32),
@@ -281,7 +282,7 @@ def fwd_work_item(args, item):
     # place, bf16 ones widened once on the BLAS path.
     k_n = as_operand(ins.k[batch, kv_head], plan.operand)
     v_n = as_operand(ins.v[batch, kv_head], plan.operand)
-    scratch = make_fwd_scratch(d_head, plan)
+    scratch = make_fwd_scratch(d_head, seqlen_q, plan)
     n_groups = n_q_groups(seqlen_q, tiling)
     for r in range(n_rep):
         h = kv_head * n_rep + r
