@@ -175,7 +175,9 @@ def backend_info() -> dict:
         How tile matmuls are computed (:mod:`numbafa.kernels.matmul`):
         the ``path`` (``"onednn"`` or ``"blas"``) and the ``reason`` it was
         chosen (:func:`numbafa.onednn.gemm_path`: ``NUMBAFA_GEMM``, the
-        CPU's bf16 units, oneDNN installed).
+        CPU's bf16 units, oneDNN installed); ``path`` is None, and ``reason``
+        the error the kernels would raise, when ``NUMBAFA_GEMM`` names a path
+        that cannot run here.
     ``float32``, ``bfloat16``
         The arithmetic of each input dtype on that path: float32 tiles and
         sgemm, oneDNN's ``dnnl_sgemm`` or BLAS (Numba's ``numba_xxgemm`` ->
@@ -207,7 +209,10 @@ def backend_info() -> dict:
     from .jit import cache_info
     from .onednn import gemm_path
 
-    path, reason = gemm_path()
+    try:
+        path, reason = gemm_path()
+    except (ValueError, RuntimeError) as exc:   # NUMBAFA_GEMM names what cannot run: report it
+        path, reason = None, str(exc)
 
     flags = _cpu_flags()
     cpu = None if flags is None else {

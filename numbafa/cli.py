@@ -35,6 +35,7 @@ from .dtypes import bf16_dtype
 from .kernels.backward import bwd_work_item
 from .kernels.forward import fwd_work_item
 from .layout import MAX_BOUND, cu_seqlens_to_bounds
+from .onednn import gemm_path
 
 #: Acceptance rule: max|a - e| <= ATOL + rtol * max|e|, rtol per (dtype, output); the
 #: values of tests/_tolerances.py. Shown as max|a - e| / max|e| <= rtol + ATOL / max|e|.
@@ -55,9 +56,9 @@ timed and checked against the float64 golden."""
 EPILOG = """\
 example: numbafa --seqlen 4096 --head-dim 64 --dtype bf16 --json
 
-Exit status: 0 all checks passed, 1 a check failed, 2 bad options or a size
-that does not fit in memory. The first call of each dtype compiles the
-kernels (about 40 s, once: they are cached on disk).
+Exit status: 0 all checks passed, 1 a check failed, 2 bad options (NUMBAFA_GEMM
+included) or a size that does not fit in memory. The first call of each dtype
+compiles the kernels (about 15-30 s, once: they are cached on disk).
 """
 
 
@@ -66,7 +67,9 @@ def _rule(dtype: str, output: str, err: float, scale: float) -> dict:
 
     ``max_rel_err = max|a - e| / max|e|`` passes when ``<= rel_bound = rtol +
     ATOL / max|e|``, which is the rule itself. When ``max|e| = 0`` there is no
-    relative error (both are None) and the rule is ``max|a - e| <= ATOL``.
+    relative error (both are None) and the rule is ``max|a - e| <= ATOL``. (dq, dk and dv
+    whose exact value is 0 come with the pass's largest gradient element as ``scale``:
+    :func:`_check`.)
     """
     rtol = RTOL_LSE[dtype] if output == "lse" else RTOL[dtype]
     ok = bool(err <= ATOL + rtol * scale)
@@ -435,6 +438,13 @@ def _check(q, k, v, o, lse, dy, grads, opts, hkv) -> dict:
         ((grads[3][:1, heads],) if len(grads) > 3 else ())
     for name, g, e in zip(("dq", "dk", "dv", "dsinks"), got, expected):
         errors[name] = _errors(g, e)
+    # A gradient that is exactly 0 (one visible key: P = 1, dS = 0; window 1, seqlen 1) is
+    # computed from rounded terms that cancel; its error is measured against the largest
+    # gradient element of the pass, as docs/numerics.md states the bf16 error.
+    largest = max(errors[name][1] for name in ("dq", "dk", "dv"))
+    for name in ("dq", "dk", "dv"):
+        err, scale = errors[name]
+        errors[name] = (err, scale if scale > 0 else largest)
     return errors
 
 
@@ -509,6 +519,10 @@ def main(argv=None) -> int:
     if args.info:
         print(json.dumps(backend_info(), indent=2))
         return 0
+    try:
+        gemm_path()
+    except (ValueError, RuntimeError) as exc:   # NUMBAFA_GEMM set to what cannot run here
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     _check_options(parser, args)
     _check_memory(parser, args)
     n_dtypes = 2 if args.dtype == "both" else 1

@@ -235,3 +235,37 @@ def test_blocked_golden_with_dropout_equals_the_full_golden():
     np.testing.assert_allclose(o, o_exp, rtol=1e-12, atol=1e-14)
     for got, exp in zip(grads, grads_exp):
         np.testing.assert_allclose(got, exp, rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.parametrize("shape", [
+    ["--seqlen", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--window", "1"],
+    ["--seqlen", "1", "--heads", "1", "--kv-heads", "1", "--head-dim", "1"],
+], ids=["window-1", "seqlen-1"])
+def test_an_exactly_zero_gradient_is_checked_against_the_pass(shape, capsys):
+    """One visible key: P = 1 and the exact dq, dk are 0, but bf16's rounded terms do not cancel
+    exactly. Their error is measured against the pass's largest gradient (docs/numerics.md), not
+    by an absolute 1e-5; a wrong gradient still fails."""
+    assert cli.main(shape + ["--repeats", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    back = next(r for r in doc["results"] if r["pass"] == "backward" and r["dtype"] == "bf16")
+    assert back["max_abs_err"]["dq"] > 1e-5        # the old absolute rule failed this
+    assert back["max_rel_err"]["dq"] <= back["rel_bound"]["dq"]
+
+
+def test_a_gemm_path_that_cannot_run_is_one_line_and_exit_two(capsys, monkeypatch):
+    from numbafa import onednn
+
+    monkeypatch.setenv("NUMBAFA_GEMM", "garbage")
+    onednn.gemm_path.cache_clear()
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(SMALL)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "NUMBAFA_GEMM must be one of" in err[0], err
+        assert cli.main(["--info"]) == 0                 # --info reports it instead of crashing
+        info = json.loads(capsys.readouterr().out)
+        assert info["gemm"]["path"] is None and "NUMBAFA_GEMM" in info["gemm"]["reason"]
+    finally:
+        monkeypatch.delenv("NUMBAFA_GEMM")
+        onednn.gemm_path.cache_clear()
