@@ -12,8 +12,9 @@ Two paths compute the kernels' products (:mod:`numbafa.kernels.matmul`):
     throughput per core on AVX512_BF16. float32 inputs take oneDNN's
     ``dnnl_sgemm``, 6-13 % faster per core than OpenBLAS on the kernels'
     tile shapes on Zen 4 (docs/performance.md). The path is taken only
-    where the CPU has bf16 units: on the CPUs without them (AVX2) oneDNN's
-    sgemm has not been measured against OpenBLAS, so they keep BLAS.
+    where the CPU has bf16 units: on an AVX2 CPU (Zen 3) oneDNN's sgemm was
+    a quarter slower than OpenBLAS on the score GEMMs and 5-10 % faster on
+    the gradient GEMMs, no gain overall, so those CPUs keep BLAS.
 
 The path is chosen once per process by :func:`gemm_path`: ``NUMBAFA_GEMM``
 (``auto``, the default; ``onednn``; ``blas``) and the CPU. ``auto`` takes
