@@ -64,6 +64,7 @@ from .kernels.bundles import BwdEntries, BwdInputs, BwdOutputs, FwdInputs, FwdOu
 from .kernels.dropout import Dropout, philox_words
 from .kernels.forward import flash_attn_fwd, fwd_work_item
 from .kernels.launch import work_item_address
+from .runtime import kernel_call
 from .tiling import Q_TILE
 from .validation import validate_fwd_inputs
 
@@ -139,7 +140,6 @@ def plan(q, k, v, *, use_causal_mask=False, sliding_window=None, bound_min=None,
     fwd_args = (FwdInputs(q4, q4, q4, f3), FwdOutputs(f4, f3), fwd)
     bwd_args = (BwdInputs(q4, q4, q4, q4, q4, f3, f3), BwdOutputs(f4, f4, f4, f3, f4, f4),
                 _stats_like(f3), bwd)
-    from .runtime import kernel_call
     with kernel_call("forward" if fwd.dropout is None else "forward (with dropout)", prob.dtype.name):
         fwd_item = work_item_address(fwd_work_item, fwd_args)
     with kernel_call("backward" if bwd.dropout is None else "backward (with dropout)", prob.dtype.name):

@@ -48,7 +48,7 @@ from .kernels.launch import needs_finish, run_backward, run_forward
 from .kernels.loops import group_rows, n_q_groups, owns_group
 from .layout import lse_to_neuron
 from .runtime import kernel_call
-from .validation import validate_bwd_inputs, validate_fwd_inputs
+from .validation import kernel_view, validate_bwd_inputs, validate_fwd_inputs
 
 __all__ = ["BwdShard", "owned_rows", "pack_rows", "place_rows", "with_q_chunks", "at_origin", "to_dtype",
            "fwd_chunk", "bwd_chunk", "bwd_merge", "fwd_block", "fwd_block_merge", "bwd_block",
@@ -122,11 +122,6 @@ def _chunk_items(n_units: int, q_chunks: int, chunk: int) -> np.ndarray:
     return np.arange(n_units, dtype=np.int64) * q_chunks + chunk
 
 
-def _kernel_array(x: np.ndarray) -> np.ndarray:
-    """``x`` if C-contiguous and writable, else a copy (the kernels' compiled signature)."""
-    return x if x.flags.c_contiguous and x.flags.writeable else np.array(x, order="C")
-
-
 def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, origin=(0, 0),
               n_threads=None):
     """Forward of one share: the items of Q chunk ``chunk`` of every unit of the block ``ins``.
@@ -153,7 +148,7 @@ def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
     plan = at_origin(plan, origin)
     rows = owned_rows(seqlen_q, plan.tiling, chunk)
     q = _unpack_rows(ins.q, rows if packed else None, seqlen_q)
-    ins = FwdInputs(_kernel_array(q), _kernel_array(ins.k), _kernel_array(ins.v), _kernel_array(ins.sinks))
+    ins = FwdInputs(kernel_view(q), kernel_view(ins.k), kernel_view(ins.v), kernel_view(ins.sinks))
     nb, nheads, d_head, _ = q.shape
     o = np.zeros((nb, nheads, d_head, seqlen_q), dtype=np.float32)
     lse = np.zeros((nb, nheads, seqlen_q), dtype=np.float32)
@@ -207,10 +202,10 @@ def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
     rows = owned_rows(seqlen_q, plan.tiling, chunk)
 
     def full(x):
-        return _kernel_array(_unpack_rows(x, rows if packed else None, seqlen_q))
+        return kernel_view(_unpack_rows(x, rows if packed else None, seqlen_q))
 
-    ins = BwdInputs(full(ins.q), _kernel_array(ins.k), _kernel_array(ins.v), full(ins.o),
-                    full(ins.dy), full(ins.lse), _kernel_array(ins.sinks))
+    ins = BwdInputs(full(ins.q), kernel_view(ins.k), kernel_view(ins.v), full(ins.o),
+                    full(ins.dy), full(ins.lse), kernel_view(ins.sinks))
     q_chunks = plan.tiling.q_chunks
     n_units = ins.q.shape[0] * ins.k.shape[1]
     outs = _bwd_outputs(ins, q_chunks)
@@ -262,7 +257,7 @@ def bwd_merge(plan, sinks: np.ndarray, shards, seqlen_q: int, out_dtype):
     kernel_dtype = np.float32 if np.dtype(out_dtype) == np.float32 else np.uint16
     dummy_q = np.empty((nb, nheads, 0, 0), dtype=kernel_dtype)
     dummy_kv = np.empty((nb, nheads_kv, 0, 0), dtype=kernel_dtype)
-    sinks = _kernel_array(sinks)
+    sinks = kernel_view(sinks)
     ins = BwdInputs(dummy_q, dummy_kv, dummy_kv, dummy_q, dummy_q,
                     np.empty((nb, nheads, 0), dtype=np.float32), sinks)
     outs = BwdOutputs(np.empty((nb, nheads, 0, 0), dtype=np.float32), np.array(first.dk, order="C"),
