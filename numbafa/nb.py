@@ -144,7 +144,9 @@ def plan(q, k, v, *, use_causal_mask=False, sliding_window=None, bound_min=None,
         fwd_item = work_item_address(fwd_work_item, fwd_args)
     with kernel_call("backward" if bwd.dropout is None else "backward (with dropout)", prob.dtype.name):
         bwd_item = work_item_address(bwd_work_item, bwd_args)
-        bwd_finish = work_item_address(bwd_finish_unit, bwd_args)
+        # The finish runs only for split units or sinks (as in launch.run_backward); 0: never called.
+        needs_finish = bwd.tiling.q_chunks > 1 or with_sinks
+        bwd_finish = work_item_address(bwd_finish_unit, bwd_args) if needs_finish else 0
     return NbPlan(fwd, bwd, (bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k), bool(prob.is_bf16),
                   bool(with_sinks), fwd_item, bwd_item, bwd_finish, _type_key(numba.typeof(fwd_args)),
                   _type_key(numba.typeof(bwd_args)), (prob.seed & 0xFFFFFFFF, prob.seed >> 32), os.getpid())
