@@ -87,6 +87,7 @@ def main(argv=None):
     import numbafa
     import numbafa.distributed as nd
     from numbafa.kernels.bundles import make_plan
+    from numbafa.options import AttentionOptions
     from numbafa.validation import validate_bwd_inputs
 
     bs, h, h_kv, d, s = args.batch, args.heads, args.kv_heads, args.head_dim, args.seqlen
@@ -114,7 +115,7 @@ def main(argv=None):
             o, lse = numbafa.attention_fwd(q, k, v, use_causal_mask=causal)
             inputs = dict(q_ref=q, k_ref=k, v_ref=v, o_ref=o, dy_ref=dy, lse_ref=lse,
                           use_causal_mask=causal)
-            prob = validate_bwd_inputs(**inputs)
+            prob = validate_bwd_inputs(q, k, v, o, dy, lse, AttentionOptions(use_causal_mask=causal))
             per_task = nd._units_per_task(make_plan(prob, backward=True), prob,
                                           sum(client.nthreads().values()))
             print(f"\n{'causal' if causal else 'full'}: NumPy inputs: {per_task} units per task, "

@@ -30,6 +30,7 @@ from numbafa.kernels.backward import bwd_work_item, flash_attn_bwd, new_bwd_stat
 from numbafa.kernels.bundles import BwdEntries, BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, make_plan
 from numbafa.kernels.forward import flash_attn_fwd, fwd_work_item
 from numbafa.kernels.launch import work_item_address
+from numbafa.options import AttentionOptions
 from numbafa.validation import validate_bwd_inputs
 
 
@@ -59,7 +60,7 @@ def _per_call(fn) -> float:
 def _kernels(q, k, v, dy, causal):
     """Launcher-only callables of both passes, on bundles built once."""
     o, lse = numbafa.attention_fwd(q, k, v, use_causal_mask=causal, lse_layout="natural")
-    prob = validate_bwd_inputs(q, k, v, o, dy, lse, use_causal_mask=causal)
+    prob = validate_bwd_inputs(q, k, v, o, dy, lse, AttentionOptions(use_causal_mask=causal))
     fplan, bplan = make_plan(prob, backward=False), make_plan(prob, backward=True)
     fins = FwdInputs(prob.q, prob.k, prob.v, prob.sinks)
     fouts = FwdOutputs(np.empty(q.shape, np.float32), np.empty(lse.shape, np.float32))

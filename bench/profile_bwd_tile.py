@@ -26,6 +26,7 @@ from numbafa.kernels import backward as B
 from numbafa.kernels.bundles import BwdInputs, make_plan
 from numbafa.kernels.common import load_scaled
 from numbafa.kernels.matmul import matmul
+from numbafa.options import AttentionOptions
 from numbafa.validation import validate_bwd_inputs
 
 ONE = np.float32(1.0)
@@ -178,7 +179,7 @@ def main():
     q, k, v, dy = (rng.standard_normal(shape).astype(dtype) for _ in range(4))
     o, lse = numbafa.attention_fwd(q, k, v, use_causal_mask=True, mixed_precision=True,
                                    lse_layout="natural")
-    prob = validate_bwd_inputs(q, k, v, o, dy, lse, use_causal_mask=True, mixed_precision=True)
+    prob = validate_bwd_inputs(q, k, v, o, dy, lse, AttentionOptions(use_causal_mask=True, mixed_precision=True))
     plan = make_plan(prob, backward=True)
     ins = BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks)
     scratch = B.make_scratch(args.d_head, 2048, plan)

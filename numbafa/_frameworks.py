@@ -1,73 +1,81 @@
-"""What :mod:`numbafa.torch` and :mod:`numbafa.jax` share: argument checks and the host calls.
+"""What :mod:`numbafa.torch` and :mod:`numbafa.jax` share: the argument checks and the host calls.
 
 Neither framework is imported here. The adapters check every argument from
 its shape and dtype *before* tracing or calling anything (so that under
 ``torch.compile`` and ``jax.jit`` a bad call fails at once, with the user's
-names), then run :func:`host_forward` / :func:`host_backward` on NumPy views
-of the framework's buffers. Value checks (NaN/inf) happen in numbafa's own
-validation; a failure there is raised again in the user's names
-(``q``, ``do``, ...), as :func:`numbafa.attention` does.
+names): :func:`check_call` runs numbafa's own checks
+(:func:`numbafa.validation.check_options`, :func:`~numbafa.validation.check_tensors`)
+with the adapters' :class:`~numbafa.options.Caller`. On the host,
+:func:`host_forward` / :func:`host_backward` run the execution core
+(:mod:`numbafa.core`) on NumPy views of the framework's buffers with the same
+caller, so that value errors (NaN/inf) name the user's arguments too.
 
 The user's function is ``attention(q, k, v, *, causal, window, sinks,
-bound_min, bound_max, softmax_scale, layout)``; its names differ from the
-kernels' (``causal`` for ``use_causal_mask``, ``window`` for
-``sliding_window``, ``do`` for ``dy_ref``), so the checks that mention them
-are made here in the user's words.
+bound_min, bound_max, softmax_scale, layout)``: ``causal`` for
+``use_causal_mask``, ``window`` for ``sliding_window``, ``do`` for ``dy_ref``.
 """
 
 from __future__ import annotations
 
-import numbers
-from typing import Optional
+import dataclasses
+from collections import namedtuple
 
 import numpy as np
 
-from .api import attention_bwd, attention_fwd
-from .validation import _validate_scale, validate_bwd_inputs, validate_fwd_inputs
+from . import core
+from .dtypes import bf16_dtype
+from .layout import check_layout
+from .options import AttentionOptions, Caller
+from .validation import check_options, check_tensors
+
+__all__ = ["FRAMEWORK_LAYOUTS", "NAMES", "check_call", "host_backward", "host_forward", "host_options"]
 
 #: Layouts the framework adapters take (SDPA's and flash-attn's).
 FRAMEWORK_LAYOUTS = ("bhsd", "bshd")
 
-_DIMS = {"bhsd": ("batch", "heads", "seq", "head_dim"), "bshd": ("batch", "seq", "heads", "head_dim")}
-
 #: The adapters' names of the kernels' arguments, for numbafa's messages.
 NAMES = {"q_ref": "q", "k_ref": "k", "v_ref": "v", "o_ref": "o", "dy_ref": "do", "lse_ref": "lse",
-         "sinks_ref": "sinks", "use_causal_mask": "causal"}
+         "sinks_ref": "sinks", "use_causal_mask": "causal", "sliding_window": "window",
+         # the dimensions, as SDPA's and flash-attn's documentation name them
+         "bs": "batch", "nheads": "heads", "nheads_kv": "heads_kv", "d_head": "head_dim", "seqlen_q": "seq",
+         "seqlen_k": "seq_k", "bfloat16": "bfloat16"}
+
+#: A tensor described by its shape and dtype (NumPy's, or the framework's name when NumPy has none).
+_Spec = namedtuple("_Spec", ["shape", "dtype"])
 
 
-def _split(shape, layout):
-    """(batch, heads, seq, head_dim) of a 4-D shape in ``layout``."""
-    if layout == "bhsd":
-        b, h, s, d = shape
-    else:
-        b, s, h, d = shape
-    return b, h, s, d
+def _numpy_dtype(name: str):
+    if name == "bfloat16":
+        return bf16_dtype()
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return name
 
 
-def _in_layout(layout, b, h, s, d):
-    return (b, h, s, d) if layout == "bhsd" else (b, s, h, d)
+def _spec(shape, dtype_name, layout=None) -> _Spec:
+    """A tensor's spec, its shape permuted to the Neuron layout when ``layout`` is given (4-D only)."""
+    shape = tuple(shape)
+    if layout is not None and len(shape) == 4:
+        perm = check_layout(layout)
+        shape = tuple(shape[i] for i in perm)
+    return _Spec(shape, _numpy_dtype(dtype_name))
 
 
-def check_arguments(layout, shapes, dtypes, causal, window, softmax_scale):
-    """Check the adapters' arguments from shapes and dtypes alone; return ``(window, scale)``.
+def check_call(layout: str, given: dict, options: AttentionOptions) -> AttentionOptions:
+    """Check an adapter's call from shapes and dtypes alone; return the checked options.
 
     Parameters
     ----------
-    layout : str
-    shapes : dict
-        Shape tuples of ``q``, ``k``, ``v`` and, when given, ``sinks``,
-        ``bound_min``, ``bound_max``.
-    dtypes : dict
-        ``"float32"``, ``"bfloat16"`` or another dtype name, by the same keys.
-    causal, window, softmax_scale
-        As the user passed them.
+    layout : {"bhsd", "bshd"}
+    given : dict
+        ``(shape, dtype name)`` of ``q``, ``k``, ``v`` and, when given, ``sinks``,
+        ``bound_min``, ``bound_max`` (``"float32"``, ``"bfloat16"``, or another name).
+    options : the user's options (the option arrays' values are not looked at).
 
     Returns
     -------
-    window : int
-        0 for no window (``None`` or a value < 1), else the window.
-    softmax_scale : float
-        0.0 for the default ``1 / sqrt(head_dim)``.
+    AttentionOptions, checked, with ``sliding_window`` capped at the keys' seq (0: none).
 
     Raises
     ------
@@ -76,116 +84,29 @@ def check_arguments(layout, shapes, dtypes, causal, window, softmax_scale):
     """
     if layout not in FRAMEWORK_LAYOUTS:
         raise ValueError(f"layout must be one of {FRAMEWORK_LAYOUTS}, got {layout!r}")
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
-    dims = "[" + ", ".join(_DIMS[layout]) + "]"
-    for name in ("q", "k", "v"):
-        if len(shapes[name]) != 4:
-            raise ValueError(f"{name} must be 4-D {dims} for layout={layout!r}, got shape {tuple(shapes[name])}")
-    dtype = dtypes["q"]
-    if dtype not in ("float32", "bfloat16"):
-        raise TypeError(f"q must be float32 or bfloat16, got {dtype}")
-    for name in ("k", "v"):
-        if dtypes[name] != dtype:
-            raise TypeError(f"{name} must have the dtype of q ({dtype}), got {dtypes[name]}")
-    b, h, sq, d = _split(shapes["q"], layout)
-    _, h_kv, sk, _ = _split(shapes["k"], layout)
-    if h < 1 or d < 1:
-        raise ValueError(f"q must have heads >= 1 and head_dim >= 1, got shape {tuple(shapes['q'])} {dims}")
-    kb, _, _, kd = _split(shapes["k"], layout)
-    if (kb, kd) != (b, d):
-        expected = ", ".join(map(str, _in_layout(layout, b, "heads_kv", "seq_k", d)))
-        raise ValueError(f"k must have shape ({expected}) {dims} to match q, got {tuple(shapes['k'])}")
-    if h_kv < 1 or h % h_kv:
-        raise ValueError(f"the heads of q ({h}) must be a multiple of the heads of k, got {h_kv} "
-                         f"(k shape {tuple(shapes['k'])} {dims})")
-    if tuple(shapes["v"]) != tuple(shapes["k"]):
-        raise ValueError(f"v must have the shape of k {tuple(shapes['k'])}, got {tuple(shapes['v'])}")
-    if causal and sq != sk:
-        raise ValueError(f"causal=True requires the same seq for q and k, got q seq {sq}, k seq {sk}")
-    if window is None:
-        window = 0
-    elif isinstance(window, (bool, np.bool_)) or not isinstance(window, numbers.Integral):
-        raise TypeError(f"window must be an int or None, got {type(window).__name__} {window!r}")
-    window = max(int(window), 0)
-    if window and not causal:
-        raise ValueError(f"window={window} requires causal=True (a sliding window is causal), got causal=False")
-    _check_sinks(shapes.get("sinks"), dtypes.get("sinks"), b, h)
-    _check_bounds(shapes, dtypes, sq)
-    scale = _validate_scale(softmax_scale, d)  # names softmax_scale, as the user does
-    return window, (0.0 if softmax_scale is None else scale)
+    caller = Caller(NAMES, layout)
+    options = check_options(options, caller)
+    tensors = {key: _spec(*given[name], layout) for key, name in (("q_ref", "q"), ("k_ref", "k"), ("v_ref", "v"))}
+    arrays = {name: None if name not in given else _spec(*given[name]) for name in options.arrays()}
+    dims = check_tensors(tensors, dataclasses.replace(options, **arrays), caller)
+    return dataclasses.replace(options, sliding_window=min(options.sliding_window, dims.seqlen_k))
 
 
-def _check_sinks(shape, dtype, b, h):
-    if shape is None:
-        return
-    shape = tuple(shape)
-    ok = (len(shape) == 1 and shape == (h,)) or (len(shape) == 2 and shape == (b, h)) or \
-         (len(shape) == 3 and shape[:2] == (b, h) and shape[2] >= 1)
-    if not ok:
-        raise ValueError(f"sinks must have shape ({h},) [heads], ({b}, {h}) [batch, heads] or ({b}, {h}, "
-                         f"num_sinks) [batch, heads, num_sinks], got {shape}")
-    if dtype not in ("float32", "bfloat16"):
-        raise TypeError(f"sinks must be float32 or bfloat16, got {dtype}")
+def host_options(arrays: tuple, causal: bool, window: int, softmax_scale: float, dropout=(0.0, None, 0)):
+    """The options of a host call: ``arrays`` the ``(sinks, bound_min, bound_max)`` NumPy arrays (or
+    None), ``softmax_scale`` 0.0 for the default, ``dropout`` ``(dropout_p, seed, seed_offset)``; bf16
+    accumulates in float32 (``mixed_precision=True``)."""
+    return AttentionOptions(*arrays, causal, True, softmax_scale, window, *dropout)
 
 
-def _check_bounds(shapes, dtypes, sq):
-    given = [name for name in ("bound_min", "bound_max") if shapes.get(name) is not None]
-    if len(given) == 1:
-        raise ValueError(f"bound_min and bound_max must be given together, got only {given[0]}")
-    for name in given:
-        if tuple(shapes[name]) != (sq,):
-            raise ValueError(f"{name} must have shape ({sq},) [seq of q], got {tuple(shapes[name])}")
-        if dtypes[name] != "float32":
-            raise TypeError(f"{name} must be float32, got {dtypes[name]}")
+def host_forward(qn, kn, vn, options: AttentionOptions, layout: str):
+    """numbafa's forward on Neuron-layout arrays: ``o`` ``[b, h, d, s]``, lse ``[b, h, s]`` (float32);
+    errors name the user's arguments, shapes given in ``layout``."""
+    return core.attention_fwd(qn, kn, vn, options, Caller(NAMES, layout))
 
 
-def neuron_sinks(sinks: Optional[np.ndarray], b: int) -> Optional[np.ndarray]:
-    """Sinks ``[heads]`` as a ``[batch, heads]`` view (stride 0 over the batch); others unchanged."""
-    if sinks is None or sinks.ndim != 1:
-        return sinks
-    return np.broadcast_to(sinks, (b, sinks.shape[0]))
-
-
-def _options(sinks, bound_min, bound_max, causal, window, softmax_scale, dropout):
-    dropout_p, seed, seed_offset = dropout
-    return dict(sinks_ref=sinks, bound_min=bound_min, bound_max=bound_max, use_causal_mask=bool(causal),
-                mixed_precision=True, softmax_scale=float(softmax_scale), sliding_window=int(window),
-                dropout_p=float(dropout_p), seed=seed, seed_offset=int(seed_offset))
-
-
-def host_forward(qn, kn, vn, sinks, bound_min, bound_max, causal, window, softmax_scale, layout,
-                 dropout=(0.0, None, 0)):
-    """numbafa's forward on Neuron-layout arrays: ``o`` ``[b, h, d, s]``, lse ``[b, h, s]`` (float32).
-
-    bf16 accumulates in float32 (``mixed_precision=True``). Errors name the
-    user's arguments, shapes given in ``layout``. ``dropout``: ``(dropout_p,
-    seed, seed_offset)`` as numbafa takes them.
-    """
-    options = _options(sinks, bound_min, bound_max, causal, window, softmax_scale, dropout)
-    try:
-        return attention_fwd(qn, kn, vn, lse_layout="natural", **options)
-    except (TypeError, ValueError):
-        _raise_named(lambda: validate_fwd_inputs(qn, kn, vn, **options, names=NAMES, layout=layout))
-        raise
-
-
-def host_backward(qn, kn, vn, on, don, lse, sinks, bound_min, bound_max, causal, window, softmax_scale,
-                  layout, dropout=(0.0, None, 0)):
-    """numbafa's backward on Neuron-layout arrays: ``dq, dk, dv`` ``[b, h, d, s]`` (+ dsinks)."""
-    options = _options(sinks, bound_min, bound_max, causal, window, softmax_scale, dropout)
-    try:
-        return attention_bwd(qn, kn, vn, on, don, lse, **options)
-    except (TypeError, ValueError):
-        _raise_named(lambda: validate_bwd_inputs(qn, kn, vn, on, don, lse, **options, names=NAMES,
-                                                 layout=layout))
-        raise
-
-
-def _raise_named(check):
-    """Run numbafa's checks again with the user's names; raise their error, if any."""
-    try:
-        check()
-    except (TypeError, ValueError) as named:
-        raise named from None
-
+def host_backward(neuron: tuple, lse, options: AttentionOptions, layout: str):
+    """numbafa's backward: ``neuron`` the Neuron-layout ``(q, k, v, o, do)``; ``dq, dk, dv`` ``[b, h, d,
+    s]`` (+ dsinks)."""
+    q, k, v, o, do = neuron
+    return core.attention_bwd(q, k, v, o, do, lse, options, Caller(NAMES, layout))

@@ -1,35 +1,18 @@
-"""Public entry points: validate, prepare, run the kernel, convert the outputs."""
+"""Public entry points: the Neuron kernel's signature, run by the execution core (:mod:`numbafa.core`)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from .runtime import kernel_call
-from .dtypes import to_bf16_array
-from .kernels.backward import new_bwd_stats
-from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, make_plan
+from . import core
 from .kernels.dropout import drop_rows, make_dropout
-from .kernels.launch import run_backward, run_forward
-from .tiling import Q_TILE
-from .layout import lse_to_neuron
-from .validation import validate_bwd_inputs, validate_dropout, validate_fwd_inputs
+from .options import KERNEL_CALLER, AttentionOptions
+from .validation import validate_dropout
 
 __all__ = ["attention_fwd", "attention_bwd", "dropout_mask"]
 
 #: The most elements :func:`dropout_mask` materialises (1 GiB of bools).
 MAX_MASK_ELEMENTS = 2 ** 30
-
-_LSE_LAYOUTS = ("neuron", "natural")
-
-
-def _kernel_name(pass_name: str, plan) -> str:
-    """The kernel's name in the compile announcement: a kernel with dropout is compiled apart."""
-    return pass_name if plan.dropout is None else pass_name + " (with dropout)"
-
-
-def _to_dtype(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Kernel float32 output -> the caller's dtype (bf16 values are already rounded)."""
-    return x if dtype == np.float32 else to_bf16_array(x)
 
 
 def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None,
@@ -45,7 +28,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     ----------
     q_ref : ndarray ``[bs, nheads, d_head, seqlen_q]``, float32 or ``ml_dtypes.bfloat16``
     k_ref, v_ref : ndarray ``[bs, nheads_kv, d_head, seqlen_k]``, same dtype
-    sinks_ref : ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``, optional
+    sinks_ref : ``[nheads]``, ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``, optional
         Sink logits: extra softmax columns in the denominator, no value.
     bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale, sliding_window
         As in :func:`attention_bwd`.
@@ -71,21 +54,9 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     float32 (``mixed_precision=True``) or bf16 (``False``), o is written in
     bf16. See ``docs/numerics.md``.
     """
-    if lse_layout not in _LSE_LAYOUTS:
-        raise ValueError(f"lse_layout must be one of {_LSE_LAYOUTS}, got {lse_layout!r}")
-    prob = validate_fwd_inputs(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max,
-                               use_causal_mask, mixed_precision, softmax_scale, sliding_window,
-                               dropout_p, seed, seed_offset)
-    bs, nheads, d_head, seqlen_q = prob.q.shape
-    if lse_layout == "neuron" and seqlen_q % Q_TILE:
-        raise ValueError(f"lse_layout='neuron' needs seqlen_q divisible by {Q_TILE}, got "
-                         f"seqlen_q={seqlen_q}; use lse_layout='natural'")
-    plan = make_plan(prob, backward=False)
-    o = np.empty((bs, nheads, d_head, seqlen_q), dtype=np.float32)
-    lse = np.empty((bs, nheads, seqlen_q), dtype=np.float32)
-    with kernel_call(_kernel_name("forward", plan), prob.dtype.name):
-        run_forward(FwdInputs(prob.q, prob.k, prob.v, prob.sinks), FwdOutputs(o, lse), plan)
-    return _to_dtype(o, prob.dtype), (lse_to_neuron(lse) if lse_layout == "neuron" else lse)
+    options = AttentionOptions(sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
+                               sliding_window, dropout_p, seed, seed_offset)
+    return core.attention_fwd(q_ref, k_ref, v_ref, options, KERNEL_CALLER, lse_layout)
 
 
 def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
@@ -113,8 +84,9 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
         packing has ``lse[b, h, p, t]`` = LSE of row ``t * 128 + p``; the 3-D
         natural layout works for any seqlen_q. ``+inf`` marks a row that
         attends to nothing (its gradient is zero); NaN and ``-inf`` are errors.
-    sinks_ref : ndarray ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``, float32 or bf16, optional
-        Attention-sink logits: extra softmax columns without a value.
+    sinks_ref : ndarray ``[nheads]``, ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``, float32 or bf16, optional
+        Attention-sink logits: extra softmax columns without a value (``[nheads]``: shared by
+        the batch; its gradient is summed over the batch in float32).
     bound_min, bound_max : float32 ndarray ``[seqlen_q]``, optional (both or neither)
         Sequence packing: query ``i`` attends keys ``bound_min[i] <= j < bound_max[i]``.
         With ``use_causal_mask`` the bounds are clamped to ``j <= i`` (and to
@@ -170,28 +142,9 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
         ``-inf`` in ``lse_ref``, a ``softmax_scale`` that is not finite in float32,
         ``dropout_p`` outside ``[0, 1)`` (or NaN), a missing or negative ``seed``.
     """
-    prob = validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min,
-                               bound_max, use_causal_mask, mixed_precision, softmax_scale,
+    options = AttentionOptions(sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
                                sliding_window, dropout_p, seed, seed_offset)
-    bs, nheads, d_head, seqlen_q = prob.q.shape
-    nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
-    plan = make_plan(prob, backward=True)
-    n_chunks = plan.tiling.q_chunks
-    dq = np.empty((bs, nheads, d_head, seqlen_q), dtype=np.float32)
-    dk = np.empty((bs, nheads_kv, d_head, seqlen_k), dtype=np.float32)
-    dv = np.empty_like(dk)
-    dsinks = np.empty(prob.sinks.shape, dtype=np.float32)
-    part_shape = (bs * nheads_kv, n_chunks - 1, d_head, seqlen_k) if n_chunks > 1 else (1, 1, d_head, 0)
-    outs = BwdOutputs(dq, dk, dv, dsinks, np.empty(part_shape, dtype=np.float32),
-                      np.empty(part_shape, dtype=np.float32))
-    ins = BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks)
-    with kernel_call(_kernel_name("backward", plan), prob.dtype.name):
-        run_backward(ins, outs, new_bwd_stats(ins), plan)
-
-    grads = (_to_dtype(dq, prob.dtype), _to_dtype(dk, prob.dtype), _to_dtype(dv, prob.dtype))
-    if prob.sinks_shape is None:
-        return grads
-    return grads + (_to_dtype(dsinks, prob.sinks_dtype).reshape(prob.sinks_shape),)
+    return core.attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, options, KERNEL_CALLER)
 
 
 def dropout_mask(bs, nheads, seqlen_q, seqlen_k, dropout_p, seed, seed_offset=0):

@@ -37,11 +37,12 @@ from concurrent.futures import CancelledError
 import numpy as np
 
 from . import shards
+from .core import check_lse_layout, lse_out, user_dsinks
 from .kernels.bundles import BwdInputs, FwdInputs, make_plan
 from .kernels.loops import n_q_groups
-from .layout import lse_to_neuron
+from .options import AttentionOptions
 from .tiling import Q_TILE
-from .validation import validate_bwd_inputs, validate_fwd_inputs
+from .validation import check_options, validate_bwd_inputs, validate_fwd_inputs
 
 __all__ = ["attention_fwd", "attention_bwd"]
 
@@ -58,7 +59,6 @@ MAX_ATTEMPTS = 3
 #: CPU (docs/distributed.md, "Measured").
 MIN_TASK_WORK = 2 ** 30
 
-_LSE_LAYOUTS = ("neuron", "natural")
 
 
 def _dask():
@@ -237,19 +237,15 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
         about the values are raised by the worker, at compute time).
     """
     _check_client(client)
-    if lse_layout not in _LSE_LAYOUTS:
-        raise ValueError(f"lse_layout must be one of {_LSE_LAYOUTS}, got {lse_layout!r}")
-    options = dict(use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
-                   softmax_scale=softmax_scale, sliding_window=sliding_window,
-                   dropout_p=dropout_p, seed=seed, seed_offset=seed_offset)
+    check_lse_layout(lse_layout)
+    options = AttentionOptions(sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
+                               sliding_window, dropout_p, seed, seed_offset)
     named = dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref)
     if _dask_mode(named):
-        return _fwd_dask(client, named, sinks_ref, bound_min, bound_max, options, lse_layout)
-    prob = validate_fwd_inputs(q_ref, k_ref, v_ref, sinks_ref, bound_min, bound_max, **options)
+        return _fwd_dask(client, named, options, lse_layout)
+    prob = validate_fwd_inputs(q_ref, k_ref, v_ref, options)
     bs, nheads, d_head, seqlen_q = prob.q.shape
-    if lse_layout == "neuron" and seqlen_q % Q_TILE:
-        raise ValueError(f"lse_layout='neuron' needs seqlen_q divisible by {Q_TILE}, got "
-                         f"seqlen_q={seqlen_q}; use lse_layout='natural'")
+    check_lse_layout(lse_layout, seqlen_q)
     nheads_kv = prob.k.shape[1]
     n_slots = sum(client.nthreads().values())
     plan = make_plan(prob, backward=False)
@@ -280,7 +276,7 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     if shares:
         _warm(client, "forward", prob.dtype, prob.dropout_p > 0)
     _run_shares(client, plan, shares, submit, on_result)
-    return o, (lse_to_neuron(lse) if lse_layout == "neuron" else lse)
+    return o, lse_out(lse, lse_layout)
 
 
 def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None,
@@ -328,14 +324,12 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
         lost with a worker ``MAX_ATTEMPTS`` (3) times.
     """
     _check_client(client)
-    options = dict(use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
-                   softmax_scale=softmax_scale, sliding_window=sliding_window,
-                   dropout_p=dropout_p, seed=seed, seed_offset=seed_offset)
+    options = AttentionOptions(sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
+                               sliding_window, dropout_p, seed, seed_offset)
     named = dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, o_ref=o_ref, dy_ref=dy_ref, lse_ref=lse_ref)
     if _dask_mode(named):
-        return _bwd_dask(client, named, sinks_ref, bound_min, bound_max, options)
-    prob = validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref, bound_min,
-                               bound_max, **options)
+        return _bwd_dask(client, named, options)
+    prob = validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, options)
     bs, nheads, d_head, seqlen_q = prob.q.shape
     nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
     plan = make_plan(prob, backward=True)
@@ -380,7 +374,7 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     _run_shares(client, plan, shares, submit, on_result)
     if prob.sinks_shape is None:
         return dq, dk, dv
-    return dq, dk, dv, shards.to_dtype(dsinks, prob.sinks_dtype).reshape(prob.sinks_shape)
+    return dq, dk, dv, user_dsinks(dsinks, prob.sinks_shape, prob.sinks_dtype)
 
 
 # --- Dask arrays in, Dask arrays out -------------------------------------------------------
@@ -396,35 +390,59 @@ def _shape_only(shape: tuple, dtype) -> np.ndarray:
                                            strides=(0,) * len(shape), writeable=False)
 
 
-def _validate_dask(client, named: dict, sinks_ref, bound_min, bound_max, validate, options):
-    """Check Dask inputs on their metadata; return ``(problem with batch 0, sinks, bounds)``.
-
-    The batch sizes are compared here, everything else by ``validate`` (the
-    single-process checks) on batch-0 stand-ins; the values are checked by the
-    workers, block by block. NumPy sinks become Dask arrays chunked as ``q_ref``.
-    """
+def _dask_sinks(sinks, q):
+    """The sinks as a Dask array chunked as ``q_ref`` along batch and heads; NumPy ``[nheads]``
+    sinks (shared by the batch) as float32 ``[bs, nheads]`` (their gradient is summed back in
+    :func:`_batch_sum`, as the single-process call sums it)."""
     da, _ = _dask()
-    q = named["q_ref"]
-    for name, x in list(named.items()) + [("sinks_ref", sinks_ref)]:
-        if x is not None and (x.ndim < 1 or x.shape[0] != q.shape[0]):
-            raise ValueError(f"{name} must have batch size {q.shape[0]} (q_ref.shape[0]), got shape "
-                             f"{tuple(x.shape)}")
+    if sinks is None or _is_dask(sinks):
+        return sinks
+    if sinks.ndim == 1:
+        sinks = np.broadcast_to(sinks.astype(np.float32), (q.shape[0], sinks.shape[0]))
+    return da.from_array(sinks, chunks=q.chunks[:2] + tuple((n,) for n in sinks.shape[2:]))
+
+
+def _validate_dask(client, named: dict, options: AttentionOptions, validate):
+    """Check Dask inputs on their metadata; return ``(problem with batch 0, checked scalar options,
+    sinks, bounds)``.
+
+    Everything is checked by ``validate`` (the single-process checks) on batch-0 stand-ins
+    first, then the batch sizes here; the values are checked by the workers, block by block.
+    NumPy sinks become Dask arrays chunked as ``q_ref`` (:func:`_dask_sinks`); Dask bounds are
+    computed (they are ``[seqlen_q]``).
+    """
+    sinks = options.sinks
+    if sinks is not None and not (_is_dask(sinks) or isinstance(sinks, np.ndarray)):
+        raise TypeError(f"sinks_ref must be a numpy.ndarray or a dask.array.Array, got {type(sinks).__name__}")
+    if _is_dask(sinks) and sinks.ndim == 1:
+        raise ValueError(f"sinks_ref of shape {sinks.shape} [nheads] must be a numpy.ndarray (a Dask array "
+                         f"of sinks must be [bs, nheads] or [bs, nheads, num_sinks], chunked as q_ref)")
     bounds = [None if b is None else np.asarray(client.compute(b).result()) if _is_dask(b) else b
-              for b in (bound_min, bound_max)]
-    sinks = sinks_ref
-    if sinks is not None and not _is_dask(sinks):
-        if not isinstance(sinks, np.ndarray):
-            raise TypeError(f"sinks_ref must be a numpy.ndarray or a dask.array.Array, got "
-                            f"{type(sinks).__name__}")
+              for b in (options.bound_min, options.bound_max)]
+    checked = check_options(dataclasses.replace(options, sinks=None, bound_min=None, bound_max=None))
+    standin_sinks = None if sinks is None else sinks if sinks.ndim == 1 and not _is_dask(sinks) else _standin(sinks)
     try:
         prob = validate(*(_standin(x) for x in named.values()),
-                        None if sinks is None else _standin(sinks), *bounds, **options)
+                        dataclasses.replace(checked, sinks=standin_sinks, bound_min=bounds[0], bound_max=bounds[1]))
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{exc} (Dask inputs: checked on their metadata, shapes shown with "
                         f"batch 0)") from None
-    if sinks is not None and not _is_dask(sinks):
-        sinks = da.from_array(sinks, chunks=q.chunks[:2] + tuple((n,) for n in sinks.shape[2:]))
-    return prob, sinks, bounds
+    q = named["q_ref"]
+    for name, x in list(named.items()) + [("sinks_ref", sinks)]:
+        if x is not None and x.ndim > 1 and x.shape[0] != q.shape[0]:
+            raise ValueError(f"{name} must have batch size {q.shape[0]} (q_ref.shape[0]), got shape "
+                             f"{tuple(x.shape)}")
+    return prob, checked, _dask_sinks(sinks, q), bounds
+
+
+def _batch_sum(dsinks, sinks):
+    """dsinks of ``[nheads]`` sinks: the float32 ``[bs, nheads]`` gradient summed over the batch in one
+    block (the single-process order), in the sinks' dtype; other sinks: unchanged."""
+    if sinks is None or sinks.ndim != 1:
+        return dsinks
+    whole = dsinks.rechunk(dsinks.shape)
+    return whole.map_blocks(user_dsinks, sinks.shape, sinks.dtype, drop_axis=0, chunks=(sinks.shape,),
+                            dtype=sinks.dtype)
 
 
 def _check_chunks(named: dict, kv_names: tuple, n_rep: int) -> None:
@@ -498,15 +516,12 @@ def _dask_plan(client, named, sinks, prob, backward: bool):
     return plan, delayed(plan, traverse=False)
 
 
-def _fwd_dask(client, named, sinks_ref, bound_min, bound_max, options, lse_layout):
+def _fwd_dask(client, named, options, lse_layout):
     from dask import delayed
-    prob, sinks, bounds = _validate_dask(client, named, sinks_ref, bound_min, bound_max,
-                                         validate_fwd_inputs, options)
+    prob, checked, sinks, bounds = _validate_dask(client, named, options, validate_fwd_inputs)
     q = named["q_ref"]
     d_head, seqlen_q = q.shape[2:]
-    if lse_layout == "neuron" and seqlen_q % Q_TILE:
-        raise ValueError(f"lse_layout='neuron' needs seqlen_q divisible by {Q_TILE}, got "
-                         f"seqlen_q={seqlen_q}; use lse_layout='natural'")
+    check_lse_layout(lse_layout, seqlen_q)
     plan, plan_d = _dask_plan(client, named, sinks, prob, backward=False)
     bounds_d = [None if b is None else delayed(b, traverse=False) for b in bounds]
     n_chunks = plan.tiling.q_chunks
@@ -515,10 +530,10 @@ def _fwd_dask(client, named, sinks_ref, bound_min, bound_max, options, lse_layou
     for i in range(len(q.chunks[0])):
         results.append([])
         for j in range(len(q.chunks[1])):
-            args = [g(i, j) for g in get] + bounds_d
+            blocks = [g(i, j) for g in get]
             origin = _origin(q.chunks, i, j)
-            parts = [delayed(shards.fwd_block, pure=True, nout=2)(plan_d, c, origin, options, lse_layout,
-                                                                   *args)
+            parts = [delayed(shards.fwd_block, pure=True, nout=2)(plan_d, (c, origin), checked, lse_layout,
+                                                                   tuple(blocks[:3]), (blocks[3], *bounds_d))
                      for c in range(n_chunks)]
             results[-1].append(parts[0] if n_chunks == 1 else delayed(
                 shards.fwd_block_merge, pure=True, nout=2)(plan_d, parts, seqlen_q, lse_layout))
@@ -527,10 +542,9 @@ def _fwd_dask(client, named, sinks_ref, bound_min, bound_max, options, lse_layou
             _assemble(results, 1, q.chunks[:2] + lse_rest, np.float32, "lse"))
 
 
-def _bwd_dask(client, named, sinks_ref, bound_min, bound_max, options):
+def _bwd_dask(client, named, options):
     from dask import delayed
-    prob, sinks, bounds = _validate_dask(client, named, sinks_ref, bound_min, bound_max,
-                                         validate_bwd_inputs, options)
+    prob, checked, sinks, bounds = _validate_dask(client, named, options, validate_bwd_inputs)
     q, k = named["q_ref"], named["k_ref"]
     nheads, d_head, seqlen_q = q.shape[1:]
     nheads_kv, seqlen_k = k.shape[1], k.shape[3]
@@ -543,17 +557,18 @@ def _bwd_dask(client, named, sinks_ref, bound_min, bound_max, options):
     for i in range(len(q.chunks[0])):
         results.append([])
         for j in range(len(q.chunks[1])):
-            args = [g(i, j) for g in get] + bounds_d
+            blocks = [g(i, j) for g in get]
             origin = _origin(q.chunks, i, j)
-            parts = [delayed(shards.bwd_block, pure=True, nout=4)(plan_d, c, origin, options, *args)
+            parts = [delayed(shards.bwd_block, pure=True, nout=4)(plan_d, (c, origin), checked, tuple(blocks[:6]),
+                                                                   (blocks[6], *bounds_d))
                      for c in range(n_chunks)]
             results[-1].append(parts[0] if n_chunks == 1 else delayed(
-                shards.bwd_block_merge, pure=True, nout=4)(plan_d, parts, args[6], seqlen_q, q.dtype))
+                shards.bwd_block_merge, pure=True, nout=4)(plan_d, parts, blocks[6], seqlen_q, q.dtype))
     kv_chunks = (q.chunks[0], tuple(c // n_rep for c in q.chunks[1]), (d_head,), (seqlen_k,))
     grads = (_assemble(results, 0, q.chunks[:2] + ((d_head,), (seqlen_q,)), q.dtype, "dq"),
              _assemble(results, 1, kv_chunks, q.dtype, "dk"),
              _assemble(results, 2, kv_chunks, q.dtype, "dv"))
     if sinks is None:
         return grads
-    return grads + (_assemble(results, 3, q.chunks[:2] + tuple((n,) for n in sinks.shape[2:]),
-                              sinks.dtype, "dsinks"),)
+    dsinks = _assemble(results, 3, q.chunks[:2] + tuple((n,) for n in sinks.shape[2:]), sinks.dtype, "dsinks")
+    return grads + (_batch_sum(dsinks, options.sinks),)

@@ -50,7 +50,10 @@ def bf16_dtype() -> np.dtype:
 def is_bf16(dtype) -> bool:
     """True if ``dtype`` is ``ml_dtypes.bfloat16`` (never imports ``ml_dtypes``)."""
     module = sys.modules.get("ml_dtypes")
-    return module is not None and np.dtype(dtype) == np.dtype(module.bfloat16)
+    try:
+        return module is not None and np.dtype(dtype) == np.dtype(module.bfloat16)
+    except TypeError:  # not a NumPy dtype (a framework's dtype name)
+        return False
 
 
 @jit()

@@ -11,10 +11,8 @@ each of them: an array changed in place between the forward and the
 backward is reported instead of silently changing the gradients.
 
 Errors name the caller's arguments (``q``, ``do``, ...) and give shapes in
-the caller's layout: when :func:`numbafa.attention_fwd` or
-:func:`numbafa.attention_bwd` reject an input, the same checks run again in
-the caller's terms (:mod:`numbafa.validation`), which costs nothing on the
-normal path.
+the caller's layout: the execution core (:mod:`numbafa.core`) validates with
+this module's :class:`~numbafa.options.Caller`.
 """
 
 from __future__ import annotations
@@ -22,35 +20,24 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import numpy as np
 
-from .api import attention_bwd, attention_fwd
+from . import core
 from .layout import LAYOUTS, from_neuron, to_neuron
-from .validation import validate_bwd_inputs, validate_fwd_inputs
+from .options import AttentionOptions, Caller
+from .validation import check_options
 
 __all__ = ["attention", "AttentionContext"]
 
 #: The caller's names of the kernels' arguments, for the messages.
-_FWD_NAMES = {"q_ref": "q", "k_ref": "k", "v_ref": "v", "sinks_ref": "sinks"}
-_BWD_NAMES = {**_FWD_NAMES, "o_ref": "o", "dy_ref": "do", "lse_ref": "ctx.lse"}
-#: Option keys (as attention_fwd names them) of the arrays the checksums cover, and their names.
-_WATCHED_OPTIONS = {"sinks_ref": "sinks", "bound_min": "bound_min", "bound_max": "bound_max"}
+NAMES = {"q_ref": "q", "k_ref": "k", "v_ref": "v", "sinks_ref": "sinks", "o_ref": "o", "dy_ref": "do",
+         "lse_ref": "ctx.lse"}
 
 
 def _crc32(x: np.ndarray) -> int:
     """CRC-32 of the array's bytes in C order (a contiguous copy first if it is a strided view)."""
     return zlib.crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
-
-
-def _error_of(check: Callable[[], object]) -> Optional[Exception]:
-    """The TypeError/ValueError ``check`` raises, or None."""
-    try:
-        check()
-    except (TypeError, ValueError) as error:
-        return error
-    return None
 
 
 @dataclass(frozen=True)
@@ -62,8 +49,8 @@ class AttentionContext:
     q, k, v, o : ndarray
         Neuron-layout views ``[bs, heads, head_dim, seq]`` of the inputs and the output.
     lse : float32 ndarray ``[bs, nheads, seqlen_q]``
-    options : dict
-        Keyword arguments shared by forward and backward (sinks, bounds, mask, scale, ...).
+    options : AttentionOptions
+        The options shared by forward and backward (sinks, bounds, mask, scale, dropout), checked.
     layout : str
         Layout of the caller's arrays, used for ``do`` and the gradients.
     checksums : dict
@@ -77,7 +64,7 @@ class AttentionContext:
     v: np.ndarray
     o: np.ndarray
     lse: np.ndarray
-    options: dict = field(default_factory=dict)
+    options: AttentionOptions = field(default_factory=AttentionOptions)
     layout: str = "bshd"
     checksums: dict = field(default_factory=dict)
 
@@ -86,9 +73,9 @@ class AttentionContext:
         arrays = {name: from_neuron(x, self.layout) for name, x in
                   (("q", self.q), ("k", self.k), ("v", self.v))}
         arrays["o"] = self.o  # ours, returned to the caller as a view
-        for key, name in _WATCHED_OPTIONS.items():
-            if isinstance(self.options.get(key), np.ndarray):
-                arrays[name] = self.options[key]
+        for name, x in self.options.arrays().items():
+            if x is not None:
+                arrays[name] = x
         return arrays
 
     def _check_unchanged(self) -> None:
@@ -130,15 +117,8 @@ class AttentionContext:
             raise ValueError(f"do must have the shape of o {expected}, got {do.shape}")
         self._check_unchanged()
         don = to_neuron(do, self.layout, name="do")
-        try:
-            grads = attention_bwd(self.q, self.k, self.v, self.o, don, self.lse, **self.options)
-        except (TypeError, ValueError):
-            named = _error_of(lambda: validate_bwd_inputs(
-                self.q, self.k, self.v, self.o, don, self.lse, **self.options, names=_BWD_NAMES,
-                layout=self.layout))
-            if named is None:
-                raise
-            raise named from None
+        grads = core.attention_bwd(self.q, self.k, self.v, self.o, don, self.lse, self.options,
+                                   Caller(NAMES, self.layout))
         return tuple(from_neuron(g, self.layout) for g in grads[:3]) + tuple(grads[3:])
 
 
@@ -176,18 +156,10 @@ def attention(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_ma
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     qn, kn, vn = (to_neuron(x, layout, name=name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-    options = dict(sinks_ref=sinks, bound_min=bound_min, bound_max=bound_max,
-                   use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
-                   softmax_scale=softmax_scale, sliding_window=sliding_window, dropout_p=dropout_p,
-                   seed=seed, seed_offset=seed_offset)
-    try:
-        o, lse = attention_fwd(qn, kn, vn, lse_layout="natural", **options)
-    except (TypeError, ValueError):
-        named = _error_of(lambda: validate_fwd_inputs(qn, kn, vn, **options, names=_FWD_NAMES,
-                                                      layout=layout))
-        if named is None:
-            raise
-        raise named from None
+    caller = Caller(NAMES, layout)
+    options = check_options(AttentionOptions(sinks, bound_min, bound_max, use_causal_mask, mixed_precision,
+                                             softmax_scale, sliding_window, dropout_p, seed, seed_offset), caller)
+    o, lse = core.attention_fwd(qn, kn, vn, options, caller)
     ctx = AttentionContext(qn, kn, vn, o, lse, options, layout)
     checksums = {name: _crc32(x) for name, x in ctx._watched().items()}
     return from_neuron(o, layout), dataclasses.replace(ctx, checksums=checksums)

@@ -34,6 +34,7 @@ import numpy as np
 from . import _frameworks
 from .layout import cu_seqlens_to_bounds as _cu_seqlens_to_bounds
 from .layout import from_neuron, to_neuron
+from .options import AttentionOptions
 
 __all__ = ["attention", "cu_seqlens_to_bounds"]
 
@@ -87,8 +88,9 @@ def _host_fwd(static, q, k, v, sinks, bound_min, bound_max):
     lead, calls = _fold(arrays, bounds, 4)
     results = []
     for (qa, ka, va, sa), bmin, bmax in calls:
+        options = _frameworks.host_options((sa, bmin, bmax), causal, window, scale)
         o, lse = _frameworks.host_forward(to_neuron(qa, layout), to_neuron(ka, layout), to_neuron(va, layout),
-                                          sa, bmin, bmax, causal, window, scale, layout)
+                                          options, layout)
         results.append((from_neuron(o, layout), lse))
     return _unfold(lead, results)
 
@@ -100,8 +102,9 @@ def _host_bwd(static, q, k, v, o, do, lse, sinks, bound_min, bound_max):
     lead, calls = _fold(arrays, bounds, 4)
     results = []
     for (qa, ka, va, oa, da, la, sa), bmin, bmax in calls:
-        neuron = [to_neuron(x, layout) for x in (qa, ka, va, oa, da)]
-        grads = _frameworks.host_backward(*neuron, la, sa, bmin, bmax, causal, window, scale, layout)
+        neuron = tuple(to_neuron(x, layout) for x in (qa, ka, va, oa, da))
+        options = _frameworks.host_options((sa, bmin, bmax), causal, window, scale)
+        grads = _frameworks.host_backward(neuron, la, options, layout)
         results.append(tuple(from_neuron(g, layout) for g in grads[:3]) + tuple(grads[3:]))
     return _unfold(lead, results)
 
@@ -194,11 +197,11 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
                     ("bound_max", bound_max)):
         if x is not None and not (hasattr(x, "shape") and hasattr(x, "dtype")):
             raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
-    given = {name: x for name, x in (("q", q), ("k", k), ("v", v), ("sinks", sinks), ("bound_min", bound_min),
-                                     ("bound_max", bound_max)) if x is not None}
-    window, scale = _frameworks.check_arguments(
-        layout, {name: tuple(x.shape) for name, x in given.items()},
-        {name: _dtype_name(x) for name, x in given.items()}, causal, window, softmax_scale)
+    given = {name: (tuple(x.shape), _dtype_name(x)) for name, x in (("q", q), ("k", k), ("v", v), ("sinks", sinks),
+                                                                  ("bound_min", bound_min), ("bound_max", bound_max))
+             if x is not None}
+    options = _frameworks.check_call(layout, given, AttentionOptions(
+        use_causal_mask=causal, mixed_precision=True, softmax_scale=softmax_scale, sliding_window=window))
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
     if sinks is not None:
         sinks = jnp.asarray(sinks)
@@ -206,7 +209,8 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
             sinks = jnp.broadcast_to(sinks.astype(jnp.float32), (q.shape[0], sinks.shape[0]))
     if bound_min is not None:
         bound_min, bound_max = jnp.asarray(bound_min), jnp.asarray(bound_max)
-    return _attention((bool(causal), window, scale, layout), q, k, v, sinks, bound_min, bound_max)
+    static = (options.use_causal_mask, options.sliding_window, options.softmax_scale or 0.0, layout)
+    return _attention(static, q, k, v, sinks, bound_min, bound_max)
 
 
 def cu_seqlens_to_bounds(cu_seqlens, seqlen=None):

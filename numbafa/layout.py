@@ -18,6 +18,8 @@ from .tiling import Q_TILE
 
 __all__ = [
     "LAYOUTS",
+    "check_layout",
+    "from_neuron_perm",
     "to_neuron",
     "from_neuron",
     "lse_to_natural",
@@ -30,12 +32,22 @@ __all__ = [
 #: Axis permutation from each layout to the Neuron layout [b, h, d, s].
 _TO_NEURON = {"neuron": (0, 1, 2, 3), "bshd": (0, 2, 3, 1), "bhsd": (0, 1, 3, 2)}
 LAYOUTS = tuple(_TO_NEURON)
+#: The inverse permutations: from the Neuron layout to each layout.
+_FROM_NEURON = {name: tuple(perm.index(axis) for axis in range(4)) for name, perm in _TO_NEURON.items()}
 
 
-def _check_layout(layout) -> tuple:
+def check_layout(layout) -> tuple:
+    """The axis permutation from ``layout`` to the Neuron layout; ``ValueError`` for an unknown layout."""
     if layout not in _TO_NEURON:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     return _TO_NEURON[layout]
+
+
+def from_neuron_perm(layout) -> tuple:
+    """The axis permutation from the Neuron layout to ``layout`` (plain ints, no NumPy: the torch
+    adapter uses it under ``torch.compile``)."""
+    check_layout(layout)
+    return _FROM_NEURON[layout]
 
 
 #: Axis names of the Neuron layout, the order of every permutation above.
@@ -44,7 +56,7 @@ _NEURON_DIMS = ("batch", "heads", "head_dim", "seq")
 
 def _dims(layout: str) -> str:
     """``"[batch, seq, heads, head_dim]"`` for ``"bshd"``, and so on."""
-    inverse = np.argsort(_check_layout(layout))
+    inverse = np.argsort(check_layout(layout))
     return "[" + ", ".join(_NEURON_DIMS[i] for i in inverse) + "]"
 
 
@@ -71,7 +83,7 @@ def to_neuron(x: np.ndarray, layout: str, name: str = "x") -> np.ndarray:
     name : str
         How error messages call ``x`` (e.g. ``"q"``).
     """
-    perm = _check_layout(layout)
+    perm = check_layout(layout)
     return np.transpose(_check_4d(name, x, layout), perm)
 
 
@@ -80,7 +92,7 @@ def from_neuron(x: np.ndarray, layout: str, name: str = "x") -> np.ndarray:
 
     ``name`` is how error messages call ``x``.
     """
-    perm = _check_layout(layout)
+    perm = check_layout(layout)
     return np.transpose(_check_4d(name, x, "neuron"), np.argsort(perm))
 
 

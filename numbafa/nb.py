@@ -64,6 +64,7 @@ from .kernels.bundles import BwdEntries, BwdInputs, BwdOutputs, FwdInputs, FwdOu
 from .kernels.dropout import Dropout, philox_words
 from .kernels.forward import flash_attn_fwd, fwd_work_item
 from .kernels.launch import work_item_address
+from .options import AttentionOptions, Caller
 from .runtime import kernel_call
 from .tiling import Q_TILE
 from .validation import validate_fwd_inputs
@@ -79,7 +80,7 @@ __all__ = ["NbPlan", "plan", "attention_fwd", "attention_bwd", "with_seed_offset
 NbPlan = namedtuple("NbPlan", ["fwd", "bwd", "shape", "bf16", "with_sinks", "fwd_item", "bwd_item",
                                "bwd_finish", "fwd_key", "bwd_key", "seed", "pid"])
 
-_NAMES = {"q_ref": "q", "k_ref": "k", "v_ref": "v"}
+_CALLER = Caller({"q_ref": "q", "k_ref": "k", "v_ref": "v"})
 _getpid = types.ExternalFunction("_getpid" if sys.platform == "win32" else "getpid", types.int32())
 
 
@@ -122,8 +123,9 @@ def plan(q, k, v, *, use_causal_mask=False, sliding_window=None, bound_min=None,
     if not isinstance(with_sinks, (bool, np.bool_)):
         raise TypeError(f"with_sinks must be a bool, got {type(with_sinks).__name__}")
     q, k, v = (_as_bf16_view(x) for x in (q, k, v))
-    prob = validate_fwd_inputs(q, k, v, None, bound_min, bound_max, use_causal_mask, mixed_precision,
-                               softmax_scale, sliding_window, dropout_p, seed, seed_offset, names=_NAMES)
+    options = AttentionOptions(None, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
+                               sliding_window, dropout_p, seed, seed_offset)
+    prob = validate_fwd_inputs(q, k, v, options, _CALLER)
     bs, nheads, d_head, seqlen_q = prob.q.shape
     nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
     if seqlen_q % Q_TILE:

@@ -34,23 +34,22 @@ and are never read.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 from collections import namedtuple
 
 import numba
 import numpy as np
 
-from .dtypes import to_bf16_array
-from .kernels.backward import BwdStats, new_bwd_stats
-from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs
+from .core import bwd_outputs, lse_out, run_bwd, run_fwd, to_dtype, user_dsinks
+from .kernels.backward import BwdStats
+from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs
 from .kernels.dropout import with_origin
-from .kernels.launch import needs_finish, run_backward, run_forward
+from .kernels.launch import needs_finish
 from .kernels.loops import group_rows, n_q_groups, owns_group
-from .layout import lse_to_neuron
-from .runtime import kernel_call
+from .options import AttentionOptions
 from .validation import kernel_view, validate_bwd_inputs, validate_fwd_inputs
 
-__all__ = ["BwdShard", "owned_rows", "pack_rows", "place_rows", "with_q_chunks", "at_origin", "to_dtype",
+__all__ = ["BwdShard", "owned_rows", "pack_rows", "place_rows", "with_q_chunks", "at_origin",
            "fwd_chunk", "bwd_chunk", "bwd_merge", "fwd_block", "fwd_block_merge", "bwd_block",
            "bwd_block_merge", "warm", "fingerprint"]
 
@@ -98,26 +97,6 @@ def _unpack_rows(x: np.ndarray, rows, seqlen_q: int) -> np.ndarray:
     return full
 
 
-def to_dtype(x: np.ndarray, dtype) -> np.ndarray:
-    """Kernel float32 output -> ``dtype`` (bf16 values are already rounded: exact)."""
-    return x if np.dtype(dtype) == np.float32 else to_bf16_array(x)
-
-
-@contextlib.contextmanager
-def _threads(n_threads):
-    """Numba's thread count of this thread set to ``n_threads`` (None: left as it is), then
-    restored (``numba.set_num_threads`` is per thread)."""
-    if n_threads is None:
-        yield
-        return
-    previous = numba.get_num_threads()
-    numba.set_num_threads(max(1, min(int(n_threads), numba.config.NUMBA_NUM_THREADS)))
-    try:
-        yield
-    finally:
-        numba.set_num_threads(previous)
-
-
 def _chunk_items(n_units: int, q_chunks: int, chunk: int) -> np.ndarray:
     return np.arange(n_units, dtype=np.int64) * q_chunks + chunk
 
@@ -149,13 +128,9 @@ def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
     rows = owned_rows(seqlen_q, plan.tiling, chunk)
     q = _unpack_rows(ins.q, rows if packed else None, seqlen_q)
     ins = FwdInputs(kernel_view(q), kernel_view(ins.k), kernel_view(ins.v), kernel_view(ins.sinks))
-    nb, nheads, d_head, _ = q.shape
-    o = np.zeros((nb, nheads, d_head, seqlen_q), dtype=np.float32)
-    lse = np.zeros((nb, nheads, seqlen_q), dtype=np.float32)
-    items = _chunk_items(nb * ins.k.shape[1], plan.tiling.q_chunks, chunk)
-    with kernel_call("forward", np.dtype(out_dtype).name), _threads(n_threads):
-        run_forward(ins, FwdOutputs(o, lse), plan, items)
-    return to_dtype(pack_rows(o, rows), out_dtype), pack_rows(lse, rows)
+    items = _chunk_items(q.shape[0] * ins.k.shape[1], plan.tiling.q_chunks, chunk)
+    outs = run_fwd(ins, plan, items, n_threads)
+    return to_dtype(pack_rows(outs.o, rows), out_dtype), pack_rows(outs.lse, rows)
 
 
 def place_rows(parts, tiling, seqlen_q: int) -> np.ndarray:
@@ -165,17 +140,6 @@ def place_rows(parts, tiling, seqlen_q: int) -> np.ndarray:
         rows = owned_rows(seqlen_q, tiling, chunk)
         out[..., slice(None) if rows is None else rows] = part
     return out
-
-
-def _bwd_outputs(ins, q_chunks: int) -> BwdOutputs:
-    nb, nheads, d_head, seqlen_q = ins.q.shape
-    nheads_kv, seqlen_k = ins.k.shape[1], ins.k.shape[3]
-    part_shape = (nb * nheads_kv, q_chunks - 1, d_head, seqlen_k) if q_chunks > 1 else (1, 1, d_head, 0)
-    return BwdOutputs(np.zeros((nb, nheads, d_head, seqlen_q), dtype=np.float32),
-                      np.empty((nb, nheads_kv, d_head, seqlen_k), dtype=np.float32),
-                      np.empty((nb, nheads_kv, d_head, seqlen_k), dtype=np.float32),
-                      np.empty(ins.sinks.shape, dtype=np.float32),
-                      np.empty(part_shape, dtype=np.float32), np.empty(part_shape, dtype=np.float32))
 
 
 def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, origin=(0, 0),
@@ -208,12 +172,9 @@ def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
                     full(ins.dy), full(ins.lse), kernel_view(ins.sinks))
     q_chunks = plan.tiling.q_chunks
     n_units = ins.q.shape[0] * ins.k.shape[1]
-    outs = _bwd_outputs(ins, q_chunks)
-    stats = new_bwd_stats(ins)
     finish = q_chunks == 1 and needs_finish(ins, plan)
-    with kernel_call("backward", np.dtype(out_dtype).name), _threads(n_threads):
-        run_backward(ins, outs, stats, plan, _chunk_items(n_units, q_chunks, chunk),
-                     np.arange(n_units if finish else 0, dtype=np.int64))
+    outs, stats = run_bwd(ins, plan, _chunk_items(n_units, q_chunks, chunk),
+                          np.arange(n_units if finish else 0, dtype=np.int64), n_threads)
     if q_chunks == 1:
         return (to_dtype(outs.dq, out_dtype), to_dtype(outs.dk, out_dtype),
                 to_dtype(outs.dv, out_dtype), outs.dsinks)
@@ -263,61 +224,60 @@ def bwd_merge(plan, sinks: np.ndarray, shards, seqlen_q: int, out_dtype):
     outs = BwdOutputs(np.empty((nb, nheads, 0, 0), dtype=np.float32), np.array(first.dk, order="C"),
                       np.array(first.dv, order="C"), np.empty(sinks.shape, dtype=np.float32),
                       np.ascontiguousarray(parts[0]), np.ascontiguousarray(parts[1]))
-    with kernel_call("backward", np.dtype(out_dtype).name):
-        run_backward(ins, outs, stats, plan, np.empty(0, dtype=np.int64),
-                     np.arange(n_units, dtype=np.int64))
+    run_bwd(ins, plan, np.empty(0, dtype=np.int64), np.arange(n_units, dtype=np.int64), state=(outs, stats))
     return dq, to_dtype(outs.dk, out_dtype), to_dtype(outs.dv, out_dtype), outs.dsinks
 
 
 # --- blocks of Dask arrays: raw user arrays, validated on the worker ---------------------------
 
-def _lse_out(lse: np.ndarray, lse_layout: str) -> np.ndarray:
-    return lse_to_neuron(lse) if lse_layout == "neuron" else lse
+def _block_options(options: AttentionOptions, extras: tuple) -> AttentionOptions:
+    """The call's checked scalar ``options`` with a block's ``extras`` ``(sinks, bound_min, bound_max)``."""
+    return dataclasses.replace(options, sinks=extras[0], bound_min=extras[1], bound_max=extras[2])
 
 
-def fwd_block(plan, chunk: int, origin, options: dict, lse_layout: str, q, k, v, sinks=None,
-              bound_min=None, bound_max=None):
-    """Forward of one block of Dask chunks (the user's arrays), Q chunk ``chunk``.
+def fwd_block(plan, share: tuple, options: AttentionOptions, lse_layout: str, tensors: tuple, extras: tuple):
+    """Forward of one block of Dask chunks (the user's arrays).
 
-    Validated here, as :func:`numbafa.attention_fwd` validates (``options``:
-    its keyword arguments); ``origin``: the block's ``(batch0, head0)``
-    (:func:`at_origin`). Returns ``(o, lse)``: final (lse in ``lse_layout``)
-    when units are not split, else the chunk's rows for :func:`fwd_block_merge`.
+    ``share``: ``(chunk, origin)``, the Q chunk and the block's ``(batch0, head0)``
+    (:func:`at_origin`); ``tensors``: the block's ``(q, k, v)``; ``extras``: its
+    ``(sinks, bound_min, bound_max)`` (None when absent). Validated here, as
+    :func:`numbafa.attention_fwd` validates. Returns ``(o, lse)``: final (lse in
+    ``lse_layout``) when units are not split, else the chunk's rows for :func:`fwd_block_merge`.
     """
-    prob = validate_fwd_inputs(q, k, v, sinks, bound_min, bound_max, **options)
+    chunk, origin = share
+    prob = validate_fwd_inputs(*tensors, _block_options(options, extras))
     seqlen_q = prob.q.shape[3]
     o, lse = fwd_chunk(plan, FwdInputs(prob.q, prob.k, prob.v, prob.sinks), False, seqlen_q, chunk,
                        prob.dtype, origin)
-    return (o, _lse_out(lse, lse_layout)) if plan.tiling.q_chunks == 1 else (o, lse)
+    return (o, lse_out(lse, lse_layout)) if plan.tiling.q_chunks == 1 else (o, lse)
 
 
 def fwd_block_merge(plan, parts, seqlen_q: int, lse_layout: str):
     """``(o, lse)`` of a block from its chunks' rows (:func:`fwd_block`), in chunk order."""
     o = place_rows([p[0] for p in parts], plan.tiling, seqlen_q)
     lse = place_rows([p[1] for p in parts], plan.tiling, seqlen_q)
-    return o, _lse_out(lse, lse_layout)
+    return o, lse_out(lse, lse_layout)
 
 
 def _user_dsinks(dsinks: np.ndarray, sinks):
     """Kernel dsinks ``[nb, nheads, num_sinks]`` float32 -> the shape and dtype of ``sinks``."""
-    return None if sinks is None else to_dtype(dsinks, sinks.dtype).reshape(sinks.shape)
+    return None if sinks is None else user_dsinks(dsinks, sinks.shape, sinks.dtype)
 
 
-def bwd_block(plan, chunk: int, origin, options: dict, q, k, v, o, dy, lse, sinks=None,
-              bound_min=None, bound_max=None):
-    """Backward of one block of Dask chunks (the user's arrays), Q chunk ``chunk``.
+def bwd_block(plan, share: tuple, options: AttentionOptions, tensors: tuple, extras: tuple):
+    """Backward of one block of Dask chunks (the user's arrays).
 
-    Validated here, as :func:`numbafa.attention_bwd` validates; ``origin`` as
-    for :func:`fwd_block`. Returns ``(dq,
-    dk, dv, dsinks)`` (dsinks None without sinks) when units are not split,
-    else the chunk's :data:`BwdShard` for :func:`bwd_block_merge`.
+    As :func:`fwd_block`, ``tensors`` the block's ``(q, k, v, o, dy, lse)``. Returns ``(dq,
+    dk, dv, dsinks)`` (dsinks None without sinks) when units are not split, else the
+    chunk's :data:`BwdShard` for :func:`bwd_block_merge`.
     """
-    prob = validate_bwd_inputs(q, k, v, o, dy, lse, sinks, bound_min, bound_max, **options)
+    chunk, origin = share
+    prob = validate_bwd_inputs(*tensors, _block_options(options, extras))
     ins = BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks)
     out = bwd_chunk(plan, ins, False, prob.q.shape[3], chunk, prob.dtype, origin)
     if plan.tiling.q_chunks > 1:
         return out
-    return out[:3] + (_user_dsinks(out[3], sinks),)
+    return out[:3] + (_user_dsinks(out[3], extras[0]),)
 
 
 def bwd_block_merge(plan, parts, sinks, seqlen_q: int, out_dtype):

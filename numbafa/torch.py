@@ -30,14 +30,12 @@ import numpy as np
 import torch
 
 from . import _frameworks
+from .layout import check_layout, from_neuron_perm
 from .layout import cu_seqlens_to_bounds as _cu_seqlens_to_bounds
-from .validation import validate_dropout
+from .options import AttentionOptions
 
 __all__ = ["attention", "cu_seqlens_to_bounds", "to_numpy", "from_numpy"]
 
-#: Axis permutation from each user layout to the Neuron layout [b, h, d, s].
-_TO_NEURON = {"bhsd": (0, 1, 3, 2), "bshd": (0, 2, 3, 1)}
-_FROM_NEURON = {"bhsd": (0, 1, 3, 2), "bshd": (0, 3, 1, 2)}
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
@@ -70,9 +68,9 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Opt
                    window: int, softmax_scale: float, layout: str, dropout_p: float, seed: Optional[int],
                    seed_offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """o ``[b, h, d, s]`` (q's dtype) and lse ``[b, h, s]`` (float32); ``layout`` only names shapes in errors."""
-    o, lse = _frameworks.host_forward(to_numpy(q), to_numpy(k), to_numpy(v), _np(sinks), _np(bound_min),
-                                      _np(bound_max), causal, window, softmax_scale, layout,
-                                      (dropout_p, seed, seed_offset))
+    options = _frameworks.host_options((_np(sinks), _np(bound_min), _np(bound_max)), causal, window,
+                                       softmax_scale, (dropout_p, seed, seed_offset))
+    o, lse = _frameworks.host_forward(to_numpy(q), to_numpy(k), to_numpy(v), options, layout)
     return from_numpy(o), torch.from_numpy(lse)
 
 
@@ -90,9 +88,10 @@ def _attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
                    layout: str, dropout_p: float, seed: Optional[int], seed_offset: int
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv ``[b, h(_kv), d, s]`` and dsinks (the sinks' shape; empty without sinks)."""
-    grads = _frameworks.host_backward(to_numpy(q), to_numpy(k), to_numpy(v), to_numpy(o), to_numpy(do),
-                                      to_numpy(lse), _np(sinks), _np(bound_min), _np(bound_max), causal,
-                                      window, softmax_scale, layout, (dropout_p, seed, seed_offset))
+    options = _frameworks.host_options((_np(sinks), _np(bound_min), _np(bound_max)), causal, window,
+                                       softmax_scale, (dropout_p, seed, seed_offset))
+    grads = _frameworks.host_backward(tuple(to_numpy(x) for x in (q, k, v, o, do)), to_numpy(lse), options,
+                                      layout)
     dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else from_numpy(grads[3])
     return from_numpy(grads[0]), from_numpy(grads[1]), from_numpy(grads[2]), dsinks
 
@@ -195,27 +194,25 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         _check_tensor(name, t)
     for name, t in (("sinks", sinks), ("bound_min", bound_min), ("bound_max", bound_max)):
         _check_tensor(name, t, required=False)
-    given = {name: t for name, t in (("q", q), ("k", k), ("v", v), ("sinks", sinks), ("bound_min", bound_min),
-                                     ("bound_max", bound_max)) if t is not None}
-    window, softmax_scale = _frameworks.check_arguments(
-        layout, {name: tuple(t.shape) for name, t in given.items()},
-        {name: _DTYPES.get(t.dtype, str(t.dtype).replace("torch.", "")) for name, t in given.items()},
-        causal, window, softmax_scale)
-    drop = validate_dropout(dropout_p, seed, seed_offset)
+    given = {name: (tuple(t.shape), _DTYPES.get(t.dtype, str(t.dtype).replace("torch.", "")))
+             for name, t in (("q", q), ("k", k), ("v", v), ("sinks", sinks), ("bound_min", bound_min),
+                             ("bound_max", bound_max)) if t is not None}
+    options = _frameworks.check_call(layout, given, AttentionOptions(
+        None, None, None, causal, True, softmax_scale, window, dropout_p, seed, seed_offset))
     for name in ("seed", "seed_offset"):
-        if drop[name] >= 2 ** 63:
+        if getattr(options, name) >= 2 ** 63:
             raise ValueError(f"{name} must be in [0, 2**63) for PyTorch's int64 operator arguments, "
-                             f"got {drop[name]}")
-    perm = _TO_NEURON[layout]
+                             f"got {getattr(options, name)}")
+    perm = check_layout(layout)
     qn, kn, vn = (x.permute(perm) for x in (q, k, v))
     if sinks is not None and sinks.dim() == 1:
         # [heads] -> [batch, heads], a view; float32, so that the gradient is summed over the batch
         # in float32 and rounded once to the sinks' dtype.
         sinks = sinks.float().expand(q.shape[0], sinks.shape[0])
-    o, _ = torch.ops.numbafa.attention_fwd(qn, kn, vn, sinks, bound_min, bound_max, bool(causal), window,
-                                           softmax_scale, layout, drop["dropout_p"],
-                                           seed if seed is None else drop["seed"], drop["seed_offset"])
-    return o.permute(_FROM_NEURON[layout])
+    o, _ = torch.ops.numbafa.attention_fwd(qn, kn, vn, sinks, bound_min, bound_max, options.use_causal_mask,
+                                           options.sliding_window, options.softmax_scale or 0.0, layout,
+                                           options.dropout_p, options.seed, options.seed_offset)
+    return o.permute(from_neuron_perm(layout))
 
 
 def cu_seqlens_to_bounds(cu_seqlens, seqlen=None):

@@ -1,11 +1,18 @@
-"""User-facing input checks (the seed's ``validate_inputs``, and more).
+"""User-facing input checks (the upstream kernel's ``validate_inputs``, and more).
 
 Every contract is checked here, before any kernel runs, and reported as a
 ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape or value)
 that names the argument and gives the expected and the actual value. The
-kernels themselves never validate. Callers with other argument names or
-array layouts (:func:`numbafa.attention`) pass ``names`` and ``layout`` so
-that messages use their names, shapes and axes.
+kernels themselves never validate. Every front end passes a
+:class:`~numbafa.options.Caller` (its argument names and array layout), so
+that messages use its names, shapes and axes; the checks run once per call.
+
+Three steps: :func:`check_options` checks the scalar options into an
+:class:`~numbafa.options.AttentionOptions`; :func:`check_tensors` checks the
+tensors' and the option arrays' shapes and dtypes (anything with ``shape``
+and ``dtype``: the torch and JAX adapters call it at trace time);
+:func:`validate_fwd_inputs` / :func:`validate_bwd_inputs` run it on NumPy
+arrays, check their values and return the kernels' :class:`Problem`.
 
 Conventions shared with the upstream NKI kernel:
 
@@ -35,20 +42,22 @@ Empty problems
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
 import numbers
-from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from collections import namedtuple
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
 from .jit import jit
 from .tiling import Q_TILE
 from .dtypes import is_bf16, widen
-from .layout import _check_layout
+from .options import KERNEL_CALLER, AttentionOptions, Caller
 
-__all__ = ["Problem", "validate_bwd_inputs", "validate_dropout", "validate_fwd_inputs"]
+__all__ = ["Dims", "Problem", "check_options", "check_tensors", "kernel_view", "resolve_scale",
+           "validate_bwd_inputs", "validate_dropout", "validate_fwd_inputs"]
 
 #: Largest finite float32, the bound of ``|softmax_scale|``.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -57,45 +66,6 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 def _allowed_dtype(dtype) -> bool:
     return dtype == np.float32 or is_bf16(dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _inverse_perm(layout: str) -> tuple:
-    return tuple(int(i) for i in np.argsort(_check_layout(layout)))
-
-
-@dataclass(frozen=True)
-class _Caller:
-    """How the caller spells the arguments, for the messages.
-
-    ``names`` maps the kernel's argument names (``q_ref``, ``dy_ref``, ...)
-    to the caller's; ``layout`` is the layout the caller's 4-D arrays had
-    before :func:`numbafa.layout.to_neuron`: shapes and axes are shown in it.
-    """
-
-    names: Mapping[str, str] = field(default_factory=dict)
-    layout: str = "neuron"
-
-    def __call__(self, name: str) -> str:
-        return self.names.get(name, name)
-
-    def _perm(self) -> tuple:
-        return _check_layout(self.layout)
-
-    def axis(self, neuron_axis: int) -> int:
-        """The caller's index of a Neuron-layout axis."""
-        return self._perm()[neuron_axis]
-
-    def order(self, neuron_items) -> tuple:
-        """Items given in the Neuron layout's axis order, in the caller's order."""
-        return tuple(neuron_items[i] for i in _inverse_perm(self.layout))
-
-    def shape(self, x: np.ndarray) -> tuple:
-        """Shape of a 4-D Neuron-layout view as the caller's array has it."""
-        return self.order(tuple(x.shape)) if x.ndim == 4 else tuple(x.shape)
-
-    def dims(self, neuron_dims: tuple) -> str:
-        return "[" + ", ".join(self.order(neuron_dims)) + "]"
 
 
 @dataclass(frozen=True)
@@ -197,13 +167,6 @@ def _require_bool(name: str, x) -> bool:
     return bool(x)
 
 
-def _require_ndim(name: str, x: np.ndarray, ndim: int, layout) -> None:
-    """``layout``: the dims' text, or a function giving it (called only for the message)."""
-    if x.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D {layout() if callable(layout) else layout}, got shape "
-                         f"{x.shape}")
-
-
 def _require_shape(name: str, shape: tuple, expected: tuple, why: str = "") -> None:
     """``shape`` and ``expected`` as the caller sees them."""
     if tuple(shape) != tuple(expected):
@@ -217,40 +180,6 @@ def _require_finite(name: str, arr: np.ndarray) -> None:
         raise ValueError(f"{name} must be finite, got {bad} NaN/inf element(s) of {arr.size}")
 
 
-def _validate_scale(softmax_scale, d_head: int) -> float:
-    """The scale the kernels use; ``None`` and 0 select ``1 / sqrt(d_head)`` (upstream's ``or``)."""
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(d_head)
-    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
-    try:
-        scale = float(softmax_scale)
-    except OverflowError:  # an int beyond float64
-        scale = math.inf
-    with np.errstate(over="ignore"):
-        finite = bool(np.isfinite(np.float32(scale)))  # the kernels' value: 1e39 -> inf
-    if not finite:
-        raise ValueError(f"softmax_scale must be finite in float32 (|softmax_scale| <= {FLOAT32_MAX:.8g}), "
-                         f"got {_short_repr(softmax_scale)}")
-    return scale if scale != 0.0 else 1.0 / math.sqrt(d_head)
-
-
-def _validate_window(sliding_window, use_causal_mask: bool, seqlen_k: int) -> int:
-    """The window the kernels use: 0 for none (``None`` or any int < 1, as upstream's -1)."""
-    if sliding_window is None:
-        return 0
-    if isinstance(sliding_window, (bool, np.bool_)) or not isinstance(sliding_window, numbers.Integral):
-        raise TypeError(f"sliding_window must be an int or None (None or a value < 1: no window), got "
-                        f"{type(sliding_window).__name__}")
-    window = int(sliding_window)
-    if window < 1:
-        return 0
-    if not use_causal_mask:
-        raise ValueError(f"sliding_window={window} requires use_causal_mask=True (None or a value < 1: no "
-                         f"window), got use_causal_mask=False")
-    return min(window, seqlen_k)
-
-
 def _require_uint64(name: str, x, what: str) -> int:
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
         raise TypeError(f"{name} must be an int ({what}), got {type(x).__name__} {_short_repr(x)}")
@@ -260,12 +189,53 @@ def _require_uint64(name: str, x, what: str) -> int:
     return value
 
 
-def validate_dropout(dropout_p, seed, seed_offset, names: Optional[Mapping[str, str]] = None) -> dict:
-    """``dropout_p``, ``seed`` and ``seed_offset`` checked and normalised (``Problem`` fields).
+# --- the scalar options --------------------------------------------------------------------
 
-    ``names`` maps these three names to the caller's, for the messages.
-    """
-    c = _Caller(dict(names or {}))
+def _check_scale(c: Caller, softmax_scale) -> Optional[float]:
+    """The scale as given, or None for the default (``None`` and 0: upstream's ``or``)."""
+    if softmax_scale is None:
+        return None
+    name = c("softmax_scale")
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"{name} must be a real number or None, got {type(softmax_scale).__name__}")
+    try:
+        scale = float(softmax_scale)
+    except OverflowError:  # an int beyond float64
+        scale = math.inf
+    with np.errstate(over="ignore"):
+        finite = bool(np.isfinite(np.float32(scale)))  # the kernels' value: 1e39 -> inf
+    if not finite:
+        raise ValueError(f"{name} must be finite in float32 (|{name}| <= {FLOAT32_MAX:.8g}), "
+                         f"got {_short_repr(softmax_scale)}")
+    return None if scale == 0.0 else scale
+
+
+def resolve_scale(softmax_scale: Optional[float], d_head: int) -> float:
+    """The scale the kernels use: a checked ``softmax_scale``, None meaning ``1 / sqrt(d_head)``."""
+    return 1.0 / math.sqrt(d_head) if softmax_scale is None else softmax_scale
+
+
+def _check_window(c: Caller, sliding_window, use_causal_mask: bool) -> int:
+    """The window, 0 for none (``None`` or any int < 1, as upstream's -1); capped later."""
+    name, causal = c("sliding_window"), c("use_causal_mask")
+    if sliding_window is None:
+        return 0
+    if isinstance(sliding_window, (bool, np.bool_)) or not isinstance(sliding_window, numbers.Integral):
+        raise TypeError(f"{name} must be an int or None, got {type(sliding_window).__name__} "
+                        f"{_short_repr(sliding_window)} (None or a value < 1: no window)")
+    window = int(sliding_window)
+    if window < 1:
+        return 0
+    if not use_causal_mask:
+        raise ValueError(f"{name}={window} requires {causal}=True (None or a value < 1: no window), got "
+                         f"{causal}=False")
+    return window
+
+
+def validate_dropout(dropout_p, seed, seed_offset, caller: Caller = KERNEL_CALLER) -> dict:
+    """``dropout_p``, ``seed`` and ``seed_offset`` checked and normalised (``Problem`` fields);
+    messages use ``caller``'s names."""
+    c = caller
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"{c('dropout_p')} must be a real number in [0, 1), got {type(dropout_p).__name__}")
     p = float(dropout_p)
@@ -281,178 +251,228 @@ def validate_dropout(dropout_p, seed, seed_offset, names: Optional[Mapping[str, 
                 seed_offset=offset)
 
 
-def _validate_lse(c: _Caller, lse_ref, bs: int, nheads: int, seqlen_q: int) -> np.ndarray:
-    name = c("lse_ref")
-    lse = _require_array(name, lse_ref)
+def check_options(options: AttentionOptions, caller: Caller = KERNEL_CALLER) -> AttentionOptions:
+    """The scalar options of ``options`` (as the user gave them) checked and normalised.
+
+    Idempotent: checked options pass unchanged. The arrays (sinks, bounds) are
+    checked with the tensors (:func:`check_tensors`).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the option as ``caller`` does, with the expected and the actual value.
+    """
+    c = caller
+    causal = _require_bool(c("use_causal_mask"), options.use_causal_mask)
+    mixed = _require_bool(c("mixed_precision"), options.mixed_precision)
+    window = _check_window(c, options.sliding_window, causal)
+    scale = _check_scale(c, options.softmax_scale)
+    dropout = validate_dropout(options.dropout_p, options.seed, options.seed_offset, c)
+    return dataclasses.replace(options, use_causal_mask=causal, mixed_precision=mixed, sliding_window=window,
+                               softmax_scale=scale, **dropout)
+
+
+# --- shapes and dtypes ---------------------------------------------------------------------
+
+#: The sizes of one call, from the tensors' shapes.
+Dims = namedtuple("Dims", ["bs", "nheads", "nheads_kv", "d_head", "seqlen_q", "seqlen_k"])
+
+_Q_DIMS = ("bs", "nheads", "d_head", "seqlen_q")
+_KV_DIMS = ("bs", "nheads_kv", "d_head", "seqlen_k")
+
+
+def _check_ranks(c: Caller, tensors: dict) -> None:
+    for key, x in tensors.items():
+        if key == "lse_ref":
+            continue
+        if len(x.shape) != 4:
+            dims = c.dims(tuple(map(c, _KV_DIMS if key in ("k_ref", "v_ref") else _Q_DIMS)))
+            where = "" if c.layout == "neuron" else f" for layout={c.layout!r}"
+            raise ValueError(f"{c(key)} must be 4-D {dims}{where}, got shape {tuple(x.shape)}")
+
+
+def _check_dtypes(c: Caller, tensors: dict) -> None:
+    qn, dtype = c("q_ref"), tensors["q_ref"].dtype
+    if not _allowed_dtype(dtype):
+        bf16 = c.names.get("bfloat16", "bfloat16 (ml_dtypes.bfloat16)")
+        raise TypeError(f"{qn} must be float32 or {bf16}, got {dtype}")
+    for key, x in tensors.items():
+        if key != "lse_ref" and x.dtype != dtype:
+            raise TypeError(f"{c(key)} must have the dtype of {qn} ({dtype}), got {x.dtype}")
+
+
+def _check_dims(c: Caller, tensors: dict, causal: bool) -> Dims:
+    q, k, v = tensors["q_ref"], tensors["k_ref"], tensors["v_ref"]
+    qn, kn = c("q_ref"), c("k_ref")
+    bs, nheads, d_head, seqlen_q = q.shape
+    if d_head < 1:
+        raise ValueError(f"{c('d_head')} ({qn}.shape[{c.axis(2)}]) must be >= 1, got {d_head}")
+    if nheads < 1:
+        raise ValueError(f"{c('nheads')} ({qn}.shape[{c.axis(1)}]) must be >= 1, got {nheads}")
+    nheads_kv, seqlen_k = k.shape[1], k.shape[3]
+    if k.shape[0] != bs or k.shape[2] != d_head:
+        expected = ", ".join(c.order((str(bs), c("nheads_kv"), str(d_head), c("seqlen_k"))))
+        raise ValueError(f"{kn} must have shape ({expected}) to match {qn}, got {c.shape(k)}")
+    if nheads_kv < 1 or nheads % nheads_kv:
+        raise ValueError(f"{c('nheads')} ({nheads}) must be a multiple of {c('nheads_kv')} ({kn}.shape"
+                         f"[{c.axis(1)}]), got {c('nheads_kv')}={nheads_kv}")
+    if tuple(v.shape) != tuple(k.shape):
+        _require_shape(c("v_ref"), c.shape(v), c.shape(k), f"same as {kn}")
+    for key in ("o_ref", "dy_ref"):
+        if key in tensors and tuple(tensors[key].shape) != tuple(q.shape):
+            _require_shape(c(key), c.shape(tensors[key]), c.shape(q), f"same as {qn}")
+    if causal and seqlen_q != seqlen_k:
+        sq, sk = c("seqlen_q"), c("seqlen_k")
+        raise ValueError(f"{c('use_causal_mask')}=True requires {sq} == {sk}, got {sq}={seqlen_q}, {sk}={seqlen_k}")
+    return Dims(bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k)
+
+
+def _check_lse_shape(c: Caller, lse, dims: Dims) -> None:
+    name, (bs, nheads, seqlen_q) = c("lse_ref"), (dims.bs, dims.nheads, dims.seqlen_q)
     if lse.dtype != np.float32:
         raise TypeError(f"{name} must be float32, got {lse.dtype}")
-    natural = (bs, nheads, seqlen_q)
-    if lse.ndim == 3:
-        _require_shape(name, lse.shape, natural, "natural layout [bs, nheads, seqlen_q]")
-        out = kernel_view(lse)
-    elif lse.ndim == 4:
+    if len(lse.shape) == 3:
+        _require_shape(name, lse.shape, (bs, nheads, seqlen_q), "natural layout [bs, nheads, seqlen_q]")
+    elif len(lse.shape) == 4:
         if seqlen_q % Q_TILE:
             raise ValueError(
                 f"{name} in the Neuron layout [bs, nheads, {Q_TILE}, seqlen_q // {Q_TILE}] needs seqlen_q "
                 f"divisible by {Q_TILE}, got seqlen_q={seqlen_q}; pass lse as [bs, nheads, seqlen_q] instead")
         _require_shape(name, lse.shape, (bs, nheads, Q_TILE, seqlen_q // Q_TILE),
                        f"Neuron layout [bs, nheads, {Q_TILE}, seqlen_q // {Q_TILE}]")
-        # lse[b, h, p, t] is row t * 128 + p.
-        out = kernel_view(np.ascontiguousarray(lse.transpose(0, 1, 3, 2)).reshape(natural))
     else:
         raise ValueError(f"{name} must be 4-D [bs, nheads, {Q_TILE}, seqlen_q // {Q_TILE}] or 3-D "
-                         f"[bs, nheads, seqlen_q], got shape {lse.shape}")
+                         f"[bs, nheads, seqlen_q], got shape {tuple(lse.shape)}")
+
+
+def _check_bound_shapes(c: Caller, options: AttentionOptions, seqlen_q: int) -> None:
+    if (options.bound_min is None) != (options.bound_max is None):
+        given = c("bound_min") if options.bound_max is None else c("bound_max")
+        raise ValueError(f"{c('bound_min')} and {c('bound_max')} must be given together, got only {given}")
+    for key in ("bound_min", "bound_max"):
+        b = getattr(options, key)
+        if b is not None:
+            if b.dtype != np.float32:
+                raise TypeError(f"{c(key)} must be float32, got {b.dtype}")
+            _require_shape(c(key), b.shape, (seqlen_q,), f"one bound per query row: [{c('seqlen_q')}]")
+
+
+def _check_sinks_shape(c: Caller, sinks, bs: int, nheads: int) -> None:
+    name, shape = c("sinks_ref"), tuple(sinks.shape)
+    if not _allowed_dtype(sinks.dtype):
+        raise TypeError(f"{name} must be float32 or bfloat16, got {sinks.dtype}")
+    if shape in ((nheads,), (bs, nheads)) or (len(shape) == 3 and shape[:2] == (bs, nheads) and shape[2] >= 1):
+        return
+    b, h = c("bs"), c("nheads")
+    raise ValueError(f"{name} must have shape ({nheads},) [{h}], ({bs}, {nheads}) [{b}, {h}] or ({bs}, {nheads}, "
+                     f"num_sinks >= 1) [{b}, {h}, num_sinks], got {shape}")
+
+
+def check_tensors(tensors: dict, options: AttentionOptions, caller: Caller = KERNEL_CALLER) -> Dims:
+    """Check the shapes and dtypes of one call: the tensors and the option arrays.
+
+    Parameters
+    ----------
+    tensors : dict
+        ``q_ref``, ``k_ref``, ``v_ref`` (and ``o_ref``, ``dy_ref``, ``lse_ref`` for the
+        backward), Neuron-layout; anything with ``shape`` and ``dtype`` (NumPy dtypes).
+    options : checked :class:`~numbafa.options.AttentionOptions` (:func:`check_options`)
+    caller : the names and layout for the messages.
+
+    Returns
+    -------
+    Dims
+    """
+    c = caller
+    _check_ranks(c, tensors)
+    _check_dtypes(c, tensors)
+    dims = _check_dims(c, tensors, options.use_causal_mask)
+    if "lse_ref" in tensors:
+        _check_lse_shape(c, tensors["lse_ref"], dims)
+    _check_bound_shapes(c, options, dims.seqlen_q)
+    if options.sinks is not None:
+        _check_sinks_shape(c, options.sinks, dims.bs, dims.nheads)
+    return dims
+
+
+# --- values: the kernels' arrays -----------------------------------------------------------
+
+def _kernel_lse(c: Caller, lse: np.ndarray, dims: Dims) -> np.ndarray:
+    natural = (dims.bs, dims.nheads, dims.seqlen_q)
+    if lse.ndim == 4:  # lse[b, h, p, t] is row t * 128 + p
+        lse = np.ascontiguousarray(lse.transpose(0, 1, 3, 2)).reshape(natural)
+    out = kernel_view(lse)
     bad = _count_nan_or_neg_inf(out.reshape(-1))
     if bad:
-        raise ValueError(f"{name} must not contain NaN or -inf, got {bad} such element(s)")
+        raise ValueError(f"{c('lse_ref')} must not contain NaN or -inf, got {bad} such element(s)")
     return out
 
 
-def _validate_bounds(c: _Caller, bound_min, bound_max, seqlen_q: int):
-    if (bound_min is None) != (bound_max is None):
-        given = c("bound_min") if bound_max is None else c("bound_max")
-        raise ValueError(f"{c('bound_min')} and {c('bound_max')} must be given together, got only {given}")
-    if bound_min is None:
+def _kernel_bounds(c: Caller, options: AttentionOptions):
+    if options.bound_min is None:
         empty = np.zeros(0, dtype=np.float32)
-        return empty, empty, False
-    out = []
-    for name, b in ((c("bound_min"), bound_min), (c("bound_max"), bound_max)):
-        b = _require_array(name, b)
-        if b.dtype != np.float32:
-            raise TypeError(f"{name} must be float32, got {b.dtype}")
-        _require_shape(name, b.shape, (seqlen_q,), "one bound per query row")
-        if np.isnan(b).any():
-            raise ValueError(f"{name} must not contain NaN")
-        out.append(kernel_view(b))
-    return out[0], out[1], True
+        return empty, empty
+    for key in ("bound_min", "bound_max"):
+        if np.isnan(getattr(options, key)).any():
+            raise ValueError(f"{c(key)} must not contain NaN")
+    return kernel_view(options.bound_min), kernel_view(options.bound_max)
 
 
-def _validate_sinks(c: _Caller, sinks_ref, bs: int, nheads: int):
-    if sinks_ref is None:
-        return np.zeros((bs, nheads, 0), dtype=np.float32), None, None
-    name = c("sinks_ref")
-    s = _require_array(name, sinks_ref)
-    if not _allowed_dtype(s.dtype):
-        raise TypeError(f"{name} must be float32 or bfloat16, got {s.dtype}")
-    if s.ndim == 2:
-        _require_shape(name, s.shape, (bs, nheads), "[bs, nheads] or [bs, nheads, num_sinks]")
-    elif s.ndim == 3:
-        if s.shape[:2] != (bs, nheads) or s.shape[2] < 1:
-            raise ValueError(f"{name} must have shape ({bs}, {nheads}, num_sinks >= 1), got {s.shape}")
-    else:
-        raise ValueError(f"{name} must be [bs, nheads] or [bs, nheads, num_sinks], got shape {s.shape}")
-    num_sinks = 1 if s.ndim == 2 else s.shape[2]  # explicit: -1 is ambiguous when bs == 0
-    s32 = np.ascontiguousarray(s.astype(np.float32)).reshape(bs, nheads, num_sinks)
-    _require_finite(name, s32)
-    return s32, tuple(s.shape), s.dtype
+def _kernel_sinks(c: Caller, sinks, dims: Dims) -> np.ndarray:
+    """float32 ``[bs, nheads, num_sinks]`` (num_sinks 0 without sinks; ``[nheads]`` broadcast)."""
+    if sinks is None:
+        return np.zeros((dims.bs, dims.nheads, 0), dtype=np.float32)
+    num_sinks = sinks.shape[2] if sinks.ndim == 3 else 1  # explicit: -1 is ambiguous when bs == 0
+    s32 = np.broadcast_to(sinks.astype(np.float32), (dims.bs, dims.nheads)) if sinks.ndim == 1 else sinks
+    s32 = np.ascontiguousarray(s32.astype(np.float32)).reshape(dims.bs, dims.nheads, num_sinks)
+    _require_finite(c("sinks_ref"), s32)
+    return s32
 
 
-def _validate_attention(c: _Caller, keys, arrays, sinks_ref, bound_min, bound_max, use_causal_mask,
-                        mixed_precision, softmax_scale, sliding_window):
-    """Checks shared by forward and backward; ``arrays`` starts with q, k, v.
-
-    ``keys`` are the kernel's names of ``arrays`` (``q_ref``, ...); messages
-    show them, and the shapes and axes, as the caller ``c`` has them.
-    """
-    use_causal_mask = _require_bool(c("use_causal_mask"), use_causal_mask)
-    mixed_precision = _require_bool(c("mixed_precision"), mixed_precision)
-    for key, x in zip(keys, arrays):
-        dims = ("bs", "nheads_kv", "d_head", "seqlen_k") if key in ("k_ref", "v_ref") \
-            else ("bs", "nheads", "d_head", "seqlen_q")
-        _require_ndim(c(key), x, 4, functools.partial(c.dims, dims))
-    q, k, v = arrays[:3]
-    qn, kn = c("q_ref"), c("k_ref")
-    dtype = q.dtype
-    if not _allowed_dtype(dtype):
-        raise TypeError(f"{qn} must be float32 or bfloat16 (ml_dtypes.bfloat16), got {dtype}")
-    for key, x in zip(keys[1:], arrays[1:]):
-        if x.dtype != dtype:
-            raise TypeError(f"{c(key)} must have the dtype of {qn} ({dtype}), got {x.dtype}")
-    bs, nheads, d_head, seqlen_q = q.shape
-    if d_head < 1:
-        raise ValueError(f"d_head ({qn}.shape[{c.axis(2)}]) must be >= 1, got {d_head}")
-    if nheads < 1:
-        raise ValueError(f"nheads ({qn}.shape[{c.axis(1)}]) must be >= 1, got {nheads}")
-    nheads_kv, seqlen_k = k.shape[1], k.shape[3]
-    if k.shape[0] != bs or k.shape[2] != d_head:
-        expected = ", ".join(c.order((str(bs), "nheads_kv", str(d_head), "seqlen_k")))
-        raise ValueError(f"{kn} must have shape ({expected}) to match {qn}, got {c.shape(k)}")
-    if nheads_kv < 1 or nheads % nheads_kv:
-        raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({kn}.shape[{c.axis(1)}]), got "
-                         f"nheads_kv={nheads_kv}")
-    if v.shape != k.shape:
-        _require_shape(c("v_ref"), c.shape(v), c.shape(k), f"same as {kn}")
-    for key, x in zip(keys[3:], arrays[3:]):
-        if x.shape != q.shape:
-            _require_shape(c(key), c.shape(x), c.shape(q), f"same as {qn}")
-    if use_causal_mask and seqlen_q != seqlen_k:
-        raise ValueError(f"use_causal_mask=True requires seqlen_q == seqlen_k, got seqlen_q={seqlen_q}, "
-                         f"seqlen_k={seqlen_k}")
-    window = _validate_window(sliding_window, use_causal_mask, seqlen_k)
-    scale = _validate_scale(softmax_scale, d_head)
-    bmin, bmax, use_packing = _validate_bounds(c, bound_min, bound_max, seqlen_q)
-    sinks, sinks_shape, sinks_dtype = _validate_sinks(c, sinks_ref, bs, nheads)
-    kernel_arrays = [_as_kernel_array(x) for x in arrays]
-    for key, x in zip(keys, kernel_arrays):
+def _validate(c: Caller, tensors: dict, options: AttentionOptions) -> Problem:
+    tensors = {key: _require_array(c(key), x) for key, x in tensors.items()}
+    opts = check_options(options, c)
+    key_of = {"sinks": "sinks_ref", "bound_min": "bound_min", "bound_max": "bound_max"}
+    for field_name, x in opts.arrays().items():
+        if x is not None:
+            _require_array(c(key_of[field_name]), x)
+    dims = check_tensors(tensors, opts, c)
+    bmin, bmax = _kernel_bounds(c, opts)
+    sinks = _kernel_sinks(c, opts.sinks, dims)
+    arrays = {key: _as_kernel_array(x) for key, x in tensors.items() if key != "lse_ref"}
+    for key, x in arrays.items():
         _require_finite(c(key), x)
-    return kernel_arrays, dict(sinks=sinks, sinks_shape=sinks_shape, sinks_dtype=sinks_dtype,
-                               bound_min=bmin, bound_max=bmax, use_packing=use_packing,
-                               use_causal_mask=use_causal_mask, window=window, softmax_scale=scale,
-                               dtype=np.dtype(dtype), mixed_precision=mixed_precision)
+    lse = _kernel_lse(c, tensors["lse_ref"], dims) if "lse_ref" in tensors else None
+    return Problem(arrays["q_ref"], arrays["k_ref"], arrays["v_ref"], arrays.get("o_ref"), arrays.get("dy_ref"),
+                   lse, sinks, None if opts.sinks is None else tuple(opts.sinks.shape),
+                   None if opts.sinks is None else opts.sinks.dtype, bmin, bmax, opts.bound_min is not None,
+                   opts.use_causal_mask, min(opts.sliding_window, dims.seqlen_k),
+                   resolve_scale(opts.softmax_scale, dims.d_head), np.dtype(tensors["q_ref"].dtype),
+                   opts.mixed_precision, opts.dropout_p, opts.seed, opts.seed_offset)
 
 
-def validate_fwd_inputs(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None,
-                        use_causal_mask=False, mixed_precision=False, softmax_scale=None,
-                        sliding_window=None, dropout_p=0.0, seed=None, seed_offset=0, *,
-                        names: Optional[Mapping[str, str]] = None, layout: str = "neuron") -> Problem:
-    """Check every argument of :func:`numbafa.attention_fwd`; return them normalised.
+def validate_fwd_inputs(q_ref, k_ref, v_ref, options: AttentionOptions = AttentionOptions(),
+                        caller: Caller = KERNEL_CALLER) -> Problem:
+    """Check every argument of one forward call; return them normalised for the kernels.
 
     Parameters
     ----------
-    q_ref ... seed_offset
+    q_ref, k_ref, v_ref : ndarray
         As :func:`numbafa.attention_fwd` (Neuron-layout arrays, possibly views).
-    names : mapping, optional
-        The caller's names of the arguments, keyed by the names above (e.g.
-        ``{"q_ref": "q", "dy_ref": "do"}``); error messages use them.
-    layout : {"neuron", "bshd", "bhsd"}
-        The layout of the caller's arrays before :func:`numbafa.layout.to_neuron`;
-        error messages give shapes and axes in it.
+    options : AttentionOptions
+        The other arguments, as the user gave them or already checked (:func:`check_options`).
+    caller : Caller
+        The caller's argument names and array layout; error messages use them.
     """
-    c = _Caller(dict(names or {}), layout)
-    keys = ("q_ref", "k_ref", "v_ref")
-    arrays = [_require_array(c(n), x) for n, x in zip(keys, (q_ref, k_ref, v_ref))]
-    (q, k, v), opts = _validate_attention(c, keys, arrays, sinks_ref, bound_min, bound_max,
-                                          use_causal_mask, mixed_precision, softmax_scale,
-                                          sliding_window)
-    opts.update(validate_dropout(dropout_p, seed, seed_offset, names))
-    return Problem(q, k, v, None, None, None, **opts)
+    return _validate(caller, dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref), options)
 
 
-def validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
-                        bound_max=None, use_causal_mask=False, mixed_precision=False,
-                        softmax_scale=None, sliding_window=None, dropout_p=0.0, seed=None,
-                        seed_offset=0, *, names: Optional[Mapping[str, str]] = None,
-                        layout: str = "neuron") -> Problem:
-    """Check every argument of :func:`numbafa.attention_bwd`; return them normalised.
+def validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, options: AttentionOptions = AttentionOptions(),
+                        caller: Caller = KERNEL_CALLER) -> Problem:
+    """Check every argument of one backward call; return them normalised for the kernels.
 
-    Parameters
-    ----------
-    q_ref ... seed_offset
-        As :func:`numbafa.attention_bwd` (Neuron-layout arrays, possibly views).
-    names : mapping, optional
-        The caller's names of the arguments, keyed by the names above (e.g.
-        ``{"q_ref": "q", "dy_ref": "do"}``); error messages use them.
-    layout : {"neuron", "bshd", "bhsd"}
-        The layout of the caller's arrays before :func:`numbafa.layout.to_neuron`;
-        error messages give shapes and axes in it.
+    As :func:`validate_fwd_inputs`, with ``o_ref``, ``dy_ref`` and ``lse_ref``
+    (:func:`numbafa.attention_bwd`).
     """
-    c = _Caller(dict(names or {}), layout)
-    keys = ("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref")
-    arrays = [_require_array(c(n), x) for n, x in zip(keys, (q_ref, k_ref, v_ref, o_ref, dy_ref))]
-    kernel_arrays, opts = _validate_attention(c, keys, arrays, sinks_ref, bound_min, bound_max,
-                                              use_causal_mask, mixed_precision, softmax_scale,
-                                              sliding_window)
-    bs, nheads, _, seqlen_q = arrays[0].shape
-    lse = _validate_lse(c, lse_ref, bs, nheads, seqlen_q)
-    opts.update(validate_dropout(dropout_p, seed, seed_offset, names))
-    return Problem(*kernel_arrays, lse=lse, **opts)
+    return _validate(caller, dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, o_ref=o_ref, dy_ref=dy_ref,
+                                  lse_ref=lse_ref), options)

@@ -81,6 +81,22 @@ def forward_options(inputs):
     return {key: inputs[key] for key in FWD_OPTIONS if key in inputs}
 
 
+#: The backward's arrays in a ``make_inputs`` dict, in ``attention_bwd``'s order.
+BWD_ARRAYS = ("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref", "lse_ref")
+
+
+def validated(inputs, backward=True, **options):
+    """The kernels' :class:`numbafa.validation.Problem` of a ``make_inputs`` dict (plus ``options``,
+    keyword arguments of ``attention_bwd``), through numbafa's own validation."""
+    from numbafa.options import AttentionOptions
+    from numbafa.validation import validate_bwd_inputs, validate_fwd_inputs
+
+    kw = {**{key: x for key, x in inputs.items() if key not in BWD_ARRAYS}, **options}
+    kw["sinks"] = kw.pop("sinks_ref", None)
+    arrays = [inputs[key] for key in BWD_ARRAYS[:6 if backward else 3]]
+    return (validate_bwd_inputs if backward else validate_fwd_inputs)(*arrays, AttentionOptions(**kw))
+
+
 #: Shape families shared by the float32 and bf16 tests: (id, Case).
 CASES = [
     # --- attention variants -------------------------------------------------

@@ -19,7 +19,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 import numbafa  # noqa: E402
 import numbafa.distributed as nd  # noqa: E402
 from numbafa import shards  # noqa: E402
-from _problems import Case, forward_options, make_inputs  # noqa: E402
+from _problems import Case, forward_options, make_inputs, validated  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 
@@ -243,22 +243,22 @@ def test_tasks_get_contiguous_blocks_of_units_in_unit_order():
                                             ("mha", 1), ("mqa-batch1-split", 1)])
 def test_small_units_are_grouped_up_to_two_tasks_per_worker_thread(name, expected):
     from numbafa.kernels.bundles import make_plan
-    from numbafa.validation import validate_bwd_inputs
     case = dict((c[0], c[1]) for c in CASES)[name]
-    prob = validate_bwd_inputs(**make_inputs(case))
+    prob = validated(make_inputs(case))
     assert nd._units_per_task(make_plan(prob, backward=True), prob, n_slots=2) == expected
 
 
 @pytest.mark.parametrize("n_chunks", [1, 2, 3])
 def test_any_forward_row_split_gives_the_single_process_bits(n_chunks):
     from numbafa.kernels.bundles import FwdInputs, make_plan
+    from numbafa.options import AttentionOptions
     from numbafa.validation import validate_fwd_inputs
     case = Case(bs=1, nheads=1, nheads_kv=1, d_head=16, seqlen_q=2560, seqlen_k=2560, causal=True,
                 num_sinks=1)   # 5 Q groups: 3 chunks each own some
     inputs = make_inputs(case)
     args = (inputs["q_ref"], inputs["k_ref"], inputs["v_ref"], inputs["sinks_ref"])
     expected = numbafa.attention_fwd(*args, use_causal_mask=True, lse_layout="natural")
-    prob = validate_fwd_inputs(*args, use_causal_mask=True)
+    prob = validate_fwd_inputs(*args[:3], AttentionOptions(sinks=args[3], use_causal_mask=True))
     plan = shards.with_q_chunks(make_plan(prob, backward=False), n_chunks)
     parts = []
     for chunk in range(n_chunks):
@@ -271,12 +271,11 @@ def test_any_forward_row_split_gives_the_single_process_bits(n_chunks):
 
 def test_the_backward_merge_of_chunks_gives_the_single_process_bits():
     from numbafa.kernels.bundles import BwdInputs, make_plan
-    from numbafa.validation import validate_bwd_inputs
     case = Case(bs=1, nheads=2, nheads_kv=1, d_head=16, seqlen_q=1024, seqlen_k=1024, causal=True,
                 num_sinks=2)
     inputs = make_inputs(case)
     expected = numbafa.attention_bwd(**inputs)
-    prob = validate_bwd_inputs(**inputs)
+    prob = validated(inputs)
     plan = make_plan(prob, backward=True)
     assert plan.tiling.q_chunks == 2
     parts = []
@@ -352,10 +351,9 @@ def test_a_share_needs_its_own_origin_with_dropout(kernel):
     single-process bits of those heads; given the origin (0, 0) of the arrays it holds it
     draws another mask and differs."""
     from numbafa.kernels.bundles import BwdInputs, FwdInputs, make_plan
-    from numbafa.validation import validate_bwd_inputs
     case = DROPOUT_CASES[1][1]
     inputs, fwd = _dropout_inputs(case, np.float32, False)
-    prob = validate_bwd_inputs(**inputs, **DROPOUT)
+    prob = validated(inputs, **DROPOUT)
     plan = make_plan(prob, backward=kernel == "backward")
     assert plan.tiling.q_chunks == 1
     b, heads, kv = 1, slice(2, 4), slice(1, 2)

@@ -121,7 +121,7 @@ NAMED_ERRORS = [
     (dict(q=np.where(np.arange(8) == 3, np.nan, Q).astype(np.float32)), ValueError,
      "q must be finite, got 256 NaN/inf element(s) of 2048"),
     (dict(sinks=np.zeros((1, 3), np.float32)), ValueError,
-     "sinks must have shape (1, 4) ([bs, nheads] or [bs, nheads, num_sinks]), got (1, 3)"),
+     "sinks must have shape (4,) [nheads], (1, 4) [bs, nheads] or (1, 4, num_sinks >= 1) [bs, nheads, num_sinks], got (1, 3)"),
     (dict(sinks=np.zeros((1, 4), np.float64)), TypeError, "sinks must be float32 or bfloat16, got float64"),
     (dict(bound_min=np.zeros(64, np.float32)), ValueError,
      "bound_min and bound_max must be given together, got only bound_min"),

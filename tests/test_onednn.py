@@ -10,7 +10,7 @@ import numbafa
 from numbafa import blas, golden, onednn
 from numbafa.kernels import bundles
 
-from _problems import Case, make_inputs
+from _problems import Case, make_inputs, validated
 from _tolerances import MIN_IDENTICAL
 from test_bf16 import faithfulness
 
@@ -65,14 +65,12 @@ def test_plan_marks_the_gemm_path():
     """plan.gemm is None on the BLAS path and the ONEDNN marker on the oneDNN one, for both dtypes;
     only bf16 inputs on the oneDNN path take bf16 operand tiles."""
     from numbafa.kernels.matmul import ONEDNN
-    from numbafa.validation import validate_bwd_inputs
-
     for dtype, path, gemm, operand in ((np.float32, "blas", None, np.float32),
                                        (np.float32, "onednn", ONEDNN, np.float32),
                                        (BF16, "blas", None, np.float32),
                                        (BF16, "onednn", ONEDNN, np.uint16)):
         inputs = make_inputs(Case(seqlen_q=128, seqlen_k=128), dtype)
-        prob = validate_bwd_inputs(**inputs)
+        prob = validated(inputs)
         original = bundles.gemm_path
         bundles.gemm_path = lambda: (path, "set by the test")
         try:
@@ -83,10 +81,8 @@ def test_plan_marks_the_gemm_path():
 
 
 def test_float32_inputs_never_take_bf16_operands():
-    from numbafa.validation import validate_bwd_inputs
-
     inputs = make_inputs(Case(seqlen_q=128, seqlen_k=128))
-    plan = bundles.make_plan(validate_bwd_inputs(**inputs), backward=True)
+    plan = bundles.make_plan(validated(inputs), backward=True)
     assert plan.operand.dtype == np.float32
 
 

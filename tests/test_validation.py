@@ -60,10 +60,10 @@ BAD = [
     ({"sliding_window": 64}, ValueError,
      "sliding_window=64 requires use_causal_mask=True (None or a value < 1: no window), got use_causal_mask=False"),
     ({"sliding_window": 64.0, "use_causal_mask": True}, TypeError,
-     "sliding_window must be an int or None (None or a value < 1: no window), got float"),
+     "sliding_window must be an int or None, got float 64.0 (None or a value < 1: no window)"),
     ({"sliding_window": -1.0}, TypeError, "sliding_window must be an int or None"),
     ({"sliding_window": True, "use_causal_mask": True}, TypeError,
-     "sliding_window must be an int or None (None or a value < 1: no window), got bool"),
+     "sliding_window must be an int or None, got bool True (None or a value < 1: no window)"),
     ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be finite in float32 (|softmax_scale| <= "
                                                   "3.4028235e+38), got nan"),
     ({"softmax_scale": float("inf")}, ValueError, "softmax_scale must be finite in float32"),
@@ -89,16 +89,15 @@ BAD = [
     ({"bound_min": np.zeros(256, np.float64), "bound_max": np.zeros(256, np.float32)}, TypeError,
      "bound_min must be float32, got float64"),
     ({"bound_min": np.zeros(256, np.float32), "bound_max": np.zeros(255, np.float32)}, ValueError,
-     "bound_max must have shape (256,) (one bound per query row), got (255,)"),
+     "bound_max must have shape (256,) (one bound per query row: [seqlen_q]), got (255,)"),
     ({"bound_min": np.zeros(256, np.float32), "bound_max": with_nan(np.zeros(256, np.float32))}, ValueError,
      "bound_max must not contain NaN"),
     ({"bound_min": [0] * 256, "bound_max": np.zeros(256, np.float32)}, TypeError,
      "bound_min must be a numpy.ndarray, got list"),
     ({"sinks_ref": np.zeros((1, 3), np.float32)}, ValueError,
-     "sinks_ref must have shape (1, 4) ([bs, nheads] or [bs, nheads, num_sinks]), got (1, 3)"),
-    ({"sinks_ref": np.zeros((1, 4, 0), np.float32)}, ValueError,
-     "sinks_ref must have shape (1, 4, num_sinks >= 1), got (1, 4, 0)"),
-    ({"sinks_ref": np.zeros((4,), np.float32)}, ValueError, "sinks_ref must be [bs, nheads] or [bs, nheads, num_sinks]"),
+     "sinks_ref must have shape (4,) [nheads], (1, 4) [bs, nheads] or (1, 4, num_sinks >= 1) [bs, nheads, num_sinks], got (1, 3)"),
+    ({"sinks_ref": np.zeros((1, 4, 0), np.float32)}, ValueError, "got (1, 4, 0)"),
+    ({"sinks_ref": np.zeros((5,), np.float32)}, ValueError, "sinks_ref must have shape (4,) [nheads], (1, 4)"),
     ({"sinks_ref": np.zeros((1, 4), np.int32)}, TypeError, "sinks_ref must be float32 or bfloat16, got int32"),
     ({"sinks_ref": with_nan(np.zeros((1, 4), np.float32), np.inf)}, ValueError,
      "sinks_ref must be finite, got 1 NaN/inf element(s) of 4"),
@@ -222,16 +221,17 @@ def test_zero_heads_and_head_dim_stay_errors():
 def test_display_names_and_layout_in_messages():
     """What numbafa.attention relies on: messages in the caller's names and layout."""
     from numbafa import layout
+    from numbafa.options import AttentionOptions, Caller
     from numbafa.validation import validate_fwd_inputs
 
     q = np.zeros((1, 256, 4, 16), np.float32)           # bshd
     k = np.zeros((1, 256, 2, 8), np.float32)
-    names = {"q_ref": "q", "k_ref": "k", "v_ref": "v", "sinks_ref": "sinks"}
+    caller = Caller({"q_ref": "q", "k_ref": "k", "v_ref": "v", "sinks_ref": "sinks"}, "bshd")
     qn, kn = layout.to_neuron(q, "bshd"), layout.to_neuron(k, "bshd")
     with pytest.raises(ValueError) as info:
-        validate_fwd_inputs(qn, kn, kn, names=names, layout="bshd")
+        validate_fwd_inputs(qn, kn, kn, AttentionOptions(), caller)
     assert str(info.value) == "k must have shape (1, seqlen_k, nheads_kv, 16) to match q, got (1, 256, 2, 8)"
     with pytest.raises(ValueError, match=r"^d_head \(q.shape\[3\]\) must be >= 1, got 0$"):
-        validate_fwd_inputs(qn[:, :, :0], kn[:, :, :0], kn[:, :, :0], names=names, layout="bshd")
+        validate_fwd_inputs(qn[:, :, :0], kn[:, :, :0], kn[:, :, :0], AttentionOptions(), caller)
     with pytest.raises(TypeError, match=r"^v must have the dtype of q \(float32\), got float64$"):
-        validate_fwd_inputs(qn, qn, qn.astype(np.float64), names=names, layout="bshd")
+        validate_fwd_inputs(qn, qn, qn.astype(np.float64), AttentionOptions(), caller)

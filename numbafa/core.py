@@ -1,0 +1,149 @@
+"""The one execution path of every call: validate -> plan -> allocate -> run items -> finish -> convert.
+
+:func:`attention_fwd` and :func:`attention_bwd` are what every front end
+runs on NumPy arrays (the public API, :func:`numbafa.attention`, the torch
+and JAX adapters' host calls), with the caller's
+:class:`~numbafa.options.AttentionOptions` and
+:class:`~numbafa.options.Caller`. The Dask shares (:mod:`numbafa.shards`)
+run parts of a problem through the same steps below it:
+:func:`run_fwd` / :func:`run_bwd` allocate the kernels' outputs and launch
+the work items (:mod:`numbafa.kernels.launch`), :func:`to_dtype` and
+:func:`user_dsinks` convert the float32 results to the caller's dtypes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numba
+import numpy as np
+
+from .dtypes import to_bf16_array
+from .kernels.backward import new_bwd_stats
+from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, make_plan
+from .kernels.launch import run_backward, run_forward
+from .layout import lse_to_neuron
+from .options import AttentionOptions, Caller
+from .runtime import kernel_call
+from .tiling import Q_TILE
+from .validation import validate_bwd_inputs, validate_fwd_inputs
+
+__all__ = ["LSE_LAYOUTS", "attention_bwd", "attention_fwd", "check_lse_layout", "lse_out", "run_bwd",
+           "run_fwd", "to_dtype", "user_dsinks"]
+
+#: The layouts of the forward's lse: the Neuron kernel's ``[bs, nheads, 128, seqlen_q // 128]``
+#: and the natural ``[bs, nheads, seqlen_q]``.
+LSE_LAYOUTS = ("neuron", "natural")
+
+
+def check_lse_layout(lse_layout, seqlen_q=None) -> None:
+    """``lse_layout`` is one of :data:`LSE_LAYOUTS`, and ``"neuron"`` fits ``seqlen_q`` (when given)."""
+    if lse_layout not in LSE_LAYOUTS:
+        raise ValueError(f"lse_layout must be one of {LSE_LAYOUTS}, got {lse_layout!r}")
+    if seqlen_q is not None and lse_layout == "neuron" and seqlen_q % Q_TILE:
+        raise ValueError(f"lse_layout='neuron' needs seqlen_q divisible by {Q_TILE}, got "
+                         f"seqlen_q={seqlen_q}; use lse_layout='natural'")
+
+
+def lse_out(lse: np.ndarray, lse_layout: str) -> np.ndarray:
+    """The kernels' natural lse ``[bs, nheads, seqlen_q]`` in ``lse_layout``."""
+    return lse_to_neuron(lse) if lse_layout == "neuron" else lse
+
+
+def to_dtype(x: np.ndarray, dtype) -> np.ndarray:
+    """Kernel float32 output -> ``dtype`` (float32 or bf16; bf16 values are already rounded: exact)."""
+    return x if np.dtype(dtype) == np.float32 else to_bf16_array(x)
+
+
+def user_dsinks(dsinks: np.ndarray, shape: tuple, dtype) -> np.ndarray:
+    """The kernels' float32 dsinks ``[bs, nheads, num_sinks]`` in the sinks' ``shape`` and ``dtype``;
+    sinks ``[nheads]`` (shared by the batch) get the float32 sum over the batch, rounded once."""
+    if len(shape) == 1:
+        dsinks = dsinks.reshape(dsinks.shape[0], -1).sum(axis=0, dtype=np.float32)
+    return to_dtype(np.ascontiguousarray(dsinks), dtype).reshape(shape)
+
+
+def _kernel_name(pass_name: str, plan) -> str:
+    """The kernel's name in the compile announcement: a kernel with dropout is compiled apart."""
+    return pass_name if plan.dropout is None else pass_name + " (with dropout)"
+
+
+def _dtype_name(ins) -> str:
+    return "float32" if ins.q.dtype == np.float32 else "bfloat16"
+
+
+@contextlib.contextmanager
+def _threads(n_threads):
+    """Numba's thread count of this thread set to ``n_threads`` (None: left as it is), then
+    restored (``numba.set_num_threads`` is per thread)."""
+    if n_threads is None:
+        yield
+        return
+    previous = numba.get_num_threads()
+    numba.set_num_threads(max(1, min(int(n_threads), numba.config.NUMBA_NUM_THREADS)))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(previous)
+
+
+def bwd_outputs(ins: BwdInputs, q_chunks: int) -> BwdOutputs:
+    """The backward's float32 outputs, with the dK/dV partials of split units (``q_chunks > 1``)."""
+    nb, nheads, d_head, seqlen_q = ins.q.shape
+    nheads_kv, seqlen_k = ins.k.shape[1], ins.k.shape[3]
+    part_shape = (nb * nheads_kv, q_chunks - 1, d_head, seqlen_k) if q_chunks > 1 else (1, 1, d_head, 0)
+    return BwdOutputs(np.empty((nb, nheads, d_head, seqlen_q), dtype=np.float32),
+                      np.empty((nb, nheads_kv, d_head, seqlen_k), dtype=np.float32),
+                      np.empty((nb, nheads_kv, d_head, seqlen_k), dtype=np.float32),
+                      np.empty(ins.sinks.shape, dtype=np.float32),
+                      np.empty(part_shape, dtype=np.float32), np.empty(part_shape, dtype=np.float32))
+
+
+def run_fwd(ins: FwdInputs, plan, items=None, n_threads=None) -> FwdOutputs:
+    """Allocate the forward's float32 ``o`` and ``lse`` and run its work ``items`` (None: all)
+    on ``n_threads`` threads (None: ``numba.get_num_threads()``; any number, the same bits)."""
+    nb, nheads, d_head, seqlen_q = ins.q.shape
+    outs = FwdOutputs(np.empty((nb, nheads, d_head, seqlen_q), dtype=np.float32),
+                      np.empty((nb, nheads, seqlen_q), dtype=np.float32))
+    with kernel_call(_kernel_name("forward", plan), _dtype_name(ins)), _threads(n_threads):
+        run_forward(ins, outs, plan, items)
+    return outs
+
+
+def run_bwd(ins: BwdInputs, plan, items=None, units=None, n_threads=None, state=None):
+    """Run the backward's work ``items`` and finish its ``units`` (None: all, as
+    :func:`~numbafa.kernels.launch.run_backward`); return ``(outs, stats)``.
+
+    ``state``: the ``(outs, stats)`` to finish into (the Dask merge of split units); None:
+    allocated here (:func:`bwd_outputs`, :func:`~numbafa.kernels.backward.new_bwd_stats`).
+    """
+    outs, stats = state if state is not None else (bwd_outputs(ins, plan.tiling.q_chunks), new_bwd_stats(ins))
+    with kernel_call(_kernel_name("backward", plan), _dtype_name(ins)), _threads(n_threads):
+        run_backward(ins, outs, stats, plan, items, units)
+    return outs, stats
+
+
+def attention_fwd(q, k, v, options: AttentionOptions, caller: Caller, lse_layout: str = "natural"):
+    """The forward of a whole problem: ``(o, lse)``, ``o`` in the inputs' dtype, lse in ``lse_layout``.
+
+    ``q, k, v``: Neuron-layout NumPy arrays; ``options`` as the user gave them (checked here);
+    ``caller``: names and layout for the messages.
+    """
+    check_lse_layout(lse_layout)
+    prob = validate_fwd_inputs(q, k, v, options, caller)
+    check_lse_layout(lse_layout, prob.q.shape[3])
+    plan = make_plan(prob, backward=False)
+    outs = run_fwd(FwdInputs(prob.q, prob.k, prob.v, prob.sinks), plan)
+    return to_dtype(outs.o, prob.dtype), lse_out(outs.lse, lse_layout)
+
+
+def attention_bwd(q, k, v, o, dy, lse, options: AttentionOptions, caller: Caller) -> tuple:
+    """The backward of a whole problem: ``(dq, dk, dv)`` in the inputs' dtype, ``+ (dsinks,)``
+    in the sinks' shape and dtype when there are sinks. Arguments as :func:`attention_fwd`."""
+    prob = validate_bwd_inputs(q, k, v, o, dy, lse, options, caller)
+    plan = make_plan(prob, backward=True)
+    outs, _ = run_bwd(BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks), plan)
+    grads = (to_dtype(outs.dq, prob.dtype), to_dtype(outs.dk, prob.dtype), to_dtype(outs.dv, prob.dtype))
+    if prob.sinks_shape is None:
+        return grads
+    return grads + (user_dsinks(outs.dsinks, prob.sinks_shape, prob.sinks_dtype),)

@@ -1,0 +1,101 @@
+"""The options of one attention call, and how the caller spells its arguments.
+
+:class:`AttentionOptions` is the one value every layer below the public
+functions carries: built once from the user's keyword arguments by
+:func:`numbafa.validation.check_options` (which checks the scalar options),
+completed by the array checks of :func:`numbafa.validation.validate_fwd_inputs`
+/ :func:`~numbafa.validation.validate_bwd_inputs`. :class:`Caller` says how
+the front end that was called names the arguments (``q`` or ``q_ref``,
+``causal`` or ``use_causal_mask``) and which layout its 4-D arrays had, so
+that every message speaks the caller's words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Mapping, Optional
+
+import numpy as np
+
+from .layout import check_layout, from_neuron_perm
+
+__all__ = ["AttentionOptions", "Caller", "KERNEL_CALLER"]
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionOptions:
+    """Everything but the tensors of one forward or backward call.
+
+    The scalar fields are checked and normalised (:func:`numbafa.validation.check_options`);
+    the arrays are the caller's, checked against the tensors' shapes later.
+
+    Attributes
+    ----------
+    sinks : ndarray ``[nheads]``, ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``, or None
+    bound_min, bound_max : float32 ndarray ``[seqlen_q]``, or None (both or neither)
+    use_causal_mask, mixed_precision : bool
+    softmax_scale : float or None
+        None: the default ``1 / sqrt(d_head)`` (the user's ``None`` or ``0.0``).
+    sliding_window : int
+        0: no window (the user's ``None`` or any value < 1); not yet capped at ``seqlen_k``.
+    dropout_p : float in ``[0, 1)``
+    seed, seed_offset : int in ``[0, 2**64)`` (seed 0 when there is no dropout)
+    """
+
+    sinks: Optional[np.ndarray] = None
+    bound_min: Optional[np.ndarray] = None
+    bound_max: Optional[np.ndarray] = None
+    use_causal_mask: bool = False
+    mixed_precision: bool = False
+    softmax_scale: Optional[float] = None
+    sliding_window: int = 0
+    dropout_p: float = 0.0
+    seed: int = 0
+    seed_offset: int = 0
+
+    def as_kwargs(self) -> dict:
+        """The options as :func:`numbafa.attention_fwd` / ``attention_bwd`` (and the goldens)
+        take them: ``sinks_ref=...``, ``use_causal_mask=...``, ..."""
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self)}
+        kwargs["sinks_ref"] = kwargs.pop("sinks")
+        return kwargs
+
+    def arrays(self) -> dict:
+        """The options that are arrays, by field name (None when absent)."""
+        return {"sinks": self.sinks, "bound_min": self.bound_min, "bound_max": self.bound_max}
+
+
+@dataclass(frozen=True)
+class Caller:
+    """How the caller spells the arguments, for the messages.
+
+    ``names`` maps the kernel's argument names (``q_ref``, ``dy_ref``,
+    ``use_causal_mask``, ...) to the caller's; ``layout`` is the layout the
+    caller's 4-D arrays had before :func:`numbafa.layout.to_neuron`: shapes
+    and axes are shown in it.
+    """
+
+    names: Mapping[str, str] = field(default_factory=dict)
+    layout: str = "neuron"
+
+    def __call__(self, name: str) -> str:
+        return self.names.get(name, name)
+
+    def axis(self, neuron_axis: int) -> int:
+        """The caller's index of a Neuron-layout axis."""
+        return check_layout(self.layout)[neuron_axis]
+
+    def order(self, neuron_items) -> tuple:
+        """Items given in the Neuron layout's axis order, in the caller's order."""
+        return tuple(neuron_items[i] for i in from_neuron_perm(self.layout))
+
+    def shape(self, x) -> tuple:
+        """Shape of a 4-D Neuron-layout view as the caller's array has it."""
+        return self.order(tuple(x.shape)) if len(x.shape) == 4 else tuple(x.shape)
+
+    def dims(self, neuron_dims: tuple) -> str:
+        return "[" + ", ".join(self.order(neuron_dims)) + "]"
+
+
+#: The public NumPy API's own names, in the Neuron layout.
+KERNEL_CALLER = Caller()
