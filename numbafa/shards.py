@@ -41,14 +41,17 @@ import numba
 import numpy as np
 
 from .dtypes import to_bf16_array
+from .jit import source_hash
 from .kernels.backward import BwdStats, new_bwd_stats
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs
 from .kernels.dropout import with_origin
 from .kernels.launch import needs_finish, run_backward, run_forward
 from .kernels.loops import group_rows, n_q_groups, owns_group
 from .layout import lse_to_neuron
+from .onednn import gemm_path
 from .runtime import kernel_call
 from .validation import kernel_view, validate_bwd_inputs, validate_fwd_inputs
+from .version import __version__
 
 __all__ = ["BwdShard", "owned_rows", "pack_rows", "place_rows", "with_q_chunks", "at_origin", "to_dtype",
            "fwd_chunk", "bwd_chunk", "bwd_merge", "fwd_block", "fwd_block_merge", "bwd_block",
@@ -339,9 +342,6 @@ _WARM = set()
 def fingerprint() -> tuple:
     """What must match between the client and a worker for bitwise-equal results: numbafa's
     sources, Numba, and the GEMM path (float32 sgemm / bf16 oneDNN)."""
-    from . import __version__
-    from .jit import source_hash
-    from .onednn import gemm_path
     return (__version__, source_hash(), numba.__version__, gemm_path()[0])
 
 
