@@ -44,6 +44,8 @@ import scipy.linalg  # noqa: F401  -- loads the BLAS Numba's np.dot calls, so it
 import threadpoolctl
 from threadpoolctl import ThreadpoolController
 
+from .cpu import cpu_flags, cpu_model
+
 __all__ = ["single_threaded_blas", "blas_controller", "backend_info"]
 
 
@@ -132,40 +134,6 @@ def single_threaded_blas():
         _PIN.leave()
 
 
-def _first_cpu() -> dict:
-    """The fields of the first CPU in Linux ``/proc/cpuinfo`` (``{}`` where unavailable)."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    if fields:
-                        break
-                    continue
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    return fields
-
-
-def _cpu_flags():
-    """The CPU feature flags (Linux ``/proc/cpuinfo``), or None where unavailable."""
-    flags = _first_cpu().get("flags")
-    return None if flags is None else set(flags.split())
-
-
-def _cpu_model():
-    """``"<model name> (<vendor>, family F, model M)"`` from Linux ``/proc/cpuinfo`` (first CPU),
-    or None where unavailable: the model name alone does not tell CPU generations apart
-    (VMs often say just "AMD EPYC")."""
-    fields = _first_cpu()
-    if "model name" not in fields:
-        return None
-    return (f"{fields['model name']} ({fields.get('vendor_id', '?')}, family {fields.get('cpu family', '?')}, "
-            f"model {fields.get('model', '?')})")
-
-
 def backend_info() -> dict:
     """Which compute path the kernels take in this process, and on what.
 
@@ -214,7 +182,7 @@ def backend_info() -> dict:
     except (ValueError, RuntimeError) as exc:   # NUMBAFA_GEMM names what cannot run: report it
         path, reason = None, str(exc)
 
-    flags = _cpu_flags()
+    flags = cpu_flags()
     cpu = None if flags is None else {
         name: name in flags for name in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")}
     blas = [{key: lib.info().get(key) for key in
@@ -234,6 +202,6 @@ def backend_info() -> dict:
         "blas": blas,
         "threads": numba.get_num_threads(),
         "cpu": cpu,
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cache": cache_info(),
     }
