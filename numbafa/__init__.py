@@ -22,7 +22,7 @@ golden
 
 from . import golden, layout
 from .api import attention_bwd, attention_fwd, dropout_mask
-from .blas import backend_info
+from .info import backend_info
 from .functional import AttentionContext, attention
 from .version import __version__
 

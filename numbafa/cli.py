@@ -29,7 +29,7 @@ import numpy as np
 
 from . import golden
 from .api import attention_bwd, attention_fwd
-from .blas import backend_info
+from .info import backend_info
 from .jit import cache_info
 from .dtypes import bf16_dtype
 from .kernels.backward import bwd_work_item
