@@ -30,7 +30,8 @@ from numba import njit
 
 import numbafa
 from numbafa import onednn
-from numbafa.blas import _cpu_flags, single_threaded_blas
+from numbafa.blas import single_threaded_blas
+from numbafa.cpu import cpu_flags
 from numbafa.dtypes import to_bf16_array
 from numbafa.kernels.matmul import ONEDNN, matmul
 
@@ -71,7 +72,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     library = onednn.library_path()
-    flags = _cpu_flags() or set()
+    flags = cpu_flags() or set()
     variants = {"blas": _blas}
     if library is not None:
         llvmlite.binding.load_library_permanently(library)

@@ -22,10 +22,9 @@ golden
 
 from . import golden, layout
 from .api import attention_bwd, attention_fwd, dropout_mask
-from .blas import backend_info
+from .info import backend_info
 from .functional import AttentionContext, attention
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["attention", "AttentionContext", "attention_fwd", "attention_bwd", "backend_info", "dropout_mask",
            "golden", "layout", "__version__"]

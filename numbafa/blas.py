@@ -44,7 +44,7 @@ import scipy.linalg  # noqa: F401  -- loads the BLAS Numba's np.dot calls, so it
 import threadpoolctl
 from threadpoolctl import ThreadpoolController
 
-__all__ = ["single_threaded_blas", "blas_controller", "backend_info"]
+__all__ = ["single_threaded_blas", "blas_controller"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -130,110 +130,3 @@ def single_threaded_blas():
         yield
     finally:
         _PIN.leave()
-
-
-def _first_cpu() -> dict:
-    """The fields of the first CPU in Linux ``/proc/cpuinfo`` (``{}`` where unavailable)."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    if fields:
-                        break
-                    continue
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    return fields
-
-
-def _cpu_flags():
-    """The CPU feature flags (Linux ``/proc/cpuinfo``), or None where unavailable."""
-    flags = _first_cpu().get("flags")
-    return None if flags is None else set(flags.split())
-
-
-def _cpu_model():
-    """``"<model name> (<vendor>, family F, model M)"`` from Linux ``/proc/cpuinfo`` (first CPU),
-    or None where unavailable: the model name alone does not tell CPU generations apart
-    (VMs often say just "AMD EPYC")."""
-    fields = _first_cpu()
-    if "model name" not in fields:
-        return None
-    return (f"{fields['model name']} ({fields.get('vendor_id', '?')}, family {fields.get('cpu family', '?')}, "
-            f"model {fields.get('model', '?')})")
-
-
-def backend_info() -> dict:
-    """Which compute path the kernels take in this process, and on what.
-
-    Returns a JSON-serialisable dict:
-
-    ``gemm``
-        How tile matmuls are computed (:mod:`numbafa.kernels.matmul`):
-        the ``path`` (``"onednn"`` or ``"blas"``) and the ``reason`` it was
-        chosen (:func:`numbafa.onednn.gemm_path`: ``NUMBAFA_GEMM``, the
-        CPU's bf16 units, oneDNN installed); ``path`` is None, and ``reason``
-        the error the kernels would raise, when ``NUMBAFA_GEMM`` names a path
-        that cannot run here.
-    ``float32``, ``bfloat16``
-        The arithmetic of each input dtype on that path: float32 tiles and
-        sgemm, oneDNN's ``dnnl_sgemm`` or BLAS (Numba's ``numba_xxgemm`` ->
-        SciPy's ``cython_blas``); bf16 either as bf16 tiles on the bf16
-        units (oneDNN) or widened into float32 tiles for BLAS sgemm, float32
-        accumulation either way.
-    ``blas``
-        The BLAS libraries threadpoolctl finds (``internal_api``,
-        ``version``, ``architecture``, ``filepath``, ``num_threads`` outside
-        a kernel call; inside one they are pinned to 1).
-    ``threads``
-        Threads each kernel call runs its work items on
-        (``numba.get_num_threads()``: the launchers' ``prange``, :mod:`numbafa.kernels.launch`).
-    ``cpu``
-        Whether the CPU advertises ``avx2``, ``fma``, ``avx512f``,
-        ``avx512_bf16`` and ``amx_bf16`` (None off Linux).
-    ``cpu_model``
-        The CPU's model name, vendor, family and model numbers (None off
-        Linux), so that a benchmark figure names the CPU it ran on.
-    ``cache``
-        Whether the on-disk kernel cache is on and where:
-        :func:`numbafa.jit.cache_info` (``enabled``, ``dir``, ``reason``).
-    """
-    import numba
-    import numpy
-    import scipy
-
-    from . import __version__
-    from .jit import cache_info
-    from .onednn import gemm_path
-
-    try:
-        path, reason = gemm_path()
-    except (ValueError, RuntimeError) as exc:   # NUMBAFA_GEMM names what cannot run: report it
-        path, reason = None, str(exc)
-
-    flags = _cpu_flags()
-    cpu = None if flags is None else {
-        name: name in flags for name in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")}
-    blas = [{key: lib.info().get(key) for key in
-             ("internal_api", "version", "architecture", "filepath", "num_threads")}
-            for lib in blas_controller().lib_controllers]
-    return {
-        "numbafa": __version__,
-        "numba": numba.__version__,
-        "numpy": numpy.__version__,
-        "scipy": scipy.__version__,
-        "gemm": {"path": path, "reason": reason},
-        "float32": ("float32 tiles, oneDNN dnnl_sgemm, float32 accumulation" if path == "onednn" else
-                    "float32 tiles, sgemm (numba_xxgemm -> scipy.linalg.cython_blas), float32 accumulation"),
-        "bfloat16": ("bf16 tiles, oneDNN dnnl_gemm_bf16bf16f32 on the bf16 units, float32 accumulation"
-                     if path == "onednn" else
-                     "bf16 values in float32 tiles, sgemm: exact bf16 products, float32 accumulation"),
-        "blas": blas,
-        "threads": numba.get_num_threads(),
-        "cpu": cpu,
-        "cpu_model": _cpu_model(),
-        "cache": cache_info(),
-    }

@@ -27,15 +27,16 @@ from typing import Optional
 import numba
 import numpy as np
 
-from . import __version__, golden
+from . import golden
 from .api import attention_bwd, attention_fwd
-from .blas import backend_info
+from .info import backend_info
 from .jit import cache_info
 from .dtypes import bf16_dtype
 from .kernels.backward import bwd_work_item
 from .kernels.forward import fwd_work_item
 from .layout import MAX_BOUND, cu_seqlens_to_bounds
 from .onednn import gemm_path
+from .version import __version__
 
 #: Acceptance rule: max|a - e| <= ATOL + rtol * max|e|, rtol per (dtype, output); the
 #: values of tests/_tolerances.py. Shown as max|a - e| / max|e| <= rtol + ATOL / max|e|.

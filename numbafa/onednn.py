@@ -42,6 +42,8 @@ import os
 import pathlib
 import sys
 
+from .cpu import cpu_flags
+
 __all__ = ["gemm_path", "choose_gemm_path", "library_path", "GEMM_PATHS"]
 
 #: Values of ``NUMBAFA_GEMM``.
@@ -108,10 +110,8 @@ def gemm_path() -> tuple:
 
     Loads oneDNN process-wide when the path is ``"onednn"``.
     """
-    from .blas import _cpu_flags
-
     path, reason = choose_gemm_path(os.environ.get("NUMBAFA_GEMM", "auto").strip().lower() or "auto",
-                                    _cpu_flags(), library_path())
+                                    cpu_flags(), library_path())
     if path == "onednn":
         import llvmlite.binding
 

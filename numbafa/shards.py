@@ -40,14 +40,19 @@ from collections import namedtuple
 import numba
 import numpy as np
 
-from .core import bwd_outputs, lse_out, run_bwd, run_fwd, to_dtype, user_dsinks
+from .api import attention_bwd, attention_fwd
+from .core import lse_out, run_bwd, run_fwd, to_dtype, user_dsinks
+from .dtypes import bf16_dtype
+from .jit import source_hash
 from .kernels.backward import BwdStats
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs
 from .kernels.dropout import with_origin
 from .kernels.launch import needs_finish
 from .kernels.loops import group_rows, n_q_groups, owns_group
+from .onednn import gemm_path
 from .options import AttentionOptions
 from .validation import kernel_view, validate_bwd_inputs, validate_fwd_inputs
+from .version import __version__
 
 __all__ = ["BwdShard", "owned_rows", "pack_rows", "place_rows", "with_q_chunks", "at_origin",
            "fwd_chunk", "bwd_chunk", "bwd_merge", "fwd_block", "fwd_block_merge", "bwd_block",
@@ -299,9 +304,6 @@ _WARM = set()
 def fingerprint() -> tuple:
     """What must match between the client and a worker for bitwise-equal results: numbafa's
     sources, Numba, and the GEMM path (float32 sgemm / bf16 oneDNN)."""
-    from . import __version__
-    from .jit import source_hash
-    from .onednn import gemm_path
     return (__version__, source_hash(), numba.__version__, gemm_path()[0])
 
 
@@ -311,8 +313,6 @@ def warm(kernel: str, dtype_name: str, dropout: bool = False) -> tuple:
     included; with ``dropout``, the kernels with dropout, which are compiled apart); return
     :func:`fingerprint`. Run on every worker by ``client.run``."""
     if (kernel, dtype_name, dropout) not in _WARM:
-        from .api import attention_bwd, attention_fwd
-        from .dtypes import bf16_dtype
         dtype = np.float32 if dtype_name == "float32" else bf16_dtype()
         rng = np.random.default_rng(0)
         q, k, v = (rng.standard_normal((1, 1, 8, 640)).astype(dtype) for _ in range(3))

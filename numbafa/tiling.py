@@ -53,12 +53,10 @@ def power_of_2(n: int) -> int:
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Every tile count of one call, derived by :func:`setup_config`.
+    """The tile sizes of one call, derived by :func:`setup_config`.
 
     Attributes
     ----------
-    seqlen_q, seqlen_k, d_head : int
-        Problem sizes.
     q_tile : int
         Rows per Q tile (128; the last tile may be shorter).
     k_tile : int
@@ -68,31 +66,18 @@ class TileConfig:
     q_tile_group : int
         Q tiles per group (4).
     d_tile : int
-        Head-dim tile, ``ceil(d_head / ceil(d_head / 128))``.
-    d_n_tiles : int
-        Number of head-dim tiles.
+        Head-dim tile, ``ceil(d_head / d_n_tiles)`` for ``d_n_tiles = ceil(d_head / 128)``
+        head-dim tiles.
     section_len : int
         Keys per KV section, ``8192 // power_of_2(d_n_tiles)``.
     """
 
-    seqlen_q: int
-    seqlen_k: int
-    d_head: int
     q_tile: int
     k_tile: int
     k_sub_tile: int
     q_tile_group: int
     d_tile: int
-    d_n_tiles: int
     section_len: int
-
-    @property
-    def q_n_tiles(self) -> int:
-        return -(-self.seqlen_q // self.q_tile)
-
-    @property
-    def n_sections(self) -> int:
-        return -(-self.seqlen_k // self.section_len)
 
 
 def setup_config(seqlen_q: int, seqlen_k: int, d_head: int) -> TileConfig:
@@ -111,14 +96,10 @@ def setup_config(seqlen_q: int, seqlen_k: int, d_head: int) -> TileConfig:
     # A section always holds whole K tiles.
     section_len = max(K_TILE, (section_len // K_TILE) * K_TILE)
     return TileConfig(
-        seqlen_q=seqlen_q,
-        seqlen_k=seqlen_k,
-        d_head=d_head,
         q_tile=Q_TILE,
         k_tile=k_tile,
         k_sub_tile=K_SUB_TILE,
         q_tile_group=Q_TILE_GROUP,
         d_tile=d_tile,
-        d_n_tiles=d_n_tiles,
         section_len=section_len,
     )

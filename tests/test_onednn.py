@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import numbafa
-from numbafa import blas, golden, onednn
+from numbafa import golden, onednn
 from numbafa.kernels import bundles
 
 from _problems import Case, make_inputs, validated
@@ -46,7 +46,7 @@ def test_forcing_an_unsupported_path_is_a_clear_error():
 def test_forced_onednn_without_bf16_units_fails_the_call_not_the_process(monkeypatch):
     """The env var is read once per process; here the decision is remade with mocked flags."""
     monkeypatch.setenv("NUMBAFA_GEMM", "onednn")
-    monkeypatch.setattr(blas, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(onednn, "cpu_flags", lambda: {"avx2", "fma"})
     onednn.gemm_path.cache_clear()
     try:
         inputs = make_inputs(Case(nheads=1, nheads_kv=1, seqlen_q=128, seqlen_k=128), BF16)
