@@ -1,4 +1,5 @@
-"""The documentation site (docs/) builds with warnings as errors and documents every public name.
+"""The documentation site (docs/) builds with warnings as errors and documents every public name;
+every page that cites upstream lines names the upstream version they are lines of.
 
 Runs ``python -m sphinx -W --keep-going -b html docs <tmp>`` in a subprocess:
 a broken cross-reference, a docstring numpydoc cannot parse, a Markdown page
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -22,10 +24,17 @@ import numbafa.layout
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(
+needs_sphinx = pytest.mark.skipif(
     importlib.util.find_spec("sphinx") is None,
     reason="Sphinx is not importable: install the docs toolchain with pip install '.[docs]' "
            "(the test extra includes it)")
+
+#: The upstream release that line citations such as ``attention_bwd.py:1361-1372`` refer to:
+#: ``nkilib/core/attention/attention_bwd.py`` in this neuronx_cc wheel.
+UPSTREAM_VERSION = "2.24.5133.0+58f8de22"
+#: An upstream line citation: ``attention_bwd.py:<line>``, or "upstream <line>" / "upstream lines <line>".
+UPSTREAM_CITATION = re.compile(r"attention_bwd\.py:\d+|\bupstream (?:lines? )?\d{2,}")
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs").glob("*.rst"))]
 
 PUBLIC = ([f"numbafa.{name}" for name in numbafa.__all__]
           + [f"numbafa.layout.{name}" for name in numbafa.layout.__all__]
@@ -42,6 +51,7 @@ def site(tmp_path_factory):
     return proc, out / "html"
 
 
+@needs_sphinx
 def test_the_site_builds_with_warnings_as_errors(site):
     proc, html = site
     log = proc.stdout + proc.stderr
@@ -52,9 +62,20 @@ def test_the_site_builds_with_warnings_as_errors(site):
         assert (html / f"{page}.html").is_file(), page
 
 
+@needs_sphinx
 @pytest.mark.parametrize("name", PUBLIC)
 def test_every_public_name_is_in_the_api_reference(site, name):
     _, html = site
     api = (html / "api.html").read_text(encoding="utf-8")
     assert f'id="{name}"' in api or f'id="module-{name}"' in api, (
         f"{name} is public (in an __all__) but not documented in docs/api.rst")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[page.name for page in PAGES])
+def test_upstream_line_citations_name_the_upstream_version(page):
+    """A page that cites upstream lines says which upstream release they are lines of."""
+    text = page.read_text(encoding="utf-8")
+    cited = UPSTREAM_CITATION.findall(text)
+    assert not cited or UPSTREAM_VERSION in text, (
+        f"{page.name} cites upstream lines ({', '.join(sorted(set(cited)))}) but does not say they "
+        f"refer to nkilib/core/attention/attention_bwd.py in the neuronx_cc {UPSTREAM_VERSION} wheel")
