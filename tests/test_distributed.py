@@ -226,6 +226,35 @@ def test_invalid_dask_metadata_gets_the_single_process_error(client, small):
         nd.attention_bwd(client, **lazy)
 
 
+def test_dask_sinks_not_an_array_and_a_3d_q_are_named(client, small):
+    """A list of sinks is a TypeError naming sinks_ref (not an AttributeError); a 3-D q_ref is
+    blamed on q_ref, not on k_ref."""
+    lazy = _dask_inputs(small, 2, 2)
+    with pytest.raises(TypeError, match=r"^sinks_ref must be a numpy.ndarray or a dask.array.Array, got list"):
+        nd.attention_bwd(client, **dict(lazy, sinks_ref=[[0.0] * 4] * 2))
+    with pytest.raises(ValueError, match=r"^q_ref must be 4-D"):
+        nd.attention_fwd(client, lazy["q_ref"][0], lazy["k_ref"], lazy["v_ref"])
+
+
+@pytest.mark.parametrize("dask_inputs", [False, True], ids=["numpy", "dask"])
+def test_per_head_sinks_give_the_single_process_bits(client, small, dask_inputs):
+    """Sinks ``[nheads]`` (shared by the batch) on the cluster: the single-process o and grads,
+    dsinks ``[nheads]`` summed over the batch as the single-process call sums it."""
+    sinks = np.linspace(-1.0, 1.0, 4).astype(np.float32)
+    inputs = dict(small, sinks_ref=sinks)
+    qkv = [inputs[k] for k in ("q_ref", "k_ref", "v_ref")]
+    expected_fwd = numbafa.attention_fwd(*qkv, sinks_ref=sinks)
+    expected = numbafa.attention_bwd(**inputs)
+    assert expected[3].shape == (4,)
+    run = dict(_dask_inputs(small, 2, 2), sinks_ref=sinks) if dask_inputs else inputs
+    got_fwd = nd.attention_fwd(client, *(run[k] for k in ("q_ref", "k_ref", "v_ref")), sinks_ref=sinks)
+    got = nd.attention_bwd(client, **run)
+    if dask_inputs:
+        got_fwd, got = client.compute(list(got_fwd), sync=True), client.compute(list(got), sync=True)
+    assert_bitwise(got_fwd, expected_fwd)
+    assert_bitwise(got, expected)
+
+
 # --- the shares without a cluster: blocks of units, any forward row split, the backward merge ----
 
 def test_tasks_get_contiguous_blocks_of_units_in_unit_order():

@@ -181,3 +181,25 @@ def test_empty_batch_through_attention():
     assert o.shape == q.shape
     dq, dk, dv, dsinks = ctx.backward(np.zeros_like(o))
     assert (dq.shape, dk.shape, dv.shape, dsinks.shape) == (q.shape, k.shape, v.shape, sinks.shape)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_per_head_sinks_are_the_batch_shared_sinks(dtype):
+    """Sinks ``[nheads]`` (as the torch and JAX adapters take them) in numbafa.attention and the
+    NumPy API: the o of the same sinks given per batch, and dsinks ``[nheads]`` in the sinks'
+    dtype, the float32 sum over the batch of the per-batch dsinks rounded once."""
+    import ml_dtypes
+    sdt = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    rng = np.random.default_rng(3)
+    q, k, v, do = (rng.standard_normal((2, 128, 4, 16)).astype(np.float32) for _ in range(4))
+    sinks = rng.standard_normal(4).astype(sdt)
+    per_batch = np.broadcast_to(sinks.astype(np.float32), (2, 4)).copy()
+    o, ctx = numbafa.attention(q, k, v, sinks=sinks, use_causal_mask=True)
+    o_b, ctx_b = numbafa.attention(q, k, v, sinks=per_batch, use_causal_mask=True)
+    np.testing.assert_array_equal(o, o_b)
+    grads, grads_b = ctx.backward(do), ctx_b.backward(do)
+    for g, e in zip(grads[:3], grads_b[:3]):
+        np.testing.assert_array_equal(g, e)
+    assert grads[3].shape == (4,) and grads[3].dtype == sdt
+    expected = grads_b[3].sum(axis=0, dtype=np.float32).astype(sdt)
+    np.testing.assert_array_equal(grads[3].view(np.uint8), expected.view(np.uint8))

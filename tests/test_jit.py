@@ -70,15 +70,51 @@ def test_the_package_uses_its_own_cache_directory():
         assert bwd_work_item.stats.cache_path.startswith(info["dir"])
 
 
-def test_kernel_functions_stay_small():
-    """Kernels take bundles, not dozens of loose arguments, and no function grows past a screen
-    (docs/architecture.md): at most 10 parameters and 80 lines, docstring included."""
+#: The functions whose signatures are documented API (the Neuron kernel's, the front ends', the
+#: goldens', numbafa.nb's) and the torch operators registered with those signatures (their
+#: schema is the operator's, and register_fake needs the same one): they may take more than
+#: 10 parameters, and nothing else may.
+PUBLIC_SIGNATURES = {
+    "api.py": {"attention_fwd", "attention_bwd"},
+    "distributed.py": {"attention_fwd", "attention_bwd"},
+    "functional.py": {"attention"},
+    "golden.py": {"attention_fwd", "attention_bwd", "attention_bwd_rounded"},
+    "nb.py": {"plan", "attention_bwd"},
+    "torch.py": {"attention", "_attention_fwd", "_attention_fwd_fake", "_attention_bwd", "_attention_bwd_fake"},
+}
+
+
+def _size(node) -> tuple:
+    """(parameters, lines without the docstring) of a function definition."""
+    a = node.args
+    n_args = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+    n_lines = node.end_lineno - node.lineno + 1
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        n_lines -= first.end_lineno - first.lineno + 1
+    return n_args, n_lines
+
+
+def test_functions_stay_small():
+    """Every function of the package takes bundles, not dozens of loose arguments, and fits a
+    screen (docs/architecture.md): at most 10 parameters and 80 lines, its docstring not
+    counted; only :data:`PUBLIC_SIGNATURES` may take more parameters."""
     offenders = []
-    for path in (PACKAGE / "kernels").glob("*.py"):
+    for path in sorted(PACKAGE.rglob("*.py")):
+        allowed = PUBLIC_SIGNATURES.get(path.name, set()) if path.parent == PACKAGE else set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef):
-                n_args = len(node.args.args)
-                n_lines = node.end_lineno - node.lineno + 1
-                if n_args > 10 or n_lines > 80:
-                    offenders.append(f"{path.name}:{node.name}: {n_args} parameters, {n_lines} lines")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n_args, n_lines = _size(node)
+                if (n_args > 10 and node.name not in allowed) or n_lines > 80:
+                    offenders.append(f"{path.relative_to(PACKAGE)}:{node.name}: {n_args} parameters, "
+                                     f"{n_lines} lines")
     assert not offenders, offenders
+
+
+def test_the_exceptions_are_real():
+    """Each listed public signature exists and does take more than 10 parameters."""
+    for name, functions in PUBLIC_SIGNATURES.items():
+        tree = ast.parse((PACKAGE / name).read_text())
+        sizes = {node.name: _size(node)[0] for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+        for function in functions:
+            assert sizes.get(function, 0) > 10, (name, function, sizes.get(function))

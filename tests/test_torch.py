@@ -393,3 +393,12 @@ def test_training_example_loss_falls():
     assert model.blocks[0].sinks.detach().abs().sum() > 0   # the sinks trained
     sdpa_losses, *_ = example.train(example.sdpa_attention, steps=3, seq=64, window=16, log_every=0)
     assert abs(sdpa_losses[0] - losses[0]) < 1e-3           # same model and data at step 0
+
+
+def test_a_window_beyond_int64_is_the_whole_sequence():
+    """A window wider than the keys is capped at them, as the NumPy API caps it (it used to reach
+    the int64 operator argument: "Expected a value of type 'int' ... found type 'int'")."""
+    q, k, v, _ = make(grad=False)
+    expected = nt.attention(q, k, v, causal=True, window=S)
+    for window in (S + 1, 2 ** 63, 2 ** 80):
+        torch.testing.assert_close(nt.attention(q, k, v, causal=True, window=window), expected, rtol=0, atol=0)
