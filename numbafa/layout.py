@@ -18,8 +18,6 @@ from .tiling import Q_TILE
 
 __all__ = [
     "LAYOUTS",
-    "check_layout",
-    "from_neuron_perm",
     "to_neuron",
     "from_neuron",
     "lse_to_natural",
