@@ -400,12 +400,12 @@ def test_sinks_are_rounded_at_load_and_after_the_partition_sum():
 
 
 @jit(entry=True)
-def _accumulate(acc, psum, scale, round_mixed):
-    accumulate(acc, psum, scale, round_mixed)
+def _accumulate(acc, psum, scale, bf16_accumulators):
+    accumulate(acc, psum, scale, bf16_accumulators)
 
 
-@pytest.mark.parametrize("round_mixed", [False, True])
-def test_dq_accumulation_rounds_the_product_then_the_sum(round_mixed):
+@pytest.mark.parametrize("bf16_accumulators", [False, True])
+def test_dq_accumulation_rounds_the_product_then_the_sum(bf16_accumulators):
     """``dq = psum * scale + dq`` (upstream scalar_tensor_tensor) is two fp32 roundings;
     a fused multiply-add would round once, and gives other bits for some elements."""
     rng = np.random.default_rng(3)
@@ -415,14 +415,14 @@ def test_dq_accumulation_rounds_the_product_then_the_sum(round_mixed):
     two_roundings = (psum * scale).astype(np.float32) + acc        # NumPy: float32 ops, each rounded
     fused = (psum.astype(np.float64) * np.float64(scale) + acc).astype(np.float32)
     assert (fused != two_roundings).any()                          # the test can tell them apart
-    if round_mixed:
+    if bf16_accumulators:
         two_roundings = to_bf16_array(two_roundings).astype(np.float32)
     got = acc.copy()
-    _accumulate(got, psum, scale, round_mixed)
+    _accumulate(got, psum, scale, bf16_accumulators)
     np.testing.assert_array_equal(got, two_roundings)
     # dQ's accumulator is [d, rows] and takes column slices: only those columns change.
     wide = np.full((acc.shape[0], acc.shape[1] + 9), np.nan, np.float32)
     wide[:, 5:-4] = acc
-    _accumulate(wide[:, 5:-4], psum, scale, round_mixed)
+    _accumulate(wide[:, 5:-4], psum, scale, bf16_accumulators)
     np.testing.assert_array_equal(wide[:, 5:-4], two_roundings)
     assert np.isnan(wide[:, :5]).all() and np.isnan(wide[:, -4:]).all()
