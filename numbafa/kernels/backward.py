@@ -252,7 +252,7 @@ def update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum, cut, scratch):
     into dQ's ``[d, rows]`` accumulator (both operands as they lie: the
     GEMMs measured fastest in this orientation, docs/performance.md).
     float32 inputs add the scaled product into dQ directly (``beta = 1``);
-    bf16 inputs (``dq_via_psum``) sum the blocks of the K tile into
+    bf16 inputs (``round_kernel``) sum the blocks of the K tile into
     ``dq_psum`` (this block's columns of it), which
     :func:`_flash_attn_bwd_core` adds once. Steps 3.1 ``dV += P^T dO`` and
     5.2 ``dK += Q_s^T dS`` go into the section accumulators (GQA-reduced);
@@ -263,7 +263,7 @@ def update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum, cut, scratch):
     k_cols = sec.k[:, keys]
     q_cols = qg.q_s[:, blk.r0:blk.r1]
     dy_cols = qg.dy[:, blk.r0:blk.r1]
-    if prec.dq_via_psum:
+    if prec.round_kernel:  # bf16 tiles keep dQ's PSUM apart (dQ is rounded between KV sections)
         matmul(k_cols, ds_t, dq_psum, False, False, _ONE, _ONE if cut else _ZERO, plan.gemm)
     else:
         matmul(k_cols, ds_t, qg.dq[:, blk.r0:blk.r1], False, False, plan.softmax_scale, _ONE,
@@ -301,7 +301,7 @@ def _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch):
     sub = min(tiling.k_sub_tile, n_k) if cut else n_k
     d_head = qg.q_s.shape[0]
     dq_psum = scratch.dq_psum[:d_head * (t1 - t0)].reshape(d_head, t1 - t0)
-    if plan.precision.dq_via_psum and cut:
+    if plan.precision.round_kernel and cut:  # bf16 tiles keep dQ's PSUM apart
         dq_psum[:] = _ZERO
     for kb0 in range(k_tile0, k_tile0 + n_k, sub):
         n_kb = min(sub, k_tile0 + n_k - kb0)
@@ -314,7 +314,7 @@ def _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch):
         blk = Block(kb0, n_kb, r0, r1)
         p_t, ds_t = recompute_p_ds(plan, sec, qg, blk, scratch)
         update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum[:, r0 - t0:r1 - t0], cut, scratch)
-    if plan.precision.dq_via_psum:  # dQ += PSUM * scale, one (rounded) addition per K tile
+    if plan.precision.round_kernel:  # bf16 tiles keep dQ's PSUM apart: dQ += PSUM * scale
         accumulate(qg.dq[:, t0:t1], dq_psum, plan.softmax_scale, plan.precision.bf16_accumulators)
 
 
