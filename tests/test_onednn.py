@@ -10,10 +10,10 @@ import numbafa
 from numbafa import blas, golden, onednn
 from numbafa.kernels import bundles
 
-from _budget import rounded_with_budget
 from _problems import Case, make_inputs
 from _tolerances import MIN_IDENTICAL
 from test_bf16 import faithfulness
+from _budget import rounded_with_budget
 
 BF16 = ml_dtypes.bfloat16
 LIB = "/opt/lib/libdnnl.so.3"
