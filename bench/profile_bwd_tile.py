@@ -43,7 +43,7 @@ def prepare(ins, plan, scratch, neg_lse, d_sum):
     load_scaled(ins.q[0, 0], Q0, ROWS, scratch.q_s, plan.softmax_scale, plan.precision.round_kernel)
     q_op = narrowed(scratch.q_s[:, :ROWS], scratch.q_op, plan.operand)
     dy_n = as_operand(ins.dy[0, 0][:, Q0:Q0 + ROWS], plan.operand)
-    B.load_neg_lse(ins.lse[0, 0], Q0, ROWS, plan.precision.round_mixed, neg_lse)
+    B.load_neg_lse(ins.lse[0, 0], Q0, ROWS, plan.precision.bf16_accumulators, neg_lse)
     B.compute_rowsum(ins.o[0, 0], ins.dy[0, 0], Q0, ROWS, plan.tiling.d_tile, d_sum, plan.precision)
     return sec, B.QGroup(Q0, ROWS, q_op, dy_n, dq, neg_lse, d_sum, 0, 0)
 
@@ -152,7 +152,7 @@ def t_accumulate(plan, sec, qg, scratch, k0, n):
     d = qg.q_s.shape[0]
     dq = scratch.dq_psum.reshape(d, ROWS)
     for _ in range(n):
-        B.accumulate(qg.dq, dq, plan.softmax_scale, plan.precision.round_mixed)
+        B.accumulate(qg.dq, dq, plan.softmax_scale, plan.precision.bf16_accumulators)
 
 
 def best(fn, args, n, repeats):

@@ -18,10 +18,22 @@ to be *obviously* right rather than fast:
   Philox-4x32-10 of its own, in NumPy, and differentiates the dropped
   forward ``O = (P * Z / (1 - p)) V`` as written.
 
+The numerics golden :func:`attention_bwd_rounded` is the same backward
+computed the kernel's way: float32, rounded to bf16 at every point where the
+Neuron kernel writes a bf16 tile (docs/numerics.md, "The rounding points"),
+and nothing else. Citations ``attention_bwd.py:NNN`` are line numbers of
+``nkilib/core/attention/attention_bwd.py`` in neuronx_cc 2.24.5133.0+58f8de22.
+How far another faithful implementation may stray from it (the tolerance of
+the bf16 tests) is the tests' business: ``tests/_budget.py`` computes it from
+the tiles an ``Observer`` is shown.
+
 It shares no code with :mod:`numbafa.kernels`.
 """
 
 from __future__ import annotations
+
+from collections import namedtuple
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -262,10 +274,10 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
 # The numerics golden: the kernel's rounding points, in plain NumPy.
 # ---------------------------------------------------------------------------
 
-#: Rounding points of the numerics golden (``shared/NUMERICS.md``), by name.
+#: Rounding points of the numerics golden (docs/numerics.md, "The rounding points"), by name.
 ROUNDING_POINTS = (
     "q_load",      # Q * softmax_scale written in kernel_dtype
-    "neg_lse",     # -LSE bias written in mixed_dtype
+    "neg_lse",     # -LSE bias written in mixed_dtype (attention_bwd.py:1149-1160)
     "d_product",   # each O * dO product in kernel_dtype
     "d_partial",   # per-head-dim-tile partial of D in mixed_dtype
     "d_total",     # D in mixed_dtype
@@ -274,7 +286,11 @@ ROUNDING_POINTS = (
     "acc",         # dQ/dK/dV accumulators in mixed_dtype after each addition
     "dq_section",  # dQ written in kernel_dtype between KV sections
     "sinks",       # the sink logits, p_sink, the dsinks accumulator and its sum in mixed_dtype
+                   # (attention_bwd.py:1361-1372, 1397-1398)
 )
+
+#: The rounding points written in kernel_dtype; the others are written in mixed_dtype.
+_KERNEL_DTYPE_POINTS = frozenset({"q_load", "d_product", "p", "ds", "dq_section"})
 
 
 def _bf16_round(x):
@@ -284,30 +300,70 @@ def _bf16_round(x):
     return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def _bf16_ulp(x):
-    """One bf16 ulp of each element of ``x`` (float64; subnormal spacing 2^-133 at the bottom)."""
-    mag = np.abs(np.asarray(x, np.float64))
-    exponent = np.floor(np.log2(np.maximum(mag, 2.0 ** -133)))
-    return 2.0 ** (np.maximum(exponent, -126) - 7)
+@dataclass(frozen=True)
+class Rounding:
+    """Which tiles :func:`attention_bwd_rounded` rounds to bf16.
 
-
-class _FlipBudget:
-    """Sums one bf16 ulp per rounding of an accumulator, except its latest one.
-
-    ``rounded(x)`` is called with each freshly rounded accumulator value; the
-    ulp of the previous rounded value joins the budget then, so at the end the
-    budget holds every rounding but the last (the output's own).
+    ``bf16``: the inputs are bf16 (kernel_dtype is bf16); ``mixed_precision``:
+    mixed_dtype is float32 (else kernel_dtype); ``disable``: rounding points
+    skipped. Calling it with ``(x, point)`` gives ``x`` as the kernel writes
+    it at ``point``: rounded to bf16, or float32.
     """
 
-    def __init__(self, shape):
-        self.total = np.zeros(shape)
-        self._last = np.zeros(shape)
+    bf16: bool
+    mixed_precision: bool
+    disable: frozenset = frozenset()
 
-    def rounded(self, x, rounds):
-        if rounds:
-            self.total += self._last
-            self._last = _bf16_ulp(x)
-        return x
+    def rounds(self, point):
+        """Whether a tile written at ``point`` is rounded to bf16."""
+        in_bf16 = self.bf16 and (point in _KERNEL_DTYPE_POINTS or not self.mixed_precision)
+        return in_bf16 and point not in self.disable
+
+    def __call__(self, x, point):
+        return _bf16_round(x) if self.rounds(point) else np.asarray(x, np.float32)
+
+
+#: The constants of one :func:`attention_bwd_rounded` call: ``scale`` (float32), ``d_tile`` and
+#: ``section_len`` (the Neuron tiling), ``allowed`` (:func:`allowed_mask`), ``n_rep`` (q-heads per
+#: KV head) and ``rounding`` (:class:`Rounding`).
+Setup = namedtuple("Setup", ["scale", "d_tile", "section_len", "allowed", "n_rep", "rounding"])
+
+#: The tiles of one q-head, float32 as written (queries are rows): ``qs`` Q_s ``[rows, d]``,
+#: ``kt``/``vt`` K, V ``[keys, d]``, ``dyt`` dO ``[rows, d]``, ``neg_lse`` and ``d_sum``
+#: ``[rows]``, ``prod`` the O * dO products ``[rows, d]``; ``[rows, keys]``: ``t = S + (-LSE)``,
+#: ``p_pre = exp(t)`` and its rounding ``p``, ``mult`` the dropout multipliers M (None without
+#: dropout), ``dp`` (dO V^T, times M with dropout), ``m = dP - D``, ``ds_pre = m * P`` and its
+#: rounding ``ds``, ``p_dv`` the P (P~ = P * M with dropout) that dV takes.
+HeadTiles = namedtuple("HeadTiles", ["qs", "kt", "vt", "dyt", "neg_lse", "prod", "d_sum", "t", "p_pre",
+                                     "p", "mult", "dp", "m", "ds_pre", "ds", "p_dv"])
+
+#: The float32 inputs of :func:`attention_bwd_rounded`: lse natural, sinks ``[bs, nheads,
+#: num_sinks]``, mult the dropout multipliers ``[bs, nheads, seqlen_q, seqlen_k]`` or None.
+_Inputs = namedtuple("_Inputs", ["q", "k", "v", "o", "dy", "lse", "sinks", "mult"])
+
+
+class Observer:
+    """What :func:`attention_bwd_rounded` shows of its work (``observer=``); this one ignores it.
+
+    Tests derive the error budgets of their tolerances from the tiles
+    (``tests/_budget.py``); nothing the golden returns depends on an observer.
+    Arrays passed may be views: copy what you keep.
+    """
+
+    def start(self, setup):
+        """Called once, first, with the call's :data:`Setup`."""
+
+    def head(self, index, tiles):
+        """The :data:`HeadTiles` of q-head ``index = (b, h)``, before its accumulations."""
+
+    def accumulated(self, output, index, value, point):
+        """An accumulator of ``output`` was just written at ``point`` (rounded there if
+        ``setup.rounding.rounds(point)``): "dq" (``index = (b, h)``, ``value`` dQ^T
+        ``[rows, d]``), "dk" or "dv" (``(b, hk)``, ``[keys, d]``) or "dsinks" (``(b, h, i_sink)``,
+        the lanes of one Q tile, 128 or fewer)."""
+
+    def sink(self, index, logit, lanes):
+        """dsinks ``index = (b, h, i_sink)``: the logit as loaded and the 128 lanes before their sum."""
 
 
 def _neuron_tiling(d_head):
@@ -319,185 +375,101 @@ def _neuron_tiling(d_head):
     return d_tile, max(512, (8192 // pow2) // 512 * 512)
 
 
-# ---------------------------------------------------------------------------
-# The flip budget of the tiles that feed a GEMM (D, P, dS) and of the output
-# GEMMs' own float32 sums: how far an implementation with the same rounding
-# points but other float32 summation orders (and another float32 exp) may
-# stray from this golden. docs/numerics.md, "How far two faithful
-# implementations differ", derives each term.
-# ---------------------------------------------------------------------------
-
-_U = 2.0 ** -24       # float32 unit roundoff
-_TINY = 2.0 ** -126   # smallest normal float32/bf16: oneDNN's bf16 units flush below it (DAZ, FTZ)
-#: exp's error on both sides, in float32 ulps of the exact value: the kernel's expf is within
-#: 1 ulp of the correctly rounded value (numbafa/kernels/fastexp.py), so 1.5 of the exact one;
-#: NumPy's float32 exp (SIMD) was measured at most EXP_ULPS_NUMPY over [-104, 2], all inputs.
-_EXP_ULPS_KERNEL = 1.5
-_EXP_ULPS_NUMPY = 3.0
-_EXP_ULPS = _EXP_ULPS_KERNEL + _EXP_ULPS_NUMPY
-
-
-def _gamma(n):
-    """Higham's ``gamma_n = n u / (1 - n u)``: a float32 evaluation of a sum of exact terms with
-    ``n`` roundings on the path to the result (``n - 1`` additions for ``n`` terms, in any order:
-    sequential, blocked, pairwise) is within ``gamma_n * sum|term|`` of the exact sum."""
-    return n * _U / (1.0 - n * _U)
-
-
-def _abs_matmul(a, b):
-    """An upper bound of ``|a| @ |b|`` in float64 (float32 product of the magnitudes, inflated
-    by its own worst-case relative error, so it never under-estimates)."""
-    n = a.shape[-1]
-    prod = np.abs(a).astype(np.float32) @ np.abs(b).astype(np.float32)
-    return prod.astype(np.float64) * (1.0 + 2.0 * _gamma(n + 2))
-
-
-def _max_abs(*arrays):
-    return max(float(np.abs(a).max(initial=0)) for a in arrays)
-
-
-def _order_spread(abs_sum, n, max_abs_operand=0.0):
-    """Largest difference between two float32 evaluations, with ``n`` roundings each, of a sum
-    of exact products whose magnitudes sum to ``abs_sum``: each side is within
-    ``gamma_n * abs_sum`` of the exact value, and a side that flushes bf16 subnormals (oneDNN's
-    bf16 units) loses at most ``2^-126`` per addition and ``2^-126 * max|operand|`` per product
-    (``max_abs_operand``; 0 where no such flush happens)."""
-    return 2.0 * _gamma(n) * abs_sum + (n + 1) * _TINY * max_abs_operand
-
-
-def _rounding_spread(x, radius, rounds):
-    """Largest ``|round(y) - round(x)|`` over float32 ``y`` with ``|y - x| <= radius`` (float64).
-
-    ``x`` is this golden's float32 value before a rounding point, ``radius`` a bound on how far
-    another implementation's value can be from it. Without a rounding (``rounds`` False: the tile
-    is float32) the spread is the radius itself. With one, rounding to bf16 is monotone, so the
-    extremes are the roundings of the interval's ends (taken outward to float32): the spread is
-    zero unless the interval holds a bf16 rounding boundary, and then it is the bf16 step(s)
-    crossed -- one ulp of the value for a small radius.
-    """
-    radius = np.asarray(radius, np.float64)
-    if not rounds:
-        return radius
-    x64 = np.asarray(x, np.float64)
-    lo64, hi64 = x64 - radius, x64 + radius
-    with np.errstate(over="ignore"):
-        lo, hi = lo64.astype(np.float32), hi64.astype(np.float32)
-    lo = np.where(lo > lo64, np.nextafter(lo, np.float32(-np.inf)), lo)
-    hi = np.where(hi < hi64, np.nextafter(hi, np.float32(np.inf)), hi)
-    centre = _bf16_round(x).astype(np.float64)
-    spread = np.maximum(_bf16_round(hi) - centre, centre - _bf16_round(lo))
-    return np.where(radius > 0, spread, 0.0)
-
-
-def _rowsum_spread(prod, d_tile, round_partial, round_total):
-    """How far another order can move ``D = rowsum(O * dO)`` (rounding points 4, 5), per row.
-
-    The products are rounded elementwise (the same on both sides); each head-dim tile's
-    partial is a float32 sum of ``d_tile`` of them, and ``D`` the float32 sum of the partials.
-    """
+def _head_tiles(ins, setup, b, h):
+    """Steps 1-4 (the pseudocode at attention_bwd.py:113-139) of q-head ``h`` of batch ``b``: :data:`HeadTiles`."""
     f32 = np.float32
-    parts, part_spreads = [], []
-    for i in range(0, prod.shape[1], d_tile):
-        chunk = prod[:, i:i + d_tile]
-        pre = chunk.sum(axis=1, dtype=f32)
-        radius = _order_spread(np.abs(chunk).sum(axis=1, dtype=np.float64), chunk.shape[1] - 1)
-        parts.append(_bf16_round(pre) if round_partial else pre)
-        part_spreads.append(_rounding_spread(pre, radius, round_partial))
-    pre = np.sum(parts, axis=0, dtype=f32)
-    part_spread = np.sum(part_spreads, axis=0)      # the other side's parts: within that of ours
-    radius = (1.0 + _U) * part_spread + _order_spread(
-        np.abs(np.asarray(parts, np.float64)).sum(axis=0) + part_spread, len(parts) - 1)
-    return _rounding_spread(pre, radius, round_total)
+    rnd = setup.rounding
+    hk = h // setup.n_rep
+    kt, vt = ins.k[b, hk].T, ins.v[b, hk].T                      # [seqlen_k, d]
+    qs = rnd(ins.q[b, h].T * setup.scale, "q_load")              # [seqlen_q, d]
+    dyt = ins.dy[b, h].T
+    neg_lse = rnd(-ins.lse[b, h], "neg_lse")
+    prod = rnd(ins.o[b, h].T * dyt, "d_product")
+    parts = [rnd(prod[:, i:i + setup.d_tile].sum(axis=1, dtype=f32), "d_partial")
+             for i in range(0, prod.shape[1], setup.d_tile)]
+    d_sum = rnd(np.sum(parts, axis=0, dtype=f32), "d_total")
+    scores = np.where(setup.allowed, qs @ kt.T, f32(-3.4028234663852886e38))
+    t = scores + neg_lse[:, None]
+    p_pre = np.exp(t)
+    p = rnd(p_pre, "p")
+    mult = None if ins.mult is None else ins.mult[b, h]
+    dp = dyt @ vt.T
+    if mult is not None:  # dropout: dP * M (an fp32 product), and P~ = P * M for dV
+        dp = dp * mult
+    m = dp - d_sum[:, None]
+    ds_pre = m * p
+    ds = rnd(ds_pre, "ds")
+    p_dv = p if mult is None else rnd(p * mult, "p")
+    return HeadTiles(qs, kt, vt, dyt, neg_lse, prod, d_sum, t, p_pre, p, mult, dp, m, ds_pre, ds, p_dv)
 
 
-def _score_tile_spreads(qs, kt, dyt, vt, t, p_pre, p, m, ds_pre, d_spread, allowed, round_p, round_ds,
-                        mult=None, dropped_dp=None):
-    """How far another implementation's P and dS tiles can be from this golden's, per element.
-
-    ``S = Q_s K^T`` and ``dP = dO V^T`` are float32 sums of ``d_head`` exact products: the two
-    sides' values are within :func:`_order_spread` of each other. That moves
-    ``t = fl(S + (-LSE))`` (another float32 rounding each side), ``P = exp(t)`` by the factor
-    ``e^|dt|`` and by both exps' last-bit errors, and ``dS = fl(fl(dP - D) * P)`` by the spreads
-    of dP, D and the (rounded) P. Masked entries are exactly 0 on both sides. With dropout
-    (``mult``: the multipliers M; ``dropped_dp``: this golden's ``fl(dP * M)``), dP's spread is
-    scaled by M, plus one float32 rounding of the product on each side.
-    Returns ``(dev_p, dev_ds)``: float64 bounds on ``|P' - P|`` and ``|dS' - dS|`` after the
-    kernel_dtype roundings -- zero except on elements whose value lies within that distance of
-    a bf16 rounding boundary.
-    """
-    u32 = 2.0 ** -23   # float32 ulp relative to the value (at most)
-    d = qs.shape[1]
-    r_s = _order_spread(_abs_matmul(qs, kt.T), d - 1, 1.0 + _max_abs(qs, kt))
-    r_t = np.where(allowed, (1.0 + _U) * r_s + 2.0 * _U * np.abs(t.astype(np.float64)), 0.0)
-    p64 = p_pre.astype(np.float64)
-    r_p = p64 * (np.expm1(r_t) * (1.0 + _EXP_ULPS_KERNEL * u32) + _EXP_ULPS * u32) \
-        / (1.0 - _EXP_ULPS_NUMPY * u32) + _EXP_ULPS * 2.0 ** -149
-    dev_p = _rounding_spread(p_pre, np.where(allowed, r_p, 0.0), round_p)
-    r_dp = _order_spread(_abs_matmul(dyt, vt.T), d - 1, 1.0 + _max_abs(dyt, vt))
-    m64 = m.astype(np.float64)
-    if mult is not None:
-        r_dp = (1.0 + _U) * r_dp * mult.astype(np.float64) + 2.0 * _U * np.abs(dropped_dp.astype(np.float64))
-    r_m = (1.0 + _U) * (r_dp + d_spread[:, None]) + 2.0 * _U * np.abs(m64)
-    r_ds = (1.0 + 2.0 * _U) * (r_m * (np.abs(p.astype(np.float64)) + dev_p) + np.abs(m64) * dev_p) \
-        + 2.0 * _U * np.abs(ds_pre.astype(np.float64))
-    dev_ds = _rounding_spread(ds_pre, np.where(allowed, r_ds, 0.0), round_ds)
-    return dev_p, dev_ds
+def _dq_of_head(tiles, setup, observer, index):
+    """dQ^T ``[rows, d]`` of one q-head: one rounded addition per K tile (512 keys), and dQ
+    written in kernel_dtype (and reloaded) at the end of each KV section but the last."""
+    rnd = setup.rounding
+    seqlen_k = tiles.kt.shape[0]
+    acc = np.zeros(tiles.qs.shape, np.float32)
+    for s0 in range(0, seqlen_k, setup.section_len):
+        if s0 > 0:
+            acc = rnd(acc, "dq_section")
+            observer.accumulated("dq", index, acc, "dq_section")
+        for t0 in range(s0, min(s0 + setup.section_len, seqlen_k), 512):
+            t1 = min(t0 + 512, s0 + setup.section_len, seqlen_k)
+            acc = rnd((tiles.ds[:, t0:t1] @ tiles.kt[t0:t1]) * setup.scale + acc, "acc")
+            observer.accumulated("dq", index, acc, "acc")
+    return acc
 
 
-def _output_spreads(dev_p, dev_ds, p, ds, qs, kt, dyt, scale, n_dq, n_dkv):
-    """One q-head's share of the dQ^T, dK^T, dV^T budgets ``[rows, d]`` from the score tiles.
-
-    A tile element that another implementation rounds differently (``dev_*`` > 0) moves each
-    output it feeds by at most ``dev * |the other operand|``: ``dV += P^T dO``,
-    ``dK += dS^T Q_s``, ``dQ += dS K * scale``. On top, the output GEMMs are themselves float32
-    sums with ``n`` roundings on any term's path (``n_dq``: seqlen_k - 1 additions, plus the
-    ``* scale`` and the addition into dQ of each K tile; ``n_dkv``: q-heads per KV head x
-    seqlen_q terms) in an unknown order: ``2 gamma_n sum|term|``, the terms being at most
-    ``|x| + dev`` on the other side.
-    """
-    def spread(dev, x, other, n):
-        weight = (1.0 + 2.0 * _gamma(n)) * dev + 2.0 * _gamma(n) * np.abs(x.astype(np.float64))
-        return _abs_matmul(weight, other) + (n + 1) * _TINY * (1.0 + _max_abs(other))
-
-    dq = float(scale) * (1.0 + _U) * spread(dev_ds, ds, kt, n_dq)
-    dk = spread(dev_ds.T, ds.T, qs, n_dkv)
-    dv = spread(dev_p.T, p.T, dyt, n_dkv)
-    return dq, dk, dv
+def _add_dk_dv(dk_acc, dv_acc, tiles, setup, observer, index):
+    """dK^T, dV^T ``[keys, d]`` plus one q-head's share: one rounded addition per Q group of
+    512 rows (per K tile, which holds different keys, so all keys are updated at once)."""
+    rnd = setup.rounding
+    for g0 in range(0, tiles.qs.shape[0], 512):
+        g1 = min(g0 + 512, tiles.qs.shape[0])
+        dv_acc = rnd(dv_acc + tiles.p_dv[g0:g1].T @ tiles.dyt[g0:g1], "acc")
+        observer.accumulated("dv", index, dv_acc, "acc")
+        dk_acc = rnd(dk_acc + tiles.ds[g0:g1].T @ tiles.qs[g0:g1], "acc")
+        observer.accumulated("dk", index, dk_acc, "acc")
+    return dk_acc, dv_acc
 
 
-def _sink_spread(sink, neg_lse, d_sum, d_spread, lanes, round_p):
-    """How far another implementation's dsinks sum can be from this golden's, before the
-    roundings of the lanes (counted one ulp each by the caller) and of the result.
+def _dsinks_of_head(sinks, tiles, setup, observer, index):
+    """dsinks ``[num_sinks]`` of one q-head (attention_bwd.py:1355-1405): each logit loaded into a
+    mixed_dtype tile, one accumulator lane per row of a 128-row Q tile taking
+    ``lane - p_sink * D``, the lanes summed into a mixed_dtype tile."""
+    f32 = np.float32
+    rnd = setup.rounding
+    seqlen_q = tiles.d_sum.shape[0]
+    out = np.zeros(len(sinks), f32)
+    for i_sink, logit in enumerate(sinks):
+        sink = rnd(logit, "sinks")
+        lanes = np.zeros(128, f32)
+        for t0 in range(0, seqlen_q, 128):
+            n = min(128, seqlen_q - t0)
+            p_sink = rnd(np.exp(sink + tiles.neg_lse[t0:t0 + n]), "sinks")
+            lanes[:n] = rnd(lanes[:n] - p_sink * tiles.d_sum[t0:t0 + n], "sinks")
+            observer.accumulated("dsinks", index + (i_sink,), lanes[:n], "sinks")
+        observer.sink(index + (i_sink,), sink, lanes)
+        out[i_sink] = rnd(lanes.sum(dtype=f32), "sinks")
+    return out
 
-    ``p_sink = exp(sink + (-LSE))`` may differ by both exps' last-bit errors and, when it is
-    rounded (``round_p``), flip; ``D`` by ``d_spread``; each lane takes ``p_sink * D`` of its
-    rows (a product and a difference, float32), and the 128 lanes are summed in float32.
-    """
-    u32 = 2.0 ** -23
-    pre = np.exp(sink + neg_lse)
-    p64 = pre.astype(np.float64)
-    radius = p64 * _EXP_ULPS * u32 / (1.0 - _EXP_ULPS_NUMPY * u32) + _EXP_ULPS * 2.0 ** -149
-    dev = _rounding_spread(pre, radius, round_p)
-    p_sink = np.abs((_bf16_round(pre) if round_p else pre).astype(np.float64))
-    d_abs = np.abs(d_sum.astype(np.float64))
-    per_row = (1.0 + 4.0 * _U) * (dev * (d_abs + d_spread) + p_sink * d_spread)
-    return float(per_row.sum() + _order_spread(np.abs(lanes.astype(np.float64)).sum(), lanes.size - 1))
 
 def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
                           bound_max=None, use_causal_mask=False, mixed_precision=False,
                           softmax_scale=None, sliding_window=None, dropout_p=0.0, seed=None,
-                          seed_offset=0, disable=(), ulp_budget=False):
+                          seed_offset=0, disable=(), observer=None):
     """The kernel's numerics in materialising NumPy: the numerics golden.
 
     Unlike :func:`attention_bwd`, this uses ``o_ref`` and ``lse_ref`` (the
     kernel does) and computes in float32, rounding to bf16 exactly where the
-    Neuron kernel writes a bf16 tile (``shared/NUMERICS.md``). Tiling
-    appears only where it sets the order of rounded additions: dQ is
-    accumulated K tile (512 keys) by K tile and rounded to the output dtype at
-    the end of each KV section; dK/dV are accumulated Q group (512 rows) by Q
-    group, q-head by q-head; the sink accumulator has one lane per row of a
-    128-row Q tile. Matmuls are float32 (bf16-valued operands: exact products,
-    float32 accumulation). Full score matrices are materialised per head.
+    Neuron kernel writes a bf16 tile (docs/numerics.md, "The rounding
+    points"). Tiling appears only where it sets the order of rounded
+    additions: dQ is accumulated K tile (512 keys) by K tile and rounded to
+    the output dtype at the end of each KV section; dK/dV are accumulated Q
+    group (512 rows) by Q group, q-head by q-head; the sink accumulator has
+    one lane per row of a 128-row Q tile. Matmuls are float32 (bf16-valued
+    operands: exact products, float32 accumulation). Full score matrices are
+    materialised per head.
 
     Parameters
     ----------
@@ -509,24 +481,15 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     disable : iterable of str
         Names from :data:`ROUNDING_POINTS` to skip (test-only: proves each
         rounding point changes the result).
-    ulp_budget : bool
-        Also return, per element of dq, dk and dv, how far an implementation
-        with the same rounding points but other float32 summation orders (and
-        another float32 exp) may stray beyond the final rounding's own ulp
-        (``docs/numerics.md``, "How far two faithful implementations differ"):
-        one bf16 ulp of the value rounded per *intermediate* rounding of the
-        element's accumulator (a flip early in the chain is carried unchanged
-        to the output); the flips within reach of the D, P and dS tiles, times
-        the operand they multiply; and the output GEMMs' own float32 order.
+    observer : ``numbafa.golden.Observer``, optional
+        Test-only: shown the call's constants, each q-head's tiles, every
+        write of an accumulator and the sink lanes (the tests' error budgets
+        are computed from them). It changes nothing in the result.
 
     Returns
     -------
     dq, dk, dv[, dsinks] : float32 arrays holding values of the output dtype
         (bf16 values for bf16 inputs; dsinks in the dtype of ``sinks_ref``).
-    budget : tuple of float64 arrays shaped like dq, dk, dv (and dsinks)
-        Only with ``ulp_budget=True`` (float32 inputs: the float32 order terms
-        only). For dsinks: one ulp per rounding of its 128 lanes (bf16
-        accumulators), the spreads of ``p_sink`` and D, and the lanes' sum.
     """
     import ml_dtypes
 
@@ -534,130 +497,44 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     if unknown:
         raise ValueError(f"disable must name rounding points from {ROUNDING_POINTS}, got {sorted(unknown)}")
     is_bf16 = np.asarray(q_ref).dtype == ml_dtypes.bfloat16
-
-    def rk(x, point):  # a tile written in kernel_dtype
-        return _bf16_round(x) if is_bf16 and point not in disable else np.asarray(x, np.float32)
-
-    def rm(x, point):  # a tile written in mixed_dtype
-        return _bf16_round(x) if is_bf16 and not mixed_precision and point not in disable \
-            else np.asarray(x, np.float32)
-
     f32 = np.float32
-    q, k, v = (np.asarray(a).astype(f32) for a in (q_ref, k_ref, v_ref))
-    o, dy = np.asarray(o_ref).astype(f32), np.asarray(dy_ref).astype(f32)
+    q, k, v, o, dy = (np.asarray(a).astype(f32) for a in (q_ref, k_ref, v_ref, o_ref, dy_ref))
     bs, nheads, d_head, seqlen_q = q.shape
     nheads_kv, seqlen_k = k.shape[1], k.shape[3]
     n_rep = nheads // nheads_kv
     lse = np.asarray(lse_ref, dtype=f32)
     if lse.ndim == 4:
         lse = lse.transpose(0, 1, 3, 2).reshape(bs, nheads, seqlen_q)
-    scale = f32(1.0 / np.sqrt(d_head) if not softmax_scale else softmax_scale)
-    d_tile, section_len = _neuron_tiling(d_head)
-    allowed = allowed_mask(seqlen_q, seqlen_k, use_causal_mask, sliding_window, bound_min, bound_max)
     sink3 = np.zeros((bs, nheads, 0), f32) if sinks_ref is None else \
         np.asarray(sinks_ref).astype(f32).reshape(bs, nheads, -1)
+    mult = _dropout_multipliers((bs, nheads, seqlen_q, seqlen_k), dropout_p, seed, seed_offset, None, f32)
+    ins = _Inputs(q, k, v, o, dy, lse, sink3, mult)
+    setup = Setup(f32(1.0 / np.sqrt(d_head) if not softmax_scale else softmax_scale), *_neuron_tiling(d_head),
+                  allowed_mask(seqlen_q, seqlen_k, use_causal_mask, sliding_window, bound_min, bound_max),
+                  n_rep, Rounding(bool(is_bf16), bool(mixed_precision), frozenset(disable)))
+    observer = Observer() if observer is None else observer
+    observer.start(setup)
 
     dq = np.zeros((bs, nheads, d_head, seqlen_q), f32)
     dk = np.zeros((bs, nheads_kv, d_head, seqlen_k), f32)
     dv = np.zeros_like(dk)
     dsinks = np.zeros(sink3.shape, f32)
-    budgets = tuple(np.zeros(x.shape) for x in (dq, dk, dv))
-    dsinks_budget = np.zeros(sink3.shape)
-    mult = _dropout_multipliers((bs, nheads, seqlen_q, seqlen_k), dropout_p, seed, seed_offset, None, f32)
-    rounds_kernel = is_bf16
-    rounds_mixed = is_bf16 and not mixed_precision
-
-    def rounds(point, dtype_rounds):  # whether this golden rounds at that point
-        return dtype_rounds and point not in disable
-
     for b in range(bs):
         for hk in range(nheads_kv):
-            kt, vt = k[b, hk].T, v[b, hk].T                     # [seqlen_k, d]
             dk_acc = np.zeros((seqlen_k, d_head), f32)
             dv_acc = np.zeros((seqlen_k, d_head), f32)
-            dk_flips, dv_flips = _FlipBudget(dk_acc.shape), _FlipBudget(dv_acc.shape)
             for h in range(hk * n_rep, (hk + 1) * n_rep):
-                qs = rk(q[b, h].T * scale, "q_load")            # [seqlen_q, d]
-                dyt = dy[b, h].T
-                neg_lse = rm(-lse[b, h], "neg_lse")
-                prod = rk(o[b, h].T * dyt, "d_product")
-                parts = [rm(prod[:, i:i + d_tile].sum(axis=1, dtype=f32), "d_partial")
-                         for i in range(0, d_head, d_tile)]
-                d_sum = rm(np.sum(parts, axis=0, dtype=f32), "d_total")
-                scores = np.where(allowed, qs @ kt.T, f32(-3.4028234663852886e38))
-                t = scores + neg_lse[:, None]
-                p_pre = np.exp(t)
-                p = rk(p_pre, "p")
-                dp = dyt @ vt.T
-                if mult is not None:  # dropout: dP * M (an fp32 product), and P~ = P * M for dV
-                    dp = dp * mult[b, h]
-                m = dp - d_sum[:, None]
-                ds_pre = m * p
-                ds = rk(ds_pre, "ds")
-                p_dv = p if mult is None else rk(p * mult[b, h], "p")
-                if ulp_budget:  # the P and dS flips, and the output GEMMs' float32 sums
-                    d_spread = _rowsum_spread(prod, d_tile, rounds("d_partial", rounds_mixed),
-                                              rounds("d_total", rounds_mixed))
-                    head_mult = None if mult is None else mult[b, h]
-                    dev_p, dev_ds = _score_tile_spreads(qs, kt, dyt, vt, t, p_pre, p, m, ds_pre, d_spread,
-                                                        allowed, rounds("p", rounds_kernel),
-                                                        rounds("ds", rounds_kernel), head_mult, dp)
-                    if head_mult is not None:  # P~'s own rounding of a P that may differ
-                        dev_p = _rounding_spread(p * head_mult, dev_p * head_mult, rounds("p", rounds_kernel))
-                    head_q, head_k, head_v = _output_spreads(
-                        dev_p, dev_ds, p_dv, ds, qs, kt, dyt, scale,
-                        n_dq=seqlen_k + 2 * -(-seqlen_k // 512), n_dkv=n_rep * seqlen_q)
-                    budgets[0][b, h] += head_q.T
-                    budgets[1][b, hk] += head_k.T
-                    budgets[2][b, hk] += head_v.T
-                # dQ: K tile by K tile within each section, rounded between sections.
-                dq_acc = np.zeros((seqlen_q, d_head), f32)
-                dq_flips = _FlipBudget(dq_acc.shape)
-                for s0 in range(0, seqlen_k, section_len):
-                    if s0 > 0:
-                        dq_acc = dq_flips.rounded(rk(dq_acc, "dq_section"), rounds_kernel)
-                    for t0 in range(s0, min(s0 + section_len, seqlen_k), 512):
-                        t1 = min(t0 + 512, s0 + section_len, seqlen_k)
-                        dq_acc = dq_flips.rounded(rm((ds[:, t0:t1] @ kt[t0:t1]) * scale + dq_acc, "acc"),
-                                                  rounds_mixed)
-                dq[b, h] = dq_acc.T
-                # The output's own rounding (a no-op when the accumulator is already bf16).
-                dq_flips.rounded(_bf16_round(dq_acc) if is_bf16 else dq_acc, rounds_kernel and not rounds_mixed)
-                budgets[0][b, h] += dq_flips.total.T
-                # dK/dV: one rounded addition per Q group of 512 rows (per K tile, which
-                # holds different keys, so all keys can be updated at once).
-                for g0 in range(0, seqlen_q, 512):
-                    g1 = min(g0 + 512, seqlen_q)
-                    dv_acc = dv_flips.rounded(rm(dv_acc + p_dv[g0:g1].T @ dyt[g0:g1], "acc"), rounds_mixed)
-                    dk_acc = dk_flips.rounded(rm(dk_acc + ds[g0:g1].T @ qs[g0:g1], "acc"), rounds_mixed)
-                # Sinks: loaded into a mixed_dtype tile, one accumulator lane per row of a
-                # 128-row Q tile, the lanes summed into a mixed_dtype tile.
-                for i_sink in range(sink3.shape[2]):
-                    sink = rm(sink3[b, h, i_sink], "sinks")
-                    lanes = np.zeros(128, f32)
-                    lane_ulps = np.zeros(128)   # every rounding of a lane precedes the final one
-                    for t0 in range(0, seqlen_q, 128):
-                        n = min(128, seqlen_q - t0)
-                        p_sink = rm(np.exp(sink + neg_lse[t0:t0 + n]), "sinks")
-                        lanes[:n] = rm(lanes[:n] - p_sink * d_sum[t0:t0 + n], "sinks")
-                        if rounds_mixed:
-                            lane_ulps[:n] += _bf16_ulp(lanes[:n])
-                    dsinks[b, h, i_sink] = rm(lanes.sum(dtype=f32), "sinks")
-                    dsinks_budget[b, h, i_sink] = lane_ulps.sum()
-                    if ulp_budget:
-                        dsinks_budget[b, h, i_sink] += _sink_spread(
-                            sink, neg_lse, d_sum, d_spread, lanes, rounds("sinks", rounds_mixed))
+                tiles = _head_tiles(ins, setup, b, h)
+                observer.head((b, h), tiles)
+                dq[b, h] = _dq_of_head(tiles, setup, observer, (b, h)).T
+                dk_acc, dv_acc = _add_dk_dv(dk_acc, dv_acc, tiles, setup, observer, (b, hk))
+                dsinks[b, h] = _dsinks_of_head(sink3[b, h], tiles, setup, observer, (b, h))
             dk[b, hk] = dk_acc.T
             dv[b, hk] = dv_acc.T
-            for flips, acc in ((dk_flips, dk_acc), (dv_flips, dv_acc)):
-                flips.rounded(_bf16_round(acc) if is_bf16 else acc, rounds_kernel and not rounds_mixed)
-            budgets[1][b, hk] += dk_flips.total.T
-            budgets[2][b, hk] += dv_flips.total.T
     if is_bf16:  # outputs are written in the kernel dtype (not a point one can disable)
         dq, dk, dv = _bf16_round(dq), _bf16_round(dk), _bf16_round(dv)
     if sinks_ref is None:
-        return (dq, dk, dv) + ((budgets,) if ulp_budget else ())
-    extra = ((budgets + (dsinks_budget.reshape(np.shape(sinks_ref)),),) if ulp_budget else ())
+        return dq, dk, dv
     if np.asarray(sinks_ref).dtype == ml_dtypes.bfloat16:
         dsinks = _bf16_round(dsinks)
-    return (dq, dk, dv, dsinks.reshape(np.shape(sinks_ref))) + extra
+    return dq, dk, dv, dsinks.reshape(np.shape(sinks_ref))

@@ -81,7 +81,7 @@ BF16_MIXED = {"rtol": 2e-2, "atol": 1e-5}
 #     - the output GEMM's own float32 sum of N terms: 2 gamma_N * sum|term|;
 #     - oneDNN's bf16 units flush subnormal inputs and results to zero
 #       (checked): at most 2^-126 per operation, counted, negligible.
-#   The golden returns the sum of all but the first (``ulp_budget=True``), so
+#   tests/_budget.py computes the sum of all but the first (the budget), so
 #   |a - e| <= FINAL_ULPS * ulp(e) + budget is a bound on *every* element, on
 #   any CPU and GEMM path. The check used to skip elements with
 #   |e| < max|e| / 16: a stand-in for the output GEMM's order term (near zero,

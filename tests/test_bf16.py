@@ -15,6 +15,8 @@ from numbafa.dtypes import from_bf16_array, round_to_bf16, to_bf16_array
 from numbafa.jit import callable_from_python, jit
 from numbafa.kernels.backward import accumulate
 
+import _budget
+from _budget import bf16_ulp, rounded_with_budget
 from _problems import CASES, Case, make_inputs
 from _tolerances import BF16_MIXED, FLOAT32_SUM_ORDER, FINAL_ULPS, MIN_IDENTICAL, assert_close
 
@@ -108,20 +110,13 @@ def test_outputs_are_bf16(bf16_case):
 # Faithfulness to the numerics golden
 # --------------------------------------------------------------------------
 
-def bf16_ulp(x):
-    """One bf16 ulp of each element of ``x`` (float64)."""
-    mag = np.abs(np.asarray(x, np.float64))
-    exponent = np.floor(np.log2(np.maximum(mag, 2.0 ** -133)))
-    return 2.0 ** (np.maximum(exponent, -126) - 7)
-
-
 def faithfulness(actual, expected, budget):
     """(fraction bit-identical, worst ``|a - e| / allowed`` over all elements).
 
     ``allowed = FINAL_ULPS * ulp(max(|a|, |e|)) + budget``: the output's own rounding may flip,
-    and ``budget`` (from ``golden.attention_bwd_rounded(..., ulp_budget=True)``) bounds
-    everything before it: flips of the accumulator's intermediate roundings, of the P, dS and D
-    tiles, and the output GEMMs' own float32 summation order (tests/_tolerances.py).
+    and ``budget`` (from :func:`_budget.rounded_with_budget`) bounds everything before it: flips
+    of the accumulator's intermediate roundings, of the P, dS and D tiles, and the output GEMMs'
+    own float32 summation order (tests/_tolerances.py).
     """
     a = np.asarray(actual, np.float32)
     e = np.asarray(expected, np.float32)
@@ -136,7 +131,7 @@ def faithfulness(actual, expected, budget):
 @pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "not-mixed"])
 def test_faithful_to_numerics_golden(bf16_case, mixed):
     case, inputs, got = bf16_case
-    *emulated, budgets = golden.attention_bwd_rounded(**inputs, mixed_precision=mixed, ulp_budget=True)
+    *emulated, budgets = rounded_with_budget(**inputs, mixed_precision=mixed)
     for name, g, e, budget in zip(NAMES, got[mixed], emulated, budgets):
         if name == "dsinks" and mixed:  # float32 sinks: a float32 sum, compared as such
             assert_close(g, e, FLOAT32_SUM_ORDER, name)
@@ -150,17 +145,17 @@ def test_faithful_to_numerics_golden(bf16_case, mixed):
 def test_flip_budget_counts_intermediate_roundings(monkeypatch):
     """The accumulator part of the budget: zero where an output is rounded once, one ulp per
     earlier rounding otherwise (the tile and order terms switched off here; tested below)."""
-    monkeypatch.setattr(golden, "_output_spreads", lambda *a, **k: (np.float64(0.0),) * 3)
-    monkeypatch.setattr(golden, "_sink_spread", lambda *a, **k: 0.0)
+    monkeypatch.setattr(_budget, "_output_spreads", lambda *a, **k: (np.float64(0.0),) * 3)
+    monkeypatch.setattr(_budget, "_sink_spread", lambda *a, **k: 0.0)
     one_section = make_inputs(Case(nheads=1, nheads_kv=1, seqlen_q=128, seqlen_k=512), BF16)
-    *_, (bq, bk, bv) = golden.attention_bwd_rounded(**one_section, mixed_precision=True, ulp_budget=True)
+    *_, (bq, bk, bv) = rounded_with_budget(**one_section, mixed_precision=True)
     assert not bq.any() and not bk.any() and not bv.any()
     two_sections = make_inputs(Case(nheads=1, nheads_kv=1, d_head=256, seqlen_q=128, seqlen_k=5120), BF16)
-    dq, *_, (bq, bk, bv) = golden.attention_bwd_rounded(**two_sections, mixed_precision=True, ulp_budget=True)
+    dq, *_, (bq, bk, bv) = rounded_with_budget(**two_sections, mixed_precision=True)
     assert bq.all() and not bk.any() and not bv.any()   # dQ is rounded between the two sections
     assert (bq <= 4 * np.abs(dq).max() * 2.0 ** -7).all()
     # mixed_precision=False: dQ takes one rounded addition per 512-key tile (10 tiles, 2 sections).
-    dq, *_, (bq, _, _) = golden.attention_bwd_rounded(**two_sections, mixed_precision=False, ulp_budget=True)
+    dq, *_, (bq, _, _) = rounded_with_budget(**two_sections, mixed_precision=False)
     assert (bq >= 9 * bf16_ulp(2.0 ** -133)).all() and bq.max() > bf16_ulp(np.abs(dq).max())
 
 
@@ -170,9 +165,9 @@ def test_rounding_spread_is_zero_unless_a_rounding_boundary_is_within_reach():
     quarter = np.float32(1.0 + 2.0 ** -9)
     x = np.array([tie, tie, quarter, quarter, one], np.float32)
     radius = np.array([1e-6, 0.0, 1e-6, 2.0 ** -8, 3 * 2.0 ** -7])
-    spread = golden._rounding_spread(x, radius, rounds=True)
+    spread = _budget._rounding_spread(x, radius, rounds=True)
     np.testing.assert_array_equal(spread, [2.0 ** -7, 0.0, 0.0, 2.0 ** -7, 3 * 2.0 ** -7])
-    np.testing.assert_array_equal(golden._rounding_spread(x, radius, rounds=False), radius)
+    np.testing.assert_array_equal(_budget._rounding_spread(x, radius, rounds=False), radius)
 
 
 def _one_key_problem(neg_lse):
@@ -199,10 +194,10 @@ def test_flip_budget_of_p_and_ds():
     inputs = _one_key_problem(_neg_lse_giving(midpoint))
     p_pre = np.exp(np.float32(1) - inputs["lse_ref"][0, 0, 0])
     assert abs(float(p_pre) - midpoint) <= 2.0 ** -24    # within one float32 ulp of the boundary
-    *_, (bq, bk, bv) = golden.attention_bwd_rounded(**inputs, mixed_precision=True, ulp_budget=True)
+    *_, (bq, bk, bv) = rounded_with_budget(**inputs, mixed_precision=True)
     assert bv.item() >= 2.0 ** -8 and bk.item() >= 2.0 ** -8 and bq.item() >= 2.0 ** -8
     far = _one_key_problem(_neg_lse_giving(1.0 - 2.0 ** -8))
-    *_, budgets = golden.attention_bwd_rounded(**far, mixed_precision=True, ulp_budget=True)
+    *_, budgets = rounded_with_budget(**far, mixed_precision=True)
     assert all(b.item() < 2.0 ** -20 for b in budgets)
 
 
@@ -212,7 +207,7 @@ def test_flip_budget_is_sharp():
     error of 2 ulps on every element too, and one of 1 ulp everywhere by the bit-identical
     fraction."""
     inputs = make_inputs(Case(causal=True), BF16)
-    *emulated, budgets = golden.attention_bwd_rounded(**inputs, mixed_precision=True, ulp_budget=True)
+    *emulated, budgets = rounded_with_budget(**inputs, mixed_precision=True)
     for e, budget in zip(emulated, budgets):
         ulp = bf16_ulp(e)
         large = np.abs(e) >= np.abs(e).max() / 4
@@ -239,7 +234,7 @@ def test_bf16_sinks_give_bf16_dsinks():
     inputs["sinks_ref"] = inputs["sinks_ref"].astype(BF16)
     *_, dsinks = numbafa.attention_bwd(**inputs, mixed_precision=True)
     assert dsinks.dtype == BF16 and dsinks.shape == inputs["sinks_ref"].shape
-    *emulated, budgets = golden.attention_bwd_rounded(**inputs, mixed_precision=True, ulp_budget=True)
+    *emulated, budgets = rounded_with_budget(**inputs, mixed_precision=True)
     identical, excess = faithfulness(dsinks.astype(np.float32), emulated[3], budgets[3])
     assert identical >= MIN_IDENTICAL and excess <= 1.0
 
@@ -277,7 +272,7 @@ def test_large_logits_lose_accuracy_exactly_like_the_rounding_points_say():
     inputs = make_inputs(Case(softmax_scale=1.7, causal=True, num_sinks=1), BF16)
     got = numbafa.attention_bwd(**inputs, mixed_precision=True)
     exact = golden.attention_bwd(**inputs)
-    *emulated, budgets = golden.attention_bwd_rounded(**inputs, mixed_precision=True, ulp_budget=True)
+    *emulated, budgets = rounded_with_budget(**inputs, mixed_precision=True)
     assert _rel_err(got[0], exact[0]) > BF16_MIXED["rtol"]
     assert _rel_err(emulated[0], exact[0]) > BF16_MIXED["rtol"]
     for name, g, e, budget in zip(NAMES[:3], got, emulated, budgets):
@@ -352,7 +347,7 @@ def test_budget_still_catches_a_missing_rounding_point(point, case, mixed):
     golden without one point, taken as a kernel's output, fails the faithfulness check (by the
     bit-identical fraction, and for most points also by the per-element bound)."""
     inputs = make_inputs(case, BF16)
-    *emulated, budgets = golden.attention_bwd_rounded(**inputs, mixed_precision=mixed, ulp_budget=True)
+    *emulated, budgets = rounded_with_budget(**inputs, mixed_precision=mixed)
     without = golden.attention_bwd_rounded(**inputs, mixed_precision=mixed, disable=(point,))
     checks = [faithfulness(a, e, budget) for a, e, budget in zip(without, emulated, budgets)]
     assert any(identical < MIN_IDENTICAL or excess > 1.0 for identical, excess in checks), checks
@@ -396,7 +391,7 @@ def test_sinks_are_rounded_at_load_and_after_the_partition_sum():
     assert got.dtype == np.float32
     for x in (got, emulated):
         np.testing.assert_array_equal(to_bf16_array(x).astype(np.float32), x)   # bf16 values
-    *_, budgets = golden.attention_bwd_rounded(**inputs, mixed_precision=False, ulp_budget=True)
+    *_, budgets = rounded_with_budget(**inputs, mixed_precision=False)
     _, excess = faithfulness(got, emulated, budgets[3])
     assert excess <= 1.0
     # mixed_precision=True keeps them float32 (sums of float32 terms in another order).
@@ -405,12 +400,12 @@ def test_sinks_are_rounded_at_load_and_after_the_partition_sum():
 
 
 @jit(entry=True)
-def _accumulate(acc, psum, scale, round_mixed):
-    accumulate(acc, psum, scale, round_mixed)
+def _accumulate(acc, psum, scale, bf16_accumulators):
+    accumulate(acc, psum, scale, bf16_accumulators)
 
 
-@pytest.mark.parametrize("round_mixed", [False, True])
-def test_dq_accumulation_rounds_the_product_then_the_sum(round_mixed):
+@pytest.mark.parametrize("bf16_accumulators", [False, True])
+def test_dq_accumulation_rounds_the_product_then_the_sum(bf16_accumulators):
     """``dq = psum * scale + dq`` (upstream scalar_tensor_tensor) is two fp32 roundings;
     a fused multiply-add would round once, and gives other bits for some elements."""
     rng = np.random.default_rng(3)
@@ -420,14 +415,14 @@ def test_dq_accumulation_rounds_the_product_then_the_sum(round_mixed):
     two_roundings = (psum * scale).astype(np.float32) + acc        # NumPy: float32 ops, each rounded
     fused = (psum.astype(np.float64) * np.float64(scale) + acc).astype(np.float32)
     assert (fused != two_roundings).any()                          # the test can tell them apart
-    if round_mixed:
+    if bf16_accumulators:
         two_roundings = to_bf16_array(two_roundings).astype(np.float32)
     got = acc.copy()
-    _accumulate(got, psum, scale, round_mixed)
+    _accumulate(got, psum, scale, bf16_accumulators)
     np.testing.assert_array_equal(got, two_roundings)
     # dQ's accumulator is [d, rows] and takes column slices: only those columns change.
     wide = np.full((acc.shape[0], acc.shape[1] + 9), np.nan, np.float32)
     wide[:, 5:-4] = acc
-    _accumulate(wide[:, 5:-4], psum, scale, round_mixed)
+    _accumulate(wide[:, 5:-4], psum, scale, bf16_accumulators)
     np.testing.assert_array_equal(wide[:, 5:-4], two_roundings)
     assert np.isnan(wide[:, :5]).all() and np.isnan(wide[:, -4:]).all()

@@ -18,6 +18,7 @@ from numbafa.kernels.dropout import drop_rows, make_dropout, with_origin
 fill_multipliers = callable_from_python(_dropout.fill_multipliers)
 philox_words = callable_from_python(_dropout.philox_words)
 
+from _budget import rounded_with_budget
 from _problems import Case, forward_options, make_inputs
 from _tolerances import BF16_MIXED, FLOAT32, MIN_IDENTICAL, assert_close
 from test_bf16 import faithfulness
@@ -252,7 +253,7 @@ def test_bf16_is_faithful_to_the_numerics_golden(mixed):
     case = Case(nheads=4, nheads_kv=2, causal=True, num_sinks=1, seqlen_q=640, seqlen_k=640, d_head=128)
     inputs, _, _ = dropout_inputs(case, BF16)
     got = numbafa.attention_bwd(**inputs, mixed_precision=mixed, **DROP)
-    *emulated, budgets = golden.attention_bwd_rounded(**inputs, mixed_precision=mixed, ulp_budget=True, **DROP)
+    *emulated, budgets = rounded_with_budget(**inputs, mixed_precision=mixed, **DROP)
     for name, g, e, budget in zip(("dq", "dk", "dv"), got, emulated, budgets):
         identical, excess = faithfulness(g.astype(np.float32), e, budget)
         assert identical >= MIN_IDENTICAL, f"{name}: only {identical:.4%} bit-identical"

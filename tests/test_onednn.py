@@ -13,6 +13,7 @@ from numbafa.kernels import bundles
 from _problems import Case, make_inputs, validated
 from _tolerances import MIN_IDENTICAL
 from test_bf16 import faithfulness
+from _budget import rounded_with_budget
 
 BF16 = ml_dtypes.bfloat16
 LIB = "/opt/lib/libdnnl.so.3"
@@ -94,7 +95,7 @@ def test_both_paths_are_faithful_to_the_numerics_golden(mixed, monkeypatch):
     Both differ from the golden only by float32 summation order, within the budget (tests/_tolerances.py)."""
     case = Case(nheads=4, nheads_kv=2, d_head=128, seqlen_q=640, seqlen_k=640, causal=True, num_sinks=1)
     inputs = make_inputs(case, BF16)
-    *emulated, budgets = golden.attention_bwd_rounded(**inputs, mixed_precision=mixed, ulp_budget=True)
+    *emulated, budgets = rounded_with_budget(**inputs, mixed_precision=mixed)
     results = {"onednn": numbafa.attention_bwd(**inputs, mixed_precision=mixed)}
     monkeypatch.setattr(bundles, "gemm_path", lambda: ("blas", "forced by the test"))
     results["blas"] = numbafa.attention_bwd(**inputs, mixed_precision=mixed)

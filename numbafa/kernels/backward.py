@@ -1,7 +1,8 @@
 """The flash-attention backward kernel: a CPU twin of Neuron's ``attention_bwd``.
 
 Pseudocode of the Neuron kernel (upstream ``nkilib/core/attention/attention_bwd.py``
-lines 113-139), which the helpers below cite by step number::
+lines 113-139), which the helpers below cite by step number (every "upstream NNNN"
+here is a line number of that file in neuronx_cc 2.24.5133.0+58f8de22)::
 
     D      = rowsum(dO * O)                  # Step 1
     S      = Q_scaled^T K                    # Step 2.1-2.2 (scale folded into Q)
@@ -96,10 +97,11 @@ Scratch = namedtuple("Scratch", ["q_s", "dq", "s_t", "dp_t", "kd_psum", "dq_psum
 
 
 @jit()
-def load_neg_lse(lse_h, start, count, round_mixed, neg_lse):
-    """The -LSE bias of rows ``start:start+count`` of one q-head, in mixed_dtype (upstream 1149-1160)."""
+def load_neg_lse(lse_h, start, count, bf16_accumulators, neg_lse):
+    """The -LSE bias of rows ``start:start+count`` of one q-head, in mixed_dtype (upstream 1149-1160):
+    rounded to bf16 when mixed_dtype is (``bf16_accumulators``)."""
     for i in range(start, start + count):
-        neg_lse[i] = round_if(-lse_h[i], round_mixed)
+        neg_lse[i] = round_if(-lse_h[i], bf16_accumulators)
 
 
 @jit(apart=True)
@@ -113,7 +115,7 @@ def compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum, precision):
     """
     d_head = o_h.shape[0]
     round_kernel = precision.round_kernel
-    round_mixed = precision.round_mixed
+    bf16_accumulators = precision.bf16_accumulators
     total = np.zeros(count, dtype=np.float32)
     partial = np.empty(count, dtype=np.float32)
     for d0 in range(0, d_head, d_tile):
@@ -125,9 +127,9 @@ def compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum, precision):
                 prod = round_if(widen(o_row[start + i]) * widen(dy_row[start + i]), round_kernel)
                 partial[i] += prod
         for i in range(count):
-            total[i] += round_if(partial[i], round_mixed)
+            total[i] += round_if(partial[i], bf16_accumulators)
     for i in range(count):
-        d_sum[start + i] = round_if(total[i], round_mixed)
+        d_sum[start + i] = round_if(total[i], bf16_accumulators)
 
 
 @jit()
@@ -190,7 +192,7 @@ def recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, qg, plan):
 
 
 @jit(contract=False)
-def accumulate(acc, psum, scale, round_mixed):
+def accumulate(acc, psum, scale, bf16_accumulators):
     """``acc = psum * scale + acc`` written in mixed_dtype.
 
     Upstream's ``scalar_tensor_tensor`` (lines 1558-1565): the product is an
@@ -206,10 +208,10 @@ def accumulate(acc, psum, scale, round_mixed):
         p = psum[r]
         if scale == _ONE:
             for i in range(a.size):
-                a[i] = round_if(a[i] + p[i], round_mixed)
+                a[i] = round_if(a[i] + p[i], bf16_accumulators)
         else:
             for i in range(a.size):
-                a[i] = round_if(p[i] * scale + a[i], round_mixed)
+                a[i] = round_if(p[i] * scale + a[i], bf16_accumulators)
 
 
 @jit(apart=True)
@@ -251,7 +253,7 @@ def update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum, cut, scratch):
     into dQ's ``[d, rows]`` accumulator (both operands as they lie: the
     GEMMs measured fastest in this orientation, docs/performance.md).
     float32 inputs add the scaled product into dQ directly (``beta = 1``);
-    bf16 inputs (``dq_via_psum``) sum the blocks of the K tile into
+    bf16 inputs (``round_kernel``) sum the blocks of the K tile into
     ``dq_psum`` (this block's columns of it), which
     :func:`_flash_attn_bwd_core` adds once. Steps 3.1 ``dV += P^T dO`` and
     5.2 ``dK += Q_s^T dS`` go into the section accumulators (GQA-reduced);
@@ -262,12 +264,12 @@ def update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum, cut, scratch):
     k_cols = sec.k[:, keys]
     q_cols = qg.q_s[:, blk.r0:blk.r1]
     dy_cols = qg.dy[:, blk.r0:blk.r1]
-    if prec.dq_via_psum:
+    if prec.round_kernel:  # bf16 tiles keep dQ's PSUM apart (dQ is rounded between KV sections)
         matmul(k_cols, ds_t, dq_psum, False, False, _ONE, _ONE if cut else _ZERO, plan.gemm)
     else:
         matmul(k_cols, ds_t, qg.dq[:, blk.r0:blk.r1], False, False, plan.softmax_scale, _ONE,
                plan.gemm)
-    if prec.round_mixed:
+    if prec.bf16_accumulators:
         d_head = k_cols.shape[0]
         kd_psum = scratch.kd_psum[:blk.n_k * d_head].reshape(blk.n_k, d_head)
         matmul(p_t, dy_cols, kd_psum, False, True, _ONE, _ZERO, plan.gemm)
@@ -300,7 +302,7 @@ def _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch):
     sub = min(tiling.k_sub_tile, n_k) if cut else n_k
     d_head = qg.q_s.shape[0]
     dq_psum = scratch.dq_psum[:d_head * (t1 - t0)].reshape(d_head, t1 - t0)
-    if plan.precision.dq_via_psum and cut:
+    if plan.precision.round_kernel and cut:  # bf16 tiles keep dQ's PSUM apart
         dq_psum[:] = _ZERO
     for kb0 in range(k_tile0, k_tile0 + n_k, sub):
         n_kb = min(sub, k_tile0 + n_k - kb0)
@@ -313,8 +315,8 @@ def _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch):
         blk = Block(kb0, n_kb, r0, r1)
         p_t, ds_t = recompute_p_ds(plan, sec, qg, blk, scratch)
         update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum[:, r0 - t0:r1 - t0], cut, scratch)
-    if plan.precision.dq_via_psum:  # dQ += PSUM * scale, one (rounded) addition per K tile
-        accumulate(qg.dq[:, t0:t1], dq_psum, plan.softmax_scale, plan.precision.round_mixed)
+    if plan.precision.round_kernel:  # bf16 tiles keep dQ's PSUM apart: dQ += PSUM * scale
+        accumulate(qg.dq[:, t0:t1], dq_psum, plan.softmax_scale, plan.precision.bf16_accumulators)
 
 
 @jit(apart=True)
@@ -340,7 +342,7 @@ def bwd_q_group(ins, outs, plan, sec, head, i_group, scratch):
     dy_h = ins.dy[head.batch, head.q_head]
     dy_n = as_operand(dy_h[:, q_grp0:q_grp0 + rows], plan.operand)
     if sec.first:
-        load_neg_lse(ins.lse[head.batch, head.q_head], q_grp0, rows, prec.round_mixed, head.neg_lse)
+        load_neg_lse(ins.lse[head.batch, head.q_head], q_grp0, rows, prec.bf16_accumulators, head.neg_lse)
         compute_rowsum(ins.o[head.batch, head.q_head], dy_h, q_grp0, rows, plan.tiling.d_tile,
                        head.d_sum, prec)
     qg = QGroup(q_grp0, rows, q_op, dy_n, dq, head.neg_lse, head.d_sum, head.batch, head.q_head)
@@ -449,14 +451,14 @@ def _reduce_partials(out, parts, round_out):
 
 
 @jit()
-def _sink_probability(sink, neg_lse, round_mixed):
+def _sink_probability(sink, neg_lse, bf16_accumulators):
     """``p_sink = exp(sink + (-LSE))`` in mixed_dtype, with the kernel's one ``expf`` (compiled
     with the package's flags, as for P, not inside :func:`compute_dsinks`' exact arithmetic)."""
-    return round_if(expf(sink + neg_lse), round_mixed)
+    return round_if(expf(sink + neg_lse), bf16_accumulators)
 
 
 @jit(contract=False)
-def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, round_mixed):
+def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, bf16_accumulators):
     """``dsinks = -sum_q p_sink * D`` for one q-head (upstream 1355-1405), in mixed_dtype.
 
     The sink logits are loaded into a mixed_dtype tile (upstream 1361-1372);
@@ -471,16 +473,16 @@ def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, round_mixed):
     out = np.zeros(sinks_h.size, dtype=np.float32)
     acc = np.empty(q_tile, dtype=np.float32)
     for i_sink in range(sinks_h.size):
-        sink = round_if(sinks_h[i_sink], round_mixed)
+        sink = round_if(sinks_h[i_sink], bf16_accumulators)
         acc[:] = _ZERO
         for q0 in range(0, seqlen_q, q_tile):
             for p in range(min(q_tile, seqlen_q - q0)):
-                p_sink = _sink_probability(sink, neg_lse[q0 + p], round_mixed)
-                acc[p] = round_if(acc[p] - p_sink * d_sum[q0 + p], round_mixed)
+                p_sink = _sink_probability(sink, neg_lse[q0 + p], bf16_accumulators)
+                acc[p] = round_if(acc[p] - p_sink * d_sum[q0 + p], bf16_accumulators)
         total = _ZERO
         for p in range(q_tile):
             total += acc[p]
-        out[i_sink] = round_if(total, round_mixed)
+        out[i_sink] = round_if(total, bf16_accumulators)
     return out
 
 
@@ -504,7 +506,7 @@ def bwd_finish_unit(args, unit):
     for r in range(n_rep):
         h = kv_head * n_rep + r
         dsinks = compute_dsinks(ins.sinks[batch, h], stats.neg_lse[unit, r], stats.d_sum[unit, r],
-                                plan.tiling.q_tile, prec.round_mixed)
+                                plan.tiling.q_tile, prec.bf16_accumulators)
         # Element by element: an array-to-slice assignment would make Numba
         # compile its shape-formatting error path (~4 s of cold compile).
         for i_sink in range(dsinks.size):
@@ -536,7 +538,7 @@ def flash_attn_bwd(ins, outs, stats, plan, entries, items, units):
         nheads, num_sinks]``, all written in full; ``part_dk, part_dv``
         float32 ``[bs * nheads_kv, q_chunks - 1, d_head, seqlen_k]``, scratch
         for the partials of chunks 1.. of split units (used when
-        ``plan.tiling.q_chunks > 1``, which ``plan.precision.round_mixed``
+        ``plan.tiling.q_chunks > 1``, which ``plan.precision.bf16_accumulators``
         excludes: bf16 accumulators cannot be split without changing their
         rounding).
     stats : :data:`BwdStats`, filled in by the items.

@@ -12,8 +12,7 @@ value is decided once, here, from the validated problem:
     Causal, window, packing, and every query's visible key range
     (:mod:`numbafa.kernels.mask`).
 :class:`Precision`
-    Which tiles are rounded to bf16, and where the PSUM-style accumulations
-    apply (docs/numerics.md).
+    Which tiles are rounded to bf16 (docs/numerics.md).
 :class:`Plan`
     The three above, ``softmax_scale``, the GEMM path and its operand type
     (:mod:`numbafa.onednn`) and the attention dropout
@@ -50,12 +49,12 @@ Mask = namedtuple("Mask", ["causal", "window", "use_packing", "key_lo", "key_hi"
 Mask.__doc__ = """causal (bool), window (int, already <= seqlen_k; 0: none), use_packing (bool),
 key_lo/key_hi (int32 [seqlen_q]): query q sees keys key_lo[q] <= k < key_hi[q]."""
 
-Precision = namedtuple("Precision", ["round_kernel", "round_mixed", "dq_via_psum"])
+Precision = namedtuple("Precision", ["round_kernel", "bf16_accumulators"])
 Precision.__doc__ = """round_kernel: tiles written in kernel_dtype are rounded to bf16 (bf16 inputs).
-round_mixed: tiles written in mixed_dtype are too (bf16 inputs, mixed_precision=False): the
-accumulators are bf16 and take one rounded addition from a PSUM tile.
-dq_via_psum: the backward keeps dQ's PSUM as a tile of its own, added once per K tile (bf16
-inputs: dQ is rounded between KV sections, where another float32 order would flip roundings)."""
+bf16_accumulators: mixed_dtype is bf16 (bf16 inputs, mixed_precision=False), so tiles written in
+mixed_dtype are rounded to bf16 too: the accumulators (dQ/dK/dV, each taking one rounded addition
+from a PSUM tile; the forward's output and row sum; the dsinks lanes) and the other mixed_dtype
+tiles (-LSE, D and its partials, the sink logits and p_sink)."""
 
 Plan = namedtuple("Plan", ["tiling", "mask", "precision", "softmax_scale", "gemm", "operand",
                            "dropout"])
@@ -88,8 +87,8 @@ def make_plan(prob, backward: bool) -> Plan:
     # Zero-length sequences run the same kernels with empty loops.
     cfg = setup_config(max(seqlen_q, 1), max(seqlen_k, 1), d_head)
     round_kernel = bool(prob.is_bf16)
-    round_mixed = round_kernel and not prob.mixed_precision
-    chunks = q_chunks(bs * nheads_kv, seqlen_q, round_mixed if backward else False)
+    bf16_accumulators = round_kernel and not prob.mixed_precision
+    chunks = q_chunks(bs * nheads_kv, seqlen_q, bf16_accumulators if backward else False)
     tiling = Tiling(cfg.q_tile, cfg.k_tile, cfg.k_sub_tile, cfg.q_tile_group, cfg.d_tile,
                     cfg.section_len, chunks)
     key_lo = np.empty(seqlen_q, dtype=np.int32)
@@ -97,7 +96,7 @@ def make_plan(prob, backward: bool) -> Plan:
     fill_key_ranges(prob.use_causal_mask, prob.window, prob.use_packing, prob.bound_min,
                     prob.bound_max, seqlen_k, key_lo, key_hi)
     mask = Mask(bool(prob.use_causal_mask), int(prob.window), bool(prob.use_packing), key_lo, key_hi)
-    precision = Precision(round_kernel, round_mixed, round_kernel)
+    precision = Precision(round_kernel, bf16_accumulators)
     onednn = gemm_path()[0] == "onednn"   # loads oneDNN before a kernel that calls it is compiled
     operand = np.empty(0, dtype=np.uint16 if round_kernel and onednn else np.float32)
     dropout = make_dropout(prob.dropout_p, prob.seed, prob.seed_offset)

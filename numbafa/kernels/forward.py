@@ -124,14 +124,14 @@ def online_softmax_update(s, q_abs0, k_abs0, stats, plan):
 
 
 @jit()
-def rescale_accumulate(stats, pv, tile_sum, round_mixed):
+def rescale_accumulate(stats, pv, tile_sum, bf16_accumulators):
     """``acc = acc * alpha + pv`` and ``l = l * alpha + rowsum(P)``, per row, in mixed_dtype."""
     n_q, d = stats.acc.shape
     for i in range(n_q):
         a = stats.alpha[i]
-        stats.row_sum[i] = round_if(stats.row_sum[i] * a + tile_sum[i], round_mixed)
+        stats.row_sum[i] = round_if(stats.row_sum[i] * a + tile_sum[i], bf16_accumulators)
         for x in range(d):
-            stats.acc[i, x] = round_if(stats.acc[i, x] * a + pv[i, x], round_mixed)
+            stats.acc[i, x] = round_if(stats.acc[i, x] * a + pv[i, x], bf16_accumulators)
 
 
 @jit(apart=True)
@@ -158,7 +158,7 @@ def online_softmax_block(plan, head, q_cols, k_cols, v_cols, q_abs0, k_abs0, sta
     # P as written (bf16 values for bf16 inputs): its bits are the operand on the oneDNN path.
     p_op = narrowed(s, scratch.p_op, plan.operand)
     matmul(p_op, v_cols, pv, False, True, _ONE, _ZERO, plan.gemm)
-    rescale_accumulate(stats, pv, tile_sum, plan.precision.round_mixed)
+    rescale_accumulate(stats, pv, tile_sum, plan.precision.bf16_accumulators)
 
 
 @jit(apart=True)
@@ -219,13 +219,13 @@ def finalize_rows(o_acc, row_max, row_sum, rows, lse_out):
 @jit(apart=True)
 def fwd_q_group(ins, outs, plan, k_n, v_n, head, i_group, scratch):
     """One Q group of one q-head over all keys: load Q scaled, K tiles, finalise, store."""
-    round_mixed = plan.precision.round_mixed
+    bf16_accumulators = plan.precision.bf16_accumulators
     q_h = ins.q[head.batch, head.q_head]
     q_grp0, rows = group_rows(i_group, q_h.shape[1], plan.tiling)
     load_scaled(q_h, q_grp0, rows, scratch.q_s, plan.softmax_scale, plan.precision.round_kernel)
     q_op = narrowed(scratch.q_s[:, :rows], scratch.q_op, plan.operand)
     scratch.row_max[:rows] = head.sink_max
-    scratch.row_sum[:rows] = round_if(head.sink_sum, round_mixed)
+    scratch.row_sum[:rows] = round_if(head.sink_sum, bf16_accumulators)
     scratch.o_acc[:rows] = _ZERO
     for k0 in range(0, k_n.shape[1], plan.tiling.k_tile):
         fwd_k_tile(plan, head, q_op, k_n, v_n, q_grp0, k0, scratch)

@@ -1,0 +1,304 @@
+"""The flip budget: how far a faithful bf16 kernel may stray from the numerics golden.
+
+The per-element tolerance of the bf16 faithfulness tests (tests/_tolerances.py,
+"Faithfulness"): an implementation with the same rounding points as
+:func:`numbafa.golden.attention_bwd_rounded` but other float32 summation orders
+(and another float32 exp) is within ``FINAL_ULPS * ulp(e) + budget`` of it on
+every element of dq, dk, dv (and dsinks). The budget sums, per element
+(docs/numerics.md, "How far two faithful implementations differ", derives each
+term):
+
+* one bf16 ulp of the value rounded per *intermediate* rounding of the
+  element's accumulator (a flip early in the chain is carried unchanged to the
+  output): :class:`_Flips`;
+* the flips within reach of the D, P and dS tiles, times the operand they
+  multiply: :func:`_rowsum_spread`, :func:`_score_tile_spreads`;
+* the output GEMMs' own float32 order: :func:`_output_spreads`;
+* for dsinks, one ulp per rounding of its 128 lanes (bf16 accumulators), the
+  spreads of ``p_sink`` and D, and the lanes' sum: :func:`_sink_spread`.
+
+float32 inputs get the float32 order terms only. The budget is computed from
+the tiles the golden shows an observer (:class:`numbafa.golden.Observer`); it
+never recomputes them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from numbafa import golden
+from numbafa.golden import _bf16_round
+
+_U = 2.0 ** -24       # float32 unit roundoff
+_TINY = 2.0 ** -126   # smallest normal float32/bf16: oneDNN's bf16 units flush below it (DAZ, FTZ)
+#: exp's error on both sides, in float32 ulps of the exact value: the kernel's expf is within
+#: 1 ulp of the correctly rounded value (numbafa/kernels/fastexp.py), so 1.5 of the exact one;
+#: NumPy's float32 exp (SIMD) was measured at most EXP_ULPS_NUMPY over [-104, 2], all inputs.
+_EXP_ULPS_KERNEL = 1.5
+_EXP_ULPS_NUMPY = 3.0
+_EXP_ULPS = _EXP_ULPS_KERNEL + _EXP_ULPS_NUMPY
+
+
+def _gamma(n):
+    """Higham's ``gamma_n = n u / (1 - n u)``: a float32 evaluation of a sum of exact terms with
+    ``n`` roundings on the path to the result (``n - 1`` additions for ``n`` terms, in any order:
+    sequential, blocked, pairwise) is within ``gamma_n * sum|term|`` of the exact sum."""
+    return n * _U / (1.0 - n * _U)
+
+
+def _abs_matmul(a, b):
+    """An upper bound of ``|a| @ |b|`` in float64 (float32 product of the magnitudes, inflated
+    by its own worst-case relative error, so it never under-estimates)."""
+    n = a.shape[-1]
+    prod = np.abs(a).astype(np.float32) @ np.abs(b).astype(np.float32)
+    return prod.astype(np.float64) * (1.0 + 2.0 * _gamma(n + 2))
+
+
+def _max_abs(*arrays):
+    return max(float(np.abs(a).max(initial=0)) for a in arrays)
+
+
+def _order_spread(abs_sum, n, max_abs_operand=0.0):
+    """Largest difference between two float32 evaluations, with ``n`` roundings each, of a sum
+    of exact products whose magnitudes sum to ``abs_sum``: each side is within
+    ``gamma_n * abs_sum`` of the exact value, and a side that flushes bf16 subnormals (oneDNN's
+    bf16 units) loses at most ``2^-126`` per addition and ``2^-126 * max|operand|`` per product
+    (``max_abs_operand``; 0 where no such flush happens)."""
+    return 2.0 * _gamma(n) * abs_sum + (n + 1) * _TINY * max_abs_operand
+
+
+def _rounding_spread(x, radius, rounds):
+    """Largest ``|round(y) - round(x)|`` over float32 ``y`` with ``|y - x| <= radius`` (float64).
+
+    ``x`` is the golden's float32 value before a rounding point, ``radius`` a bound on how far
+    another implementation's value can be from it. Without a rounding (``rounds`` False: the tile
+    is float32) the spread is the radius itself. With one, rounding to bf16 is monotone, so the
+    extremes are the roundings of the interval's ends (taken outward to float32): the spread is
+    zero unless the interval holds a bf16 rounding boundary, and then it is the bf16 step(s)
+    crossed -- one ulp of the value for a small radius.
+    """
+    radius = np.asarray(radius, np.float64)
+    if not rounds:
+        return radius
+    x64 = np.asarray(x, np.float64)
+    lo64, hi64 = x64 - radius, x64 + radius
+    with np.errstate(over="ignore"):
+        lo, hi = lo64.astype(np.float32), hi64.astype(np.float32)
+    lo = np.where(lo > lo64, np.nextafter(lo, np.float32(-np.inf)), lo)
+    hi = np.where(hi < hi64, np.nextafter(hi, np.float32(np.inf)), hi)
+    centre = _bf16_round(x).astype(np.float64)
+    spread = np.maximum(_bf16_round(hi) - centre, centre - _bf16_round(lo))
+    return np.where(radius > 0, spread, 0.0)
+
+
+def _rowsum_spread(prod, d_tile, round_partial, round_total):
+    """How far another order can move ``D = rowsum(O * dO)`` (rounding points 4, 5), per row.
+
+    The products are rounded elementwise (the same on both sides); each head-dim tile's
+    partial is a float32 sum of ``d_tile`` of them, and ``D`` the float32 sum of the partials.
+    """
+    f32 = np.float32
+    parts, part_spreads = [], []
+    for i in range(0, prod.shape[1], d_tile):
+        chunk = prod[:, i:i + d_tile]
+        pre = chunk.sum(axis=1, dtype=f32)
+        radius = _order_spread(np.abs(chunk).sum(axis=1, dtype=np.float64), chunk.shape[1] - 1)
+        parts.append(_bf16_round(pre) if round_partial else pre)
+        part_spreads.append(_rounding_spread(pre, radius, round_partial))
+    pre = np.sum(parts, axis=0, dtype=f32)
+    part_spread = np.sum(part_spreads, axis=0)      # the other side's parts: within that of ours
+    radius = (1.0 + _U) * part_spread + _order_spread(
+        np.abs(np.asarray(parts, np.float64)).sum(axis=0) + part_spread, len(parts) - 1)
+    return _rounding_spread(pre, radius, round_total)
+
+
+def _score_tile_spreads(tiles, d_spread, setup):
+    """How far another implementation's P and dS tiles can be from the golden's, per element.
+
+    ``S = Q_s K^T`` and ``dP = dO V^T`` are float32 sums of ``d_head`` exact products: the two
+    sides' values are within :func:`_order_spread` of each other. That moves
+    ``t = fl(S + (-LSE))`` (another float32 rounding each side), ``P = exp(t)`` by the factor
+    ``e^|dt|`` and by both exps' last-bit errors, and ``dS = fl(fl(dP - D) * P)`` by the spreads
+    of dP, D (``d_spread``) and the (rounded) P. Masked entries are exactly 0 on both sides.
+    With dropout (``tiles.mult``: the multipliers M; ``tiles.dp``: the golden's ``fl(dP * M)``),
+    dP's spread is scaled by M, plus one float32 rounding of the product on each side.
+    Returns ``(dev_p, dev_ds)``: float64 bounds on ``|P' - P|`` and ``|dS' - dS|`` after the
+    kernel_dtype roundings -- zero except on elements whose value lies within that distance of
+    a bf16 rounding boundary.
+    """
+    u32 = 2.0 ** -23   # float32 ulp relative to the value (at most)
+    qs, kt, dyt, vt, m = tiles.qs, tiles.kt, tiles.dyt, tiles.vt, tiles.m
+    allowed, rounds = setup.allowed, setup.rounding.rounds
+    d = qs.shape[1]
+    r_s = _order_spread(_abs_matmul(qs, kt.T), d - 1, 1.0 + _max_abs(qs, kt))
+    r_t = np.where(allowed, (1.0 + _U) * r_s + 2.0 * _U * np.abs(tiles.t.astype(np.float64)), 0.0)
+    p64 = tiles.p_pre.astype(np.float64)
+    r_p = p64 * (np.expm1(r_t) * (1.0 + _EXP_ULPS_KERNEL * u32) + _EXP_ULPS * u32) \
+        / (1.0 - _EXP_ULPS_NUMPY * u32) + _EXP_ULPS * 2.0 ** -149
+    dev_p = _rounding_spread(tiles.p_pre, np.where(allowed, r_p, 0.0), rounds("p"))
+    r_dp = _order_spread(_abs_matmul(dyt, vt.T), d - 1, 1.0 + _max_abs(dyt, vt))
+    m64 = m.astype(np.float64)
+    if tiles.mult is not None:
+        r_dp = (1.0 + _U) * r_dp * tiles.mult.astype(np.float64) + 2.0 * _U * np.abs(tiles.dp.astype(np.float64))
+    r_m = (1.0 + _U) * (r_dp + d_spread[:, None]) + 2.0 * _U * np.abs(m64)
+    r_ds = (1.0 + 2.0 * _U) * (r_m * (np.abs(tiles.p.astype(np.float64)) + dev_p) + np.abs(m64) * dev_p) \
+        + 2.0 * _U * np.abs(tiles.ds_pre.astype(np.float64))
+    dev_ds = _rounding_spread(tiles.ds_pre, np.where(allowed, r_ds, 0.0), rounds("ds"))
+    return dev_p, dev_ds
+
+
+def _output_spreads(dev_p, dev_ds, tiles, setup):
+    """One q-head's share of the dQ^T, dK^T, dV^T budgets ``[rows, d]`` from the score tiles.
+
+    A tile element that another implementation rounds differently (``dev_*`` > 0) moves each
+    output it feeds by at most ``dev * |the other operand|``: ``dV += P^T dO`` (the P that dV
+    takes, ``tiles.p_dv``), ``dK += dS^T Q_s``, ``dQ += dS K * scale``. On top, the output
+    GEMMs are themselves float32 sums with ``n`` roundings on any term's path (``n_dq``:
+    seqlen_k - 1 additions, plus the ``* scale`` and the addition into dQ of each K tile;
+    ``n_dkv``: q-heads per KV head x seqlen_q terms) in an unknown order:
+    ``2 gamma_n sum|term|``, the terms being at most ``|x| + dev`` on the other side.
+    """
+    def spread(dev, x, other, n):
+        weight = (1.0 + 2.0 * _gamma(n)) * dev + 2.0 * _gamma(n) * np.abs(x.astype(np.float64))
+        return _abs_matmul(weight, other) + (n + 1) * _TINY * (1.0 + _max_abs(other))
+
+    seqlen_q, seqlen_k = tiles.qs.shape[0], tiles.kt.shape[0]
+    n_dq = seqlen_k + 2 * -(-seqlen_k // 512)
+    n_dkv = setup.n_rep * seqlen_q
+    ds = tiles.ds
+    dq = float(setup.scale) * (1.0 + _U) * spread(dev_ds, ds, tiles.kt, n_dq)
+    dk = spread(dev_ds.T, ds.T, tiles.qs, n_dkv)
+    dv = spread(dev_p.T, tiles.p_dv.T, tiles.dyt, n_dkv)
+    return dq, dk, dv
+
+
+def _sink_spread(sink, neg_lse, d_sum, d_spread, lanes, round_p):
+    """How far another implementation's dsinks sum can be from this golden's, before the
+    roundings of the lanes (counted one ulp each by the caller) and of the result.
+
+    ``p_sink = exp(sink + (-LSE))`` may differ by both exps' last-bit errors and, when it is
+    rounded (``round_p``), flip; ``D`` by ``d_spread``; each lane takes ``p_sink * D`` of its
+    rows (a product and a difference, float32), and the 128 lanes are summed in float32.
+    """
+    u32 = 2.0 ** -23
+    pre = np.exp(sink + neg_lse)
+    p64 = pre.astype(np.float64)
+    radius = p64 * _EXP_ULPS * u32 / (1.0 - _EXP_ULPS_NUMPY * u32) + _EXP_ULPS * 2.0 ** -149
+    dev = _rounding_spread(pre, radius, round_p)
+    p_sink = np.abs((_bf16_round(pre) if round_p else pre).astype(np.float64))
+    d_abs = np.abs(d_sum.astype(np.float64))
+    per_row = (1.0 + 4.0 * _U) * (dev * (d_abs + d_spread) + p_sink * d_spread)
+    return float(per_row.sum() + _order_spread(np.abs(lanes.astype(np.float64)).sum(), lanes.size - 1))
+
+
+def bf16_ulp(x):
+    """One bf16 ulp of each element of ``x`` (float64; subnormal spacing 2^-133 at the bottom)."""
+    mag = np.abs(np.asarray(x, np.float64))
+    exponent = np.floor(np.log2(np.maximum(mag, 2.0 ** -133)))
+    return 2.0 ** (np.maximum(exponent, -126) - 7)
+
+
+class _Flips:
+    """Sums one bf16 ulp per rounding of an accumulator, except its latest one.
+
+    ``rounded(x)`` is called with each freshly rounded accumulator value; the
+    ulp of the previous rounded value joins the budget then, so at the end the
+    budget holds every rounding but the last (the output's own).
+    """
+
+    def __init__(self, shape):
+        self.total = np.zeros(shape)
+        self._last = np.zeros(shape)
+
+    def rounded(self, x):
+        self.total += self._last
+        self._last = bf16_ulp(x)
+
+    def budget(self, last_too):
+        """The ulps of every rounding but the last, and of the last too if ``last_too``."""
+        return self.total + self._last if last_too else self.total
+
+
+class _BudgetObserver(golden.Observer):
+    """Builds the budgets of one golden call from what it is shown.
+
+    ``shapes``: of dq, dk, dv and of the sinks as the golden holds them
+    (``[bs, nheads, num_sinks]``).
+    """
+
+    def __init__(self, shapes):
+        self.budgets = tuple(np.zeros(shape) for shape in shapes)
+        self.flips = {}          # (output, index) -> _Flips of that accumulator
+        self.lane_ulps = {}      # dsinks index -> the ulps of its lanes' roundings, per lane
+        self.rows = {}           # (b, h) -> -LSE, D and D's spread
+        self.setup = None
+
+    def start(self, setup):
+        self.setup = setup
+
+    def head(self, index, tiles):
+        """The P and dS flips of one q-head, and the output GEMMs' float32 sums."""
+        b, h = index
+        hk = h // self.setup.n_rep
+        rounds = self.setup.rounding.rounds
+        d_spread = _rowsum_spread(tiles.prod, self.setup.d_tile, rounds("d_partial"), rounds("d_total"))
+        self.rows[index] = (tiles.neg_lse, tiles.d_sum, d_spread)
+        dev_p, dev_ds = _score_tile_spreads(tiles, d_spread, self.setup)
+        if tiles.mult is not None:  # P~'s own rounding of a P that may differ
+            dev_p = _rounding_spread(tiles.p * tiles.mult, dev_p * tiles.mult, rounds("p"))
+        head_q, head_k, head_v = _output_spreads(dev_p, dev_ds, tiles, self.setup)
+        self.budgets[0][b, h] += head_q.T
+        self.budgets[1][b, hk] += head_k.T
+        self.budgets[2][b, hk] += head_v.T
+
+    def accumulated(self, output, index, value, point):
+        if not self.setup.rounding.rounds(point):
+            return
+        if output == "dsinks":   # every rounding of a lane precedes the final one (of the sum)
+            lane_ulps = self.lane_ulps.setdefault(index, np.zeros(128))
+            lane_ulps[:value.size] += bf16_ulp(value)
+            return
+        if (output, index) not in self.flips:
+            self.flips[output, index] = _Flips(value.shape)
+        self.flips[output, index].rounded(value)
+
+    def sink(self, index, logit, lanes):
+        neg_lse, d_sum, d_spread = self.rows[index[:2]]
+        lane_ulps = self.lane_ulps.get(index, np.zeros(128))
+        self.budgets[3][index] = lane_ulps.sum() + _sink_spread(
+            logit, neg_lse, d_sum, d_spread, lanes, self.setup.rounding.rounds("sinks"))
+
+    def finish(self):
+        """Adds the accumulators' flips to the budgets and returns those of dq, dk, dv, dsinks.
+
+        A float32 accumulator of a bf16 output (mixed_precision) is rounded once more, apart:
+        then its last rounding is an intermediate one too.
+        """
+        rounding = self.setup.rounding
+        apart = rounding.bf16 and rounding.mixed_precision
+        out = {"dq": 0, "dk": 1, "dv": 2}
+        for (output, index), flips in self.flips.items():
+            self.budgets[out[output]][index] += flips.budget(apart).T
+        return self.budgets
+
+
+def rounded_with_budget(**kwargs):
+    """:func:`numbafa.golden.attention_bwd_rounded` of ``kwargs``, and its flip budget.
+
+    Returns ``(dq, dk, dv[, dsinks], budgets)``: the golden's results, and
+    ``budgets``, a tuple of float64 arrays shaped like dq, dk, dv (and dsinks):
+    how far an implementation with the same rounding points but other float32
+    summation orders (and another float32 exp) may stray beyond the final
+    rounding's own ulp.
+    """
+    bs, nheads, d_head, seqlen_q = np.shape(kwargs["q_ref"])
+    nheads_kv, seqlen_k = np.shape(kwargs["k_ref"])[1], np.shape(kwargs["k_ref"])[3]
+    sinks = kwargs.get("sinks_ref")
+    num_sinks = 0 if sinks is None else np.size(sinks) // (bs * nheads)
+    observer = _BudgetObserver([(bs, nheads, d_head, seqlen_q), (bs, nheads_kv, d_head, seqlen_k),
+                                (bs, nheads_kv, d_head, seqlen_k), (bs, nheads, num_sinks)])
+    results = golden.attention_bwd_rounded(**kwargs, observer=observer)
+    budgets = observer.finish()
+    if sinks is None:
+        return results + (budgets[:3],)
+    return results + (budgets[:3] + (budgets[3].reshape(np.shape(sinks)),),)
