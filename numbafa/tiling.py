@@ -45,7 +45,7 @@ FLOAT32_MIN = -3.4028234663852886e38
 
 
 def power_of_2(n: int) -> int:
-    """Smallest power of two >= ``n`` (the seed's ``power_of_2``)."""
+    """Smallest power of two >= ``n`` (the upstream kernel's ``power_of_2``)."""
     if n < 1:
         raise ValueError(f"power_of_2 expects n >= 1, got {n}")
     return 1 << (n - 1).bit_length()
@@ -81,7 +81,7 @@ class TileConfig:
 
 
 def setup_config(seqlen_q: int, seqlen_k: int, d_head: int) -> TileConfig:
-    """Derive the tiling of one call (the seed's ``setup_config``).
+    """Derive the tiling of one call (the upstream kernel's ``setup_config``).
 
     Unlike the hardware kernel, any positive sizes are accepted: the last Q, K
     and section tiles are simply shorter.
