@@ -24,6 +24,7 @@ from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, make_
 from .kernels.launch import run_backward, run_forward
 from .layout import lse_to_neuron
 from .options import AttentionOptions, Caller
+from .ranges import in_range, unscaled_output
 from .runtime import kernel_call
 from .tiling import Q_TILE
 from .validation import validate_bwd_inputs, validate_fwd_inputs
@@ -132,18 +133,21 @@ def attention_fwd(q, k, v, options: AttentionOptions, caller: Caller, lse_layout
     check_lse_layout(lse_layout)
     prob = validate_fwd_inputs(q, k, v, options, caller)
     check_lse_layout(lse_layout, prob.q.shape[3])
+    prob, e = in_range(prob, caller, backward=False)
     plan = make_plan(prob, backward=False)
     outs = run_fwd(FwdInputs(prob.q, prob.k, prob.v, prob.sinks), plan)
-    return to_dtype(outs.o, prob.dtype), lse_out(outs.lse, lse_layout)
+    return to_dtype(unscaled_output(outs.o, e, "o"), prob.dtype), lse_out(outs.lse, lse_layout)
 
 
 def attention_bwd(q, k, v, o, dy, lse, options: AttentionOptions, caller: Caller) -> tuple:
     """The backward of a whole problem: ``(dq, dk, dv)`` in the inputs' dtype, ``+ (dsinks,)``
     in the sinks' shape and dtype when there are sinks. Arguments as :func:`attention_fwd`."""
     prob = validate_bwd_inputs(q, k, v, o, dy, lse, options, caller)
+    prob, e = in_range(prob, caller, backward=True)
     plan = make_plan(prob, backward=True)
     outs, _ = run_bwd(BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks), plan)
-    grads = (to_dtype(outs.dq, prob.dtype), to_dtype(outs.dk, prob.dtype), to_dtype(outs.dv, prob.dtype))
+    grads = tuple(to_dtype(unscaled_output(getattr(outs, name), e, name), prob.dtype) for name in ("dq", "dk", "dv"))
     if prob.sinks_shape is None:
         return grads
-    return grads + (user_dsinks(outs.dsinks, prob.sinks_shape, prob.sinks_dtype),)
+    dsinks = unscaled_output(outs.dsinks, e, "dsinks")
+    return grads + (user_dsinks(dsinks, prob.sinks_shape, prob.sinks_dtype),)

@@ -40,7 +40,8 @@ from . import shards
 from .core import check_lse_layout, lse_out, user_dsinks
 from .kernels.bundles import BwdInputs, FwdInputs, make_plan
 from .kernels.loops import n_q_groups
-from .options import AttentionOptions
+from .options import KERNEL_CALLER, AttentionOptions
+from .ranges import in_range, unscaled_output
 from .tiling import Q_TILE
 from .validation import check_options, validate_bwd_inputs, validate_fwd_inputs
 
@@ -246,6 +247,7 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     prob = validate_fwd_inputs(q_ref, k_ref, v_ref, options)
     bs, nheads, d_head, seqlen_q = prob.q.shape
     check_lse_layout(lse_layout, seqlen_q)
+    prob, e = in_range(prob, KERNEL_CALLER, backward=False)
     nheads_kv = prob.k.shape[1]
     n_slots = sum(client.nthreads().values())
     plan = make_plan(prob, backward=False)
@@ -276,7 +278,7 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     if shares:
         _warm(client, "forward", prob.dtype, prob.dropout_p > 0)
     _run_shares(client, plan, shares, submit, on_result)
-    return o, lse_out(lse, lse_layout)
+    return unscaled_output(o, e, "o"), lse_out(lse, lse_layout)
 
 
 def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None,
@@ -330,6 +332,7 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     if _dask_mode(named):
         return _bwd_dask(client, named, options)
     prob = validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, options)
+    prob, e = in_range(prob, KERNEL_CALLER, backward=True)
     bs, nheads, d_head, seqlen_q = prob.q.shape
     nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
     plan = make_plan(prob, backward=True)
@@ -372,9 +375,10 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     if shares:
         _warm(client, "backward", prob.dtype, prob.dropout_p > 0)
     _run_shares(client, plan, shares, submit, on_result)
+    grads = tuple(unscaled_output(x, e, name) for x, name in ((dq, "dq"), (dk, "dk"), (dv, "dv")))
     if prob.sinks_shape is None:
-        return dq, dk, dv
-    return dq, dk, dv, user_dsinks(dsinks, prob.sinks_shape, prob.sinks_dtype)
+        return grads
+    return grads + (user_dsinks(unscaled_output(dsinks, e, "dsinks"), prob.sinks_shape, prob.sinks_dtype),)
 
 
 # --- Dask arrays in, Dask arrays out -------------------------------------------------------

@@ -50,7 +50,8 @@ from .kernels.dropout import with_origin
 from .kernels.launch import needs_finish
 from .kernels.loops import group_rows, n_q_groups, owns_group
 from .onednn import gemm_path
-from .options import AttentionOptions
+from .options import KERNEL_CALLER, AttentionOptions
+from .ranges import in_range, unscaled_output
 from .validation import kernel_view, validate_bwd_inputs, validate_fwd_inputs
 from .version import __version__
 
@@ -61,7 +62,7 @@ __all__ = ["BwdShard", "owned_rows", "pack_rows", "place_rows", "with_q_chunks",
 #: The raw result of one chunk of a split backward block: ``dq`` (the chunk's rows, packed as
 #: its inputs were, in the output dtype: final), ``dk``/``dv`` float32 partials ``[nb, nkv, d,
 #: seqlen_k]``, and the per-row statistics ``neg_lse``/``d_sum`` ``[units, n_rep, rows]``.
-BwdShard = namedtuple("BwdShard", ["dq", "dk", "dv", "neg_lse", "d_sum"])
+BwdShard = namedtuple("BwdShard", ["dq", "dk", "dv", "neg_lse", "d_sum", "scale_exp"], defaults=(0,))
 
 
 def with_q_chunks(plan, q_chunks: int):
@@ -251,9 +252,11 @@ def fwd_block(plan, share: tuple, options: AttentionOptions, lse_layout: str, te
     """
     chunk, origin = share
     prob = validate_fwd_inputs(*tensors, _block_options(options, extras))
+    prob, e = in_range(prob, KERNEL_CALLER, backward=False)
     seqlen_q = prob.q.shape[3]
     o, lse = fwd_chunk(plan, FwdInputs(prob.q, prob.k, prob.v, prob.sinks), False, seqlen_q, chunk,
                        prob.dtype, origin)
+    o = unscaled_output(o, e, "o")
     return (o, lse_out(lse, lse_layout)) if plan.tiling.q_chunks == 1 else (o, lse)
 
 
@@ -278,11 +281,13 @@ def bwd_block(plan, share: tuple, options: AttentionOptions, tensors: tuple, ext
     """
     chunk, origin = share
     prob = validate_bwd_inputs(*tensors, _block_options(options, extras))
+    prob, e = in_range(prob, KERNEL_CALLER, backward=True)
     ins = BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks)
     out = bwd_chunk(plan, ins, False, prob.q.shape[3], chunk, prob.dtype, origin)
     if plan.tiling.q_chunks > 1:
-        return out
-    return out[:3] + (_user_dsinks(out[3], extras[0]),)
+        return out._replace(scale_exp=e)
+    dq, dk, dv, dsinks = (unscaled_output(x, e, name) for x, name in zip(out, ("dq", "dk", "dv", "dsinks")))
+    return dq, dk, dv, _user_dsinks(dsinks, extras[0])
 
 
 def bwd_block_merge(plan, parts, sinks, seqlen_q: int, out_dtype):
@@ -292,7 +297,9 @@ def bwd_block_merge(plan, parts, sinks, seqlen_q: int, out_dtype):
     nheads = nheads_kv * parts[0].neg_lse.shape[1]
     kernel_sinks = (np.zeros((nb, nheads, 0), dtype=np.float32) if sinks is None
                     else np.ascontiguousarray(np.asarray(sinks).astype(np.float32)).reshape(nb, nheads, -1))
-    dq, dk, dv, dsinks = bwd_merge(plan, kernel_sinks, parts, seqlen_q, out_dtype)
+    merged = bwd_merge(plan, kernel_sinks, parts, seqlen_q, out_dtype)
+    dq, dk, dv, dsinks = (unscaled_output(x, parts[0].scale_exp, name)
+                          for x, name in zip(merged, ("dq", "dk", "dv", "dsinks")))
     return dq, dk, dv, _user_dsinks(dsinks, sinks)
 
 

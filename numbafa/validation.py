@@ -96,6 +96,7 @@ class Problem:
     dropout_p: float = 0.0     # attention dropout, [0, 1)
     seed: int = 0              # the dropout mask's seed and offset (numbafa.kernels.dropout)
     seed_offset: int = 0
+    max_abs: Optional[dict] = None  # the largest |element| of q, k, v (o, dy), by kernel name: range checks
 
     @property
     def is_bf16(self) -> bool:
@@ -104,11 +105,15 @@ class Problem:
 
 @jit(entry=True)
 def _count_nonfinite(flat):
+    """``(number of NaN/inf elements, largest finite |element|)`` of float32 or bf16-bits ``flat``."""
     n = 0
+    big = np.float32(0.0)
     for i in range(flat.size):
-        if not math.isfinite(widen(flat[i])):
-            n += 1
-    return n
+        a = abs(widen(flat[i]))
+        finite = a <= FLOAT32_MAX   # False for NaN and inf
+        n += not finite
+        big = max(big, a if finite else np.float32(0.0))
+    return n, big
 
 
 @jit(entry=True)
@@ -174,10 +179,12 @@ def _require_shape(name: str, shape: tuple, expected: tuple, why: str = "") -> N
         raise ValueError(f"{name} must have shape {tuple(expected)}{suffix}, got {tuple(shape)}")
 
 
-def _require_finite(name: str, arr: np.ndarray) -> None:
-    bad = _count_nonfinite(arr.reshape(-1))
+def _require_finite(name: str, arr: np.ndarray) -> float:
+    """Raise unless every element is finite; return the largest |element|."""
+    bad, big = _count_nonfinite(arr.reshape(-1))
     if bad:
         raise ValueError(f"{name} must be finite, got {bad} NaN/inf element(s) of {arr.size}")
+    return float(big)
 
 
 def _require_uint64(name: str, x, what: str) -> int:
@@ -440,15 +447,14 @@ def _validate(c: Caller, tensors: dict, options: AttentionOptions) -> Problem:
     bmin, bmax = _kernel_bounds(c, opts)
     sinks = _kernel_sinks(c, opts.sinks, dims)
     arrays = {key: _as_kernel_array(x) for key, x in tensors.items() if key != "lse_ref"}
-    for key, x in arrays.items():
-        _require_finite(c(key), x)
+    max_abs = {key: _require_finite(c(key), x) for key, x in arrays.items()}
     lse = _kernel_lse(c, tensors["lse_ref"], dims) if "lse_ref" in tensors else None
     return Problem(arrays["q_ref"], arrays["k_ref"], arrays["v_ref"], arrays.get("o_ref"), arrays.get("dy_ref"),
                    lse, sinks, None if opts.sinks is None else tuple(opts.sinks.shape),
                    None if opts.sinks is None else opts.sinks.dtype, bmin, bmax, opts.bound_min is not None,
                    opts.use_causal_mask, min(opts.sliding_window, dims.seqlen_k),
                    resolve_scale(opts.softmax_scale, dims.d_head), np.dtype(tensors["q_ref"].dtype),
-                   opts.mixed_precision, opts.dropout_p, opts.seed, opts.seed_offset)
+                   opts.mixed_precision, opts.dropout_p, opts.seed, opts.seed_offset, max_abs)
 
 
 def validate_fwd_inputs(q_ref, k_ref, v_ref, options: AttentionOptions = AttentionOptions(),

@@ -255,6 +255,30 @@ def test_per_head_sinks_give_the_single_process_bits(client, small, dask_inputs)
     assert_bitwise(got, expected)
 
 
+@pytest.mark.parametrize("dask_inputs", [False, True], ids=["numpy", "dask"])
+def test_values_beyond_float32_on_the_cluster(client, small, dask_inputs):
+    """The forward's accumulator and the backward's gradients beyond float32 (v, dy times 2**125):
+    the single-process bits, rescaled exactly on the workers; scores beyond float32: the error."""
+    big_v = dict(small, v_ref=np.ldexp(small["v_ref"], 125))
+    big_dy = dict(small, dy_ref=np.ldexp(small["dy_ref"], 124))
+    expected_fwd = numbafa.attention_fwd(*(big_v[k] for k in ("q_ref", "k_ref", "v_ref")))
+    expected = numbafa.attention_bwd(**big_dy)
+    assert not np.isfinite(np.ldexp(np.abs(small["v_ref"]).max(), 125) * 256 * 4)   # beyond float32
+    run_v, run = ((_dask_inputs(x, 2, 2) if dask_inputs else x) for x in (big_v, big_dy))
+    got_fwd = nd.attention_fwd(client, *(run_v[k] for k in ("q_ref", "k_ref", "v_ref")))
+    got = nd.attention_bwd(client, **run)
+    if dask_inputs:
+        got_fwd, got = client.compute(list(got_fwd), sync=True), client.compute(list(got), sync=True)
+    assert np.isfinite(np.asarray(got_fwd[0])).all()
+    assert_bitwise(got_fwd, expected_fwd)
+    assert_bitwise(got, expected)
+    huge = dict(run, q_ref=run["q_ref"] * np.float32(1e19), k_ref=run["k_ref"] * np.float32(1e19))
+    with pytest.raises(FloatingPointError, match="overflow float32"):
+        out = nd.attention_fwd(client, huge["q_ref"], huge["k_ref"], huge["v_ref"])
+        if dask_inputs:
+            client.compute(list(out), sync=True)
+
+
 # --- the shares without a cluster: blocks of units, any forward row split, the backward merge ----
 
 def test_tasks_get_contiguous_blocks_of_units_in_unit_order():

@@ -1,0 +1,139 @@
+"""float32's range: what may overflow in a pass, and the exact rescale that avoids it.
+
+The kernels compute in float32 (bf16 values are float32 values with fewer
+mantissa bits: the same exponent range). Finite inputs can still overflow:
+
+* **the scores** ``S = softmax_scale * q^T k``: when ``|S|`` may exceed
+  float32's largest value the pass raises ``FloatingPointError``: the row's
+  ``lse >= max S`` is not a float32 either;
+* **the forward's accumulator** ``sum_j exp(S_ij - m) v_j``, unnormalised,
+  up to ``seqlen_k * max|v|`` even when ``o`` itself is representable;
+* **the backward's** ``dP = dy v^T``, ``D = rowsum(o * dy)``, ``dS`` and the
+  gradients, all linear in ``dy``.
+
+The second and third are avoided by running the pass on ``v * 2**-e``
+(forward) or ``dy * 2**-e`` (backward) and multiplying the outputs by
+``2**e``: scaling by a power of two commutes with every float32 and bf16
+rounding, so the result is bitwise what an unbounded exponent range would
+give (unless values underflow into subnormals); an output that is not
+representable after the rescale raises ``FloatingPointError``, naming it.
+The bounds below come from the largest ``|element|`` of each input
+(measured by the validation's finiteness pass); a loose bound costs an exact
+rescale, never a wrong result, so they take a generous slack. A call whose
+bounds fit (every realistic one) runs exactly as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+__all__ = ["F32_MAX", "check_scores", "in_range", "rescale_exponent", "scaled_input", "unscaled_output"]
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+#: Slack on the bounds of accumulated sums (float32 and bf16 roundings; see the module docstring).
+_SLACK = 1.25
+#: Rows of q per block of the exact score check.
+_ROWS = 256
+
+
+def _as_f64(x: np.ndarray) -> np.ndarray:
+    """A kernel array (float32, or bf16 as uint16 bits) as float64 values."""
+    if x.dtype == np.uint16:
+        x = (x.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return x.astype(np.float64)
+
+
+def _largest_abs_score(prob) -> float:
+    """``max |scale| * sum_d |q_d| |k_d|`` over every (query, key) pair of a q-head and its KV
+    head, in float64: a bound of every partial sum of the kernels' score products."""
+    n_rep = prob.q.shape[1] // prob.k.shape[1]
+    largest = 0.0
+    for b in range(prob.q.shape[0]):
+        for h in range(prob.q.shape[1]):
+            k = np.abs(_as_f64(prob.k[b, h // n_rep]))                  # [d, seqlen_k]
+            q = np.abs(_as_f64(prob.q[b, h]))                            # [d, seqlen_q]
+            for r in range(0, q.shape[1], _ROWS):
+                largest = max(largest, float((q[:, r:r + _ROWS].T @ k).max(initial=0.0)))
+    return largest * abs(prob.softmax_scale)
+
+
+def check_scores(prob, caller) -> None:
+    """Raise ``FloatingPointError`` if the scores may leave float32's range.
+
+    First a bound from the largest elements (free); only when it does not fit,
+    the exact largest absolute score product (a float64 pass over the pairs).
+    """
+    m = prob.max_abs
+    d_head = prob.q.shape[2]
+    margin = (1.0 + 2.0 ** -7) * (1.0 + d_head * 2.0 ** -23)    # q * scale rounded (bf16), the sums
+    if abs(prob.softmax_scale) * m["q_ref"] * m["k_ref"] * d_head * margin < F32_MAX:
+        return
+    largest = _largest_abs_score(prob) * margin
+    if largest >= F32_MAX:
+        q, k, scale = caller("q_ref"), caller("k_ref"), caller("softmax_scale")
+        raise FloatingPointError(
+            f"the attention scores {scale} * {q}^T {k} overflow float32: their products reach "
+            f"{largest:.4g} > {F32_MAX:.4g} (float32's largest value), and the log-sum-exp is at least "
+            f"the largest score; scale {q} or {k} down, or pass a smaller {scale}")
+
+
+def _backward_bound(prob) -> float:
+    """A bound of every float32 value the backward accumulates, for ``max|dy|``."""
+    m = prob.max_abs
+    d_head, seqlen_q = prob.q.shape[2], prob.q.shape[3]
+    seqlen_k, n_rep = prob.k.shape[3], prob.q.shape[1] // prob.k.shape[1]
+    keep = 1.0 / (1.0 - prob.dropout_p)
+    dy, scale = m["dy_ref"], abs(prob.softmax_scale)
+    d_sum = d_head * m["o_ref"] * dy
+    d_s = d_head * dy * (m["v_ref"] * keep + m["o_ref"])
+    return max(d_head * dy * m["v_ref"] * keep, d_sum, d_s, n_rep * seqlen_q * dy * keep,
+               n_rep * seqlen_q * d_s * m["q_ref"] * scale, scale * seqlen_k * d_s * m["k_ref"],
+               seqlen_q * d_sum)
+
+
+def rescale_exponent(prob, backward: bool) -> int:
+    """The ``e >= 0`` to run the pass on ``v * 2**-e`` (forward) or ``dy * 2**-e`` (backward): 0 when
+    nothing may overflow."""
+    if backward:
+        bound = _backward_bound(prob)
+    else:
+        bound = prob.k.shape[3] * prob.max_abs["v_ref"] / (1.0 - prob.dropout_p)
+    bound *= _SLACK
+    if bound < F32_MAX:
+        return 0
+    return int(math.ceil(math.log2(bound / F32_MAX))) + 1
+
+
+def scaled_input(prob, e: int, backward: bool):
+    """``prob`` with ``v`` (forward) or ``dy`` (backward) times ``2**-e``, in the kernels' form."""
+    key = "dy" if backward else "v"
+    x = getattr(prob, key)
+    scaled = np.ldexp(_as_f64(x).astype(np.float32), -e)
+    if x.dtype == np.uint16:   # exact: a power of two keeps the bf16 mantissa
+        scaled = (scaled.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+    return dataclasses.replace(prob, **{key: scaled})
+
+
+def unscaled_output(x: np.ndarray, e: int, name: str) -> np.ndarray:
+    """An output (float32 or bf16) of a pass run on inputs scaled by ``2**-e``, times ``2**e`` (exact);
+    raise ``FloatingPointError`` if it leaves float32's range (the exact output is not representable)."""
+    if e == 0:
+        return x
+    with np.errstate(over="ignore"):
+        out = np.ldexp(x.astype(np.float32), e).astype(np.float32)
+    if not np.isfinite(out).all():
+        raise FloatingPointError(f"{name} overflows float32: some of its exact values exceed {F32_MAX:.4g} "
+                                 f"(float32's largest value)")
+    return out.astype(x.dtype)
+
+
+def in_range(prob, caller, backward: bool):
+    """``(prob, e)``: the scores checked (:func:`check_scores`), and ``prob`` with its ``v`` or ``dy``
+    scaled by ``2**-e`` when something else may overflow (``e = 0``: ``prob`` itself)."""
+    check_scores(prob, caller)
+    e = rescale_exponent(prob, backward)
+    return (scaled_input(prob, e, backward) if e else prob), e
