@@ -125,37 +125,37 @@ def _leading_dim(x):
     return max(x.strides[0] // x.itemsize, x.shape[1], 1)
 
 
+def _xxgemm_call(a, b, c, trans_a, trans_b, m, n, k, scal):  # pragma: no cover - njit only
+    """BLAS ``sgemm``/``dgemm`` for the operands' dtype (float32/float64), column-major with the
+    operands swapped; ``scal`` holds alpha and beta; returns Numba's status (0: called)."""
+    raise NotImplementedError("_xxgemm_call is only callable from @njit code")
+
+
+@overload(_xxgemm_call)
+def _xxgemm_call_overload(a, b, c, trans_a, trans_b, m, n, k, scal):
+    fn, kind = (_sgemm_fn, _KIND_S) if c.dtype == types.float32 else (_dgemm_fn, _KIND_D)
+
+    def impl(a, b, c, trans_a, trans_b, m, n, k, scal):
+        return fn(kind, _TRANS if trans_b else _NO_TRANS, _TRANS if trans_a else _NO_TRANS,
+                  n, m, k, scal[0:1].ctypes, b.ctypes, _leading_dim(b),
+                  a.ctypes, _leading_dim(a), scal[1:2].ctypes, c.ctypes, _leading_dim(c))
+    return impl
+
+
 @jit(apart=True)
-def _sgemm(a, b, c, trans_a, trans_b, alpha, beta):
-    """float32 ``c = alpha op(a) op(b) + beta c`` by BLAS sgemm.
+def _gemm_blas(a, b, c, trans_a, trans_b, alpha, beta):
+    """float32 or float64 ``c = alpha op(a) op(b) + beta c`` by BLAS sgemm or dgemm.
 
     Row-major ``C = op(A) op(B)`` is column-major ``C^T = op(B)^T op(A)^T``:
     the operands are passed to the Fortran routine swapped, with the same
     transpose flags. With ``beta = 0``, ``c`` need not be initialised.
     """
     m, n, k = _check_operands(a, b, c, trans_a, trans_b)
-    scal = np.empty(2, dtype=np.float32)
+    scal = np.empty(2, dtype=c.dtype)
     scal[0] = alpha
     scal[1] = beta
-    status = _sgemm_fn(_KIND_S, _TRANS if trans_b else _NO_TRANS, _TRANS if trans_a else _NO_TRANS,
-                       n, m, k, scal[0:1].ctypes, b.ctypes, _leading_dim(b),
-                       a.ctypes, _leading_dim(a), scal[1:2].ctypes, c.ctypes, _leading_dim(c))
-    if status != 0:
-        raise RuntimeError("matmul: SciPy's BLAS sgemm could not be loaded")
-
-
-@jit()
-def _dgemm(a, b, c, trans_a, trans_b, alpha, beta):
-    """float64 ``c = alpha op(a) op(b) + beta c`` by BLAS dgemm (as :func:`_sgemm`)."""
-    m, n, k = _check_operands(a, b, c, trans_a, trans_b)
-    scal = np.empty(2, dtype=np.float64)
-    scal[0] = alpha
-    scal[1] = beta
-    status = _dgemm_fn(_KIND_D, _TRANS if trans_b else _NO_TRANS, _TRANS if trans_a else _NO_TRANS,
-                       n, m, k, scal[0:1].ctypes, b.ctypes, _leading_dim(b),
-                       a.ctypes, _leading_dim(a), scal[1:2].ctypes, c.ctypes, _leading_dim(c))
-    if status != 0:
-        raise RuntimeError("matmul: SciPy's BLAS dgemm could not be loaded")
+    if _xxgemm_call(a, b, c, trans_a, trans_b, m, n, k, scal) != 0:
+        raise RuntimeError("matmul: SciPy's BLAS sgemm/dgemm could not be loaded")
 
 
 def _dnnl_gemm(a, b, c, trans_a, trans_b, m, n, k, alpha, beta):  # pragma: no cover - njit only
@@ -238,9 +238,9 @@ def _matmul_impl(a, b, c, gemm):
     if len(dtypes) != 1:
         return None
     if dtypes == {types.float32}:
-        return _gemm_onednn if onednn else _sgemm
+        return _gemm_onednn if onednn else _gemm_blas
     if dtypes == {types.float64}:
-        return _dgemm
+        return _gemm_blas
     return None
 
 
