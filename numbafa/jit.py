@@ -56,10 +56,11 @@ only for that entry. An entry that cannot be read back (truncated, garbled,
 unreadable by this Numba), or whose data file was written for another entry
 (another function, signature or source version: index and data out of step,
 as after a copy), is deleted and its function compiled again, with one
-:class:`CacheWarning`. A failed save (disk full, for example) never fails
-the computation: one :class:`CacheWarning` per process. :func:`cache_info`
-(also in ``numbafa.backend_info()["cache"]``) says whether the cache is on
-and where.
+:class:`CacheWarning`; when a data file is at fault it goes alone, and the
+function's other signatures stay cached. A failed save (disk full, for
+example) never fails the computation: one :class:`CacheWarning` per process.
+:func:`cache_info` (also in ``numbafa.backend_info()["cache"]``) says
+whether the cache is on and where.
 
 ``NUMBAFA_CACHE=0``
     Compile kernels without the on-disk cache (nothing is read or written).
@@ -269,7 +270,11 @@ _MAGIC = b"numbafa-cache-3\n"
 
 
 class _CorruptCacheFile(Exception):
-    """A cache file whose checksum does not match its content, or written for another entry."""
+    """A cache file (``path``) whose checksum does not match its content, or written for another entry."""
+
+    def __init__(self, message: str, path: str):
+        super().__init__(message)
+        self.path = path
 
 
 def _seal(payload: bytes) -> bytes:
@@ -280,7 +285,7 @@ def _unseal(raw: bytes, path) -> bytes:
     head = len(_MAGIC) + 32
     payload = raw[head:]
     if raw[:len(_MAGIC)] != _MAGIC or hashlib.sha256(payload).digest() != raw[len(_MAGIC):head]:
-        raise _CorruptCacheFile(f"{os.path.basename(path)}: checksum mismatch ({len(raw)} bytes)")
+        raise _CorruptCacheFile(f"{os.path.basename(path)}: checksum mismatch ({len(raw)} bytes)", path)
     return payload
 
 
@@ -412,7 +417,7 @@ class _CheckedFiles(caching.IndexDataCacheFile):
         stream = io.BytesIO(payload)
         entry, expected = pickle.load(stream), self._entry(key)
         if entry != expected:
-            raise _CorruptCacheFile(_mismatch(name, entry, expected))
+            raise _CorruptCacheFile(_mismatch(name, entry, expected), path)
         return pickle.loads(memoryview(payload)[stream.tell():])
 
 
@@ -421,7 +426,8 @@ class _Cache(caching.FunctionCache):
 
     * a cached entry that cannot be loaded (checksum mismatch, a data file
       written for another entry, unpickling or LLVM error) is deleted, with one
-      :class:`CacheWarning`; Numba then compiles the function and saves it afresh;
+      :class:`CacheWarning` (a bad data file alone; else the function's index and
+      data files); Numba then compiles the function and saves it afresh;
     * a save that fails (disk full, directory removed, ...) warns once per
       process and is otherwise ignored: the compiled code is already in use.
     """
@@ -440,7 +446,8 @@ class _Cache(caching.FunctionCache):
         try:
             return super()._load_overload(sig, target_context)
         except Exception as exc:  # any unreadable entry: drop it and compile
-            removed = self._drop_entries()
+            bad = exc.path if isinstance(exc, _CorruptCacheFile) else None
+            removed = self._drop_entries(bad if bad and bad.endswith(".nbc") else None)
             _warn_once(("corrupt", self._cache_path, self._impl.filename_base),
                        f"numbafa: the kernel cache entry of {self._py_func.__qualname__} in "
                        f"{self._cache_path} was corrupt or unreadable ({type(exc).__name__}: {exc}); "
@@ -455,8 +462,19 @@ class _Cache(caching.FunctionCache):
                                f"{_CACHE.directory} ({exc}); results are unaffected, but later "
                                f"processes compile again")
 
-    def _drop_entries(self) -> int:
-        """Delete this function's index and data files; return how many went."""
+    def _drop_entries(self, data_file=None) -> int:
+        """Delete ``data_file``, else all this function's index and data files; return how many went.
+
+        A data file that fails its own seal, or holds another entry, goes alone: the index still
+        names it for its key, so the next save rewrites it, and the function's other entries
+        (other signatures), each checked against its own entry when loaded, stay.
+        """
+        if data_file is not None:
+            try:
+                os.unlink(data_file)
+            except OSError:
+                return 0
+            return 1
         base = self._impl.filename_base
         data = re.compile(re.escape(base) + r"\.[0-9]+\.nbc$")
         removed = 0

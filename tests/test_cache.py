@@ -310,8 +310,9 @@ def test_a_data_file_loads_only_for_its_function_signature_and_sources(two_versi
         assert first["compiled"] == ["probe"], first
     else:                                                     # loaded: nothing compiled
         assert first == {"values": [43], "compiled": [], "warnings": []}
-    again = run(root, root / "site", CALLS.format(calls="p.probe(41)"))
-    assert again == {"values": [43], "compiled": [], "warnings": []}
+    # the next process loads the new entry, and every other entry of the cache was left in place
+    again = run(root, root / "site", CALLS.format(calls="p.probe(41), p.probe(0.5), p.pair(6, 7)"))
+    assert again == {"values": [43, 2.5, 44], "compiled": [], "warnings": []}
 
 
 # -- nowhere to write -------------------------------------------------------------------------
