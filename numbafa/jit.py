@@ -48,12 +48,19 @@ directory was compiled from that directory's sources, writes are atomic
 (temporary file, then rename), and a process whose directory disappears just
 compiles again (and recreates it).
 
-Each index and data file carries a SHA-256 of its content. An entry that
-cannot be read back (truncated, garbled, unreadable by this Numba) is deleted
-and its function compiled again, with one :class:`CacheWarning`. A failed save
-(disk full, for example) never fails the computation: one
-:class:`CacheWarning` per process. :func:`cache_info` (also in
-``numbafa.backend_info()["cache"]``) says whether the cache is on and where.
+Each index and data file carries a SHA-256 of its content. A data file also
+holds, under that seal, the entry it was written for: the function's
+qualified name, its index key (argument types, target CPU, bytecode hash),
+the package's source hash and the stamp of the function's file; it loads
+only for that entry. An entry that cannot be read back (truncated, garbled,
+unreadable by this Numba), or whose data file was written for another entry
+(another function, signature or source version: index and data out of step,
+as after a copy), is deleted and its function compiled again, with one
+:class:`CacheWarning`; when a data file is at fault it goes alone, and the
+function's other signatures stay cached. A failed save (disk full, for
+example) never fails the computation: one :class:`CacheWarning` per process.
+:func:`cache_info` (also in ``numbafa.backend_info()["cache"]``) says
+whether the cache is on and where.
 
 ``NUMBAFA_CACHE=0``
     Compile kernels without the on-disk cache (nothing is read or written).
@@ -177,6 +184,7 @@ class _CacheConfig:
     enabled: bool
     directory: pathlib.Path | None
     reason: str
+    source_hash: str | None = None
 
 
 def _resolve_cache() -> _CacheConfig:
@@ -206,7 +214,7 @@ def _resolve_cache() -> _CacheConfig:
             else:
                 if new:
                     _prune(root, directory)
-                return _CacheConfig(True, directory, f"from {origin}")
+                return _CacheConfig(True, directory, f"from {origin}", digest)
     warnings.warn(f"numbafa: kernels are compiled in every process (tens of seconds per kernel "
                   f"and dtype): {reason}", CacheWarning, stacklevel=2)
     return _CacheConfig(False, None, reason)
@@ -258,11 +266,15 @@ def _warn_once(key, message: str) -> None:
 
 # -- the cache classes ------------------------------------------------------------------------
 
-_MAGIC = b"numbafa-cache-2\n"
+_MAGIC = b"numbafa-cache-3\n"
 
 
 class _CorruptCacheFile(Exception):
-    """A cache file whose checksum does not match its content."""
+    """A cache file (``path``) whose checksum does not match its content, or written for another entry."""
+
+    def __init__(self, message: str, path: str):
+        super().__init__(message)
+        self.path = path
 
 
 def _seal(payload: bytes) -> bytes:
@@ -273,7 +285,7 @@ def _unseal(raw: bytes, path) -> bytes:
     head = len(_MAGIC) + 32
     payload = raw[head:]
     if raw[:len(_MAGIC)] != _MAGIC or hashlib.sha256(payload).digest() != raw[len(_MAGIC):head]:
-        raise _CorruptCacheFile(f"{os.path.basename(path)}: checksum mismatch ({len(raw)} bytes)")
+        raise _CorruptCacheFile(f"{os.path.basename(path)}: checksum mismatch ({len(raw)} bytes)", path)
     return payload
 
 
@@ -336,8 +348,38 @@ class _CacheImpl(_CompileResultCacheImpl):
         return cres
 
 
+_ENTRY_FIELDS = ("function", "index key (argument types, target, bytecode)", "package sources", "file stamp")
+
+
+def _mismatch(name: str, entry, expected) -> str:
+    """Why the data file ``name``, written for ``entry``, cannot serve ``expected``."""
+
+    def called(entry):
+        return f"{entry[0]}({', '.join(map(str, entry[1][0]))})"
+
+    differ = [field for field, mine, theirs in zip(_ENTRY_FIELDS, entry, expected) if mine != theirs]
+    return f"{name} was written for {called(entry)}, not {called(expected)} (another {', '.join(differ)})"
+
+
 class _CheckedFiles(caching.IndexDataCacheFile):
-    """Numba's index + data files, each sealed with a SHA-256 of its content."""
+    """Numba's index + data files, each sealed with a SHA-256 of its content.
+
+    A data file starts with its entry, ``(qualified name, index key, source hash, source
+    stamp)``, inside the seal: :meth:`load` compares it with the entry the index lookup was
+    for, before unpickling the compiled code, and raises :class:`_CorruptCacheFile` if they
+    differ (a data file copied over another's, or an index and a data file out of step).
+    """
+
+    def __init__(self, cache_path, filename_base, source_stamp, owner):
+        super().__init__(cache_path=cache_path, filename_base=filename_base, source_stamp=source_stamp)
+        self._owner = owner  # (qualified name, package source hash)
+
+    def _entry(self, key):
+        name, sources = self._owner
+        return name, key, sources, self._source_stamp
+
+    def save(self, key, data):
+        super().save(key, (self._entry(key), data))  # Numba picks the file name, _save_data writes
 
     def _save_index(self, overloads):
         payload = pickle.dumps(self._version, protocol=-1) + self._dump((self._source_stamp, overloads))
@@ -357,22 +399,35 @@ class _CheckedFiles(caching.IndexDataCacheFile):
         return overloads if stamp == self._source_stamp else {}
 
     def _save_data(self, name, data):
+        entry, compiled = data
         with self._open_for_write(self._data_path(name)) as f:
-            f.write(_seal(self._dump(data)))
+            f.write(_seal(self._dump(entry) + self._dump(compiled)))
 
-    def _load_data(self, name):
+    def load(self, key):
+        name = self._load_index().get(key)
+        if name is None:
+            return None
         path = self._data_path(name)
-        with open(path, "rb") as f:
-            raw = f.read()
-        return pickle.loads(_unseal(raw, path))
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError:  # removed since the index was read: compiled again
+            return None
+        payload = _unseal(raw, path)
+        stream = io.BytesIO(payload)
+        entry, expected = pickle.load(stream), self._entry(key)
+        if entry != expected:
+            raise _CorruptCacheFile(_mismatch(name, entry, expected), path)
+        return pickle.loads(memoryview(payload)[stream.tell():])
 
 
 class _Cache(caching.FunctionCache):
     """A Numba function cache that recovers from bad entries and never fails a call.
 
-    * a cached entry that cannot be loaded (checksum mismatch, unpickling or
-      LLVM error) is deleted, with one :class:`CacheWarning`; Numba then
-      compiles the function and saves it afresh;
+    * a cached entry that cannot be loaded (checksum mismatch, a data file
+      written for another entry, unpickling or LLVM error) is deleted, with one
+      :class:`CacheWarning` (a bad data file alone; else the function's index and
+      data files); Numba then compiles the function and saves it afresh;
     * a save that fails (disk full, directory removed, ...) warns once per
       process and is otherwise ignored: the compiled code is already in use.
     """
@@ -383,13 +438,16 @@ class _Cache(caching.FunctionCache):
         super().__init__(py_func)
         self._cache_file = _CheckedFiles(cache_path=self._cache_path,
                                          filename_base=self._impl.filename_base,
-                                         source_stamp=self._impl.locator.get_source_stamp())
+                                         source_stamp=self._impl.locator.get_source_stamp(),
+                                         owner=(f"{py_func.__module__}.{py_func.__qualname__}",
+                                                _CACHE.source_hash))
 
     def _load_overload(self, sig, target_context):
         try:
             return super()._load_overload(sig, target_context)
         except Exception as exc:  # any unreadable entry: drop it and compile
-            removed = self._drop_entries()
+            bad = exc.path if isinstance(exc, _CorruptCacheFile) else None
+            removed = self._drop_entries(bad if bad and bad.endswith(".nbc") else None)
             _warn_once(("corrupt", self._cache_path, self._impl.filename_base),
                        f"numbafa: the kernel cache entry of {self._py_func.__qualname__} in "
                        f"{self._cache_path} was corrupt or unreadable ({type(exc).__name__}: {exc}); "
@@ -404,8 +462,19 @@ class _Cache(caching.FunctionCache):
                                f"{_CACHE.directory} ({exc}); results are unaffected, but later "
                                f"processes compile again")
 
-    def _drop_entries(self) -> int:
-        """Delete this function's index and data files; return how many went."""
+    def _drop_entries(self, data_file=None) -> int:
+        """Delete ``data_file``, else all this function's index and data files; return how many went.
+
+        A data file that fails its own seal, or holds another entry, goes alone: the index still
+        names it for its key, so the next save rewrites it, and the function's other entries
+        (other signatures), each checked against its own entry when loaded, stay.
+        """
+        if data_file is not None:
+            try:
+                os.unlink(data_file)
+            except OSError:
+                return 0
+            return 1
         base = self._impl.filename_base
         data = re.compile(re.escape(base) + r"\.[0-9]+\.nbc$")
         removed = 0

@@ -32,6 +32,11 @@ from ._probe_helper import offset
 @jit(entry=True)
 def probe(x):
     return x + offset()
+
+
+@jit(entry=True)
+def pair(x, y):
+    return x * y + offset()
 '''
 
 HELPER = '''\
@@ -52,6 +57,31 @@ with warnings.catch_warnings(record=True) as caught:
     value = p.probe(41)
 print(json.dumps({"value": int(value), "hits": sum(p.probe.stats.cache_hits.values()),
                   "warnings": [str(w.message) for w in caught]}))
+'''
+
+# Prints one JSON line: the values of the calls, the functions Numba compiled (its
+# "numba:compile" events: a load from the cache has none), the warnings raised.
+CALLS = '''\
+import json, warnings
+from numba.core import event
+
+compiled = []
+
+
+class Compiles(event.Listener):
+    def on_start(self, ev):
+        compiled.append(ev.data["dispatcher"].py_func.__name__)
+
+    def on_end(self, ev):
+        pass
+
+
+event.register("numba:compile", Compiles())
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import numbafa._probe as p
+    values = [{calls}]
+print(json.dumps({{"values": values, "compiled": compiled, "warnings": [str(w.message) for w in caught]}}))
 '''
 
 
@@ -231,6 +261,58 @@ def test_corrupted_cache_entry_is_dropped_and_recompiled(populated, tmp_path, mo
     assert len(warned) == 1 and "corrupt" in warned[0] and "probe" in warned[0], recovered
     again = run(root, root / "site")                          # the next process loads the new entry
     assert again == {"value": 42, "hits": 1, "warnings": []}
+
+
+# -- entries bound to their function ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_versions(tmp_path_factory):
+    """A package copy whose cache holds probe() for int64 (data file 1) and float64 (2) and
+    pair(), for the current sources (offset 2), and probe(41) for older ones (offset 1)."""
+    root = tmp_path_factory.mktemp("two_versions")
+    site = make_site(root, offset=1)
+    assert run(root, site, CALLS.format(calls="p.probe(41)"))["values"] == [42]
+    (old,) = (root / "cache").iterdir()
+    set_offset(site, 2)
+    calls = CALLS.format(calls="p.probe(41), p.probe(0.5), p.pair(6, 7)")
+    assert run(root, site, calls)["values"] == [43, 2.5, 44]
+    (new,) = set((root / "cache").iterdir()) - {old}
+    return root, old.name, new.name
+
+
+# Where the data file copied over probe()'s int64 entry comes from (None: no tampering):
+# an index and a data file out of step, as between two writers.
+DONORS = {
+    "honest cache": None,
+    "another function": ("new", "_probe.pair-*.1.nbc"),
+    "another signature": ("new", "_probe.probe-*.2.nbc"),
+    "older sources": ("old", "_probe.probe-*.1.nbc"),
+}
+
+
+@pytest.mark.parametrize("donor", sorted(DONORS))
+def test_a_data_file_loads_only_for_its_function_signature_and_sources(two_versions, tmp_path, donor):
+    populated, old, new = two_versions
+    root = tmp_path / "root"
+    shutil.copytree(populated, root)
+    dirs = {"old": root / "cache" / old, "new": root / "cache" / new}
+    if DONORS[donor]:
+        where, pattern = DONORS[donor]
+        (source,) = dirs[where].glob(pattern)
+        (victim,) = dirs["new"].glob("_probe.probe-*.1.nbc")
+        shutil.copyfile(source, victim)
+    first = run(root, root / "site", CALLS.format(calls="p.probe(41)"))
+    assert first["values"] == [43], first
+    if DONORS[donor]:                                         # dropped, recompiled, with one warning
+        warned = cache_warnings(first)
+        assert len(warned) == 1 and "corrupt" in warned[0] and "probe" in warned[0], first
+        assert first["compiled"] == ["probe"], first
+    else:                                                     # loaded: nothing compiled
+        assert first == {"values": [43], "compiled": [], "warnings": []}
+    # the next process loads the new entry, and every other entry of the cache was left in place
+    again = run(root, root / "site", CALLS.format(calls="p.probe(41), p.probe(0.5), p.pair(6, 7)"))
+    assert again == {"values": [43, 2.5, 44], "compiled": [], "warnings": []}
 
 
 # -- nowhere to write -------------------------------------------------------------------------
