@@ -81,15 +81,16 @@ def test_upstream_line_citations_name_the_upstream_version(page):
         f"refer to nkilib/core/attention/attention_bwd.py in the neuronx_cc {UPSTREAM_VERSION} wheel")
 
 
-def test_the_architecture_map_names_every_module():
-    """docs/architecture.md is the map of the package: every module of numbafa/ is in it, and
-    every numbafa/ module it names exists."""
-    text = (ROOT / "docs" / "architecture.md").read_text()
+@pytest.mark.parametrize("page", ["docs/architecture.md", "README.md"])
+def test_the_module_maps_name_every_module(page):
+    """docs/architecture.md and README's module table map the package: every module of numbafa/
+    is in them (by its path, or by its file name beside a path of its folder), and every
+    numbafa/ module they name exists."""
+    text = (ROOT / page).read_text()
     package = ROOT / "numbafa"
     missing = [str(p.relative_to(ROOT)) for p in sorted(package.rglob("*.py"))
                if p.name != "__init__.py" or p.parent == package
-               if not (f"numbafa/{p.relative_to(package)}" in text or
-                       (p.parent.name == "kernels" and f"`{p.name}`" in text))]
-    assert not missing, f"modules missing from docs/architecture.md: {missing}"
+               if not (f"numbafa/{p.relative_to(package)}" in text or f"`{p.name}`" in text)]
+    assert not missing, f"modules missing from {page}: {missing}"
     named = set(re.findall(r"numbafa/([\w/]+\.py)", text))
     assert not [n for n in named if not (package / n).exists()], named
