@@ -31,6 +31,7 @@ imported only when a function here is called.
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 from concurrent.futures import CancelledError
 
@@ -90,7 +91,15 @@ def _warm(client, kernel: str, dtype, dropout: bool) -> None:
     check that the workers would compute the client's bits (same numbafa sources, Numba and
     GEMM path)."""
     expected = shards.fingerprint()
-    for worker, found in client.run(shards.warm, kernel, np.dtype(dtype).name, dropout).items():
+    for attempt in range(MAX_ATTEMPTS):   # a worker lost meanwhile: again, on the workers there are then
+        try:
+            found_by_worker = client.run(shards.warm, kernel, np.dtype(dtype).name, dropout)
+            break
+        except OSError:
+            if attempt + 1 >= MAX_ATTEMPTS:
+                raise
+            time.sleep(RETRY_WAIT * (attempt + 1))
+    for worker, found in found_by_worker.items():
         if tuple(found) != expected:
             raise RuntimeError(f"worker {worker} runs numbafa/Numba/GEMM path {tuple(found)}, the "
                                f"client {expected}: its results would not be bitwise those of the "
@@ -122,6 +131,39 @@ def _direct(client) -> bool:
     return client.direct_to_workers is not False
 
 
+#: Seconds to wait, times the attempt, before sending again to a cluster that lost a worker
+#: (the scheduler needs a moment to see the loss and stop offering that worker).
+RETRY_WAIT = 0.25
+
+
+def _scatter(client, data: list, direct: bool, broadcast: bool = False) -> list:
+    """``client.scatter`` that survives a worker lost while the data travels: a connection that
+    breaks (``CommClosedError``, an ``OSError``) is retried, up to ``MAX_ATTEMPTS`` times, on
+    the workers the scheduler knows then."""
+    for attempt in range(MAX_ATTEMPTS):
+        try:
+            return client.scatter(data, broadcast=broadcast, hash=False, direct=direct)
+        except OSError as exc:
+            if attempt + 1 >= MAX_ATTEMPTS:
+                raise RuntimeError(f"scattering the call's inputs failed {MAX_ATTEMPTS} times: a worker "
+                                   f"was lost each time ({exc})") from exc
+            time.sleep(RETRY_WAIT * (attempt + 1))
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _gather(client, future, direct: bool):
+    """``client.gather`` of one future; a connection broken by a lost worker is retried, and a
+    result lost with it raises ``CancelledError`` (the share is then run again)."""
+    for attempt in range(MAX_ATTEMPTS):
+        try:
+            return client.gather(future, direct=direct)
+        except OSError:
+            time.sleep(RETRY_WAIT * (attempt + 1))
+            if future.status in ("cancelled", "lost"):
+                break
+    raise CancelledError(f"the result of {future.key} was lost with a worker")
+
+
 def _run_shares(client, plan, shares, submit, on_result) -> None:
     """Scatter every share once, submit its task(s), put each result in place as it arrives.
 
@@ -129,14 +171,15 @@ def _run_shares(client, plan, shares, submit, on_result) -> None:
     share); ``submit(plan_future, i, piece_futures, attempt)`` returns the
     share's final future; ``on_result(i, result)`` stores it. A share whose
     inputs or results were lost with a worker (its future is cancelled) is
-    scattered and run again, up to ``MAX_ATTEMPTS`` times; any other
-    error propagates.
+    scattered and run again, up to ``MAX_ATTEMPTS`` times; a worker lost while
+    data travels to or from it is retried (:func:`_scatter`, :func:`_gather`);
+    any other error propagates.
     """
     _, distributed = _dask()
     if not shares:
         return
     direct = _direct(client)
-    plan_future = client.scatter([plan], broadcast=True, hash=False, direct=direct)[0]
+    plan_future = _scatter(client, [plan], direct, broadcast=True)[0]
     running = {}
     # Two scatters: one share per worker thread first, so that the workers compute while
     # the client sends the rest (one list per scatter: Dask spreads it over the workers).
@@ -144,7 +187,7 @@ def _run_shares(client, plan, shares, submit, on_result) -> None:
     for wave in (range(first), range(first, len(shares))):
         if not wave:
             continue
-        flat = client.scatter([piece for i in wave for piece in shares[i]], hash=False, direct=direct)
+        flat = _scatter(client, [piece for i in wave for piece in shares[i]], direct)
         for i in wave:
             pieces, flat = flat[:len(shares[i])], flat[len(shares[i]):]
             running[submit(plan_future, i, pieces, 0)] = (i, 0)
@@ -152,15 +195,14 @@ def _run_shares(client, plan, shares, submit, on_result) -> None:
     for future in pending:
         i, attempt = running.pop(future)
         try:
-            result = client.gather(future, direct=direct)
+            result = _gather(client, future, direct)
         except CancelledError as exc:
             if attempt + 1 >= MAX_ATTEMPTS:
                 raise RuntimeError(f"share {i} of the call was lost with a worker {MAX_ATTEMPTS} "
                                    f"times; giving up") from exc
             if plan_future.status != "finished":
-                plan_future = client.scatter([plan], broadcast=True, hash=False, direct=direct)[0]
-            retry = submit(plan_future, i, client.scatter(list(shares[i]), hash=False, direct=direct),
-                           attempt + 1)
+                plan_future = _scatter(client, [plan], direct, broadcast=True)[0]
+            retry = submit(plan_future, i, _scatter(client, list(shares[i]), direct), attempt + 1)
             running[retry] = (i, attempt + 1)
             pending.add(retry)
             continue

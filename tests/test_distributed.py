@@ -162,6 +162,59 @@ def test_a_worker_killed_mid_run_still_gives_the_complete_result(client, tmp_pat
     client.wait_for_workers(2, timeout=60)
 
 
+def _exit_at_call(directory, handler, n):
+    """A function for ``client.run``: the ``n``-th call of the worker RPC ``handler`` (counted
+    over every worker: ``update_data`` receives scattered data) ends its worker's process, as a
+    SIGKILL would, in the middle of the client's send; every other call runs normally."""
+    def install(dask_worker):
+        import os as os_
+        original = dask_worker.handlers[handler]
+
+        def handle(*args, **kwargs):
+            k = 1
+            while True:   # this call's number, over all workers: the first free file name
+                try:
+                    os_.close(os_.open(os_.path.join(directory, f"call-{k}"), os_.O_CREAT | os_.O_EXCL))
+                    break
+                except FileExistsError:
+                    k += 1
+            if k == n:
+                os_._exit(1)
+            return original(*args, **kwargs)
+        handle.original = original
+        dask_worker.handlers[handler] = handle
+    return install
+
+
+def _restore_handler(handler):
+    def restore(dask_worker):
+        dask_worker.handlers[handler] = getattr(dask_worker.handlers[handler], "original",
+                                                dask_worker.handlers[handler])
+    return restore
+
+
+@pytest.mark.parametrize("kernel, n", [("forward", 1), ("forward", 2), ("forward", 3), ("backward", 2)],
+                         ids=["fwd-plan-broadcast", "fwd-first-wave", "fwd-second-wave", "bwd-first-wave"])
+def test_a_worker_killed_during_the_scatter_still_gives_the_single_process_bits(client, tmp_path, kernel, n):
+    """A worker lost while the client sends it the plan or a share (the connection resets under
+    the client's scatter): the call sends again to the workers there are, same bits."""
+    case = Case(bs=2, nheads=4, nheads_kv=2, d_head=32, seqlen_q=1024, seqlen_k=1024, causal=True)
+    inputs = make_inputs(case)
+    qkv = [inputs[key] for key in ("q_ref", "k_ref", "v_ref")]
+    client.wait_for_workers(2, timeout=60)
+    client.run(_exit_at_call(str(tmp_path), "update_data", n))
+    try:
+        if kernel == "forward":
+            expected, got = numbafa.attention_fwd(*qkv), nd.attention_fwd(client, *qkv)
+        else:
+            expected, got = numbafa.attention_bwd(**inputs), nd.attention_bwd(client, **inputs)
+    finally:
+        client.run(_restore_handler("update_data"))
+    assert os.path.exists(tmp_path / f"call-{n}"), "no worker was killed"
+    assert_bitwise(got, expected)
+    client.wait_for_workers(2, timeout=60)
+
+
 @pytest.fixture(scope="module")
 def small():
     return make_inputs(Case(bs=2, nheads=4, nheads_kv=2, d_head=32))
