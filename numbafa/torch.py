@@ -7,9 +7,14 @@
 Two operators, ``torch.ops.numbafa.attention_fwd`` and
 ``torch.ops.numbafa.attention_bwd``, are defined with
 ``torch.library.custom_op``, each with a fake (meta) implementation, and
-tied together by ``torch.library.register_autograd``: they work in eager
-mode, under ``torch.no_grad``, and under ``torch.compile`` (as opaque calls;
-the graph around them is compiled). Both take and return tensors in the
+tied together by ``torch.library.register_autograd``. :func:`attention`
+calls them through an ``autograd.Function`` with ``setup_context`` (the one
+``register_autograd`` generates has none, and torch.func refuses it): it
+works in eager mode, under ``torch.no_grad``, ``torch.compile`` (opaque
+calls; the graph around them is compiled), ``torch.func.grad``, ``vjp``,
+``jacrev`` and ``torch.vmap`` (a loop over the mapped axis); not in forward
+mode (``torch.func.jvp``, ``jacfwd``, ``hessian``) and not twice
+differentiated (no double backward). Both operators take and return tensors in the
 Neuron layout ``[batch, heads, head_dim, seq]``; :func:`attention` permutes
 the caller's tensors to it and back (views, no copies), so autograd sees the
 permutes and returns gradients in the caller's layout.
@@ -115,12 +120,58 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, dlse):
     del dlse  # lse is not differentiable
     q, k, v, o, lse, sinks, bound_min, bound_max = ctx.saved_tensors
-    dq, dk, dv, dsinks = torch.ops.numbafa.attention_bwd(q, k, v, o, do, lse, sinks, bound_min, bound_max,
-                                                         *ctx.options)
+    dq, dk, dv, dsinks = _AttentionBackward.apply(q, k, v, o, do, lse, sinks, bound_min, bound_max,
+                                                  *ctx.options)
     return (dq, dk, dv, (dsinks if ctx.has_sinks else None), None, None) + (None,) * len(ctx.options)
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _AttentionBackward(torch.autograd.Function):
+    """The backward operator, which has no gradient of its own, as torch.func's transforms take it.
+
+    Called through the operator's autograd kernel, it would be the Function
+    that ``torch.library.custom_op`` generates, which ``torch.func.grad``
+    refuses (no ``setup_context``) even though nothing differentiates it.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(*inputs):
+        return torch.ops.numbafa.attention_bwd(*inputs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            "numbafa.torch.attention has no double backward: its backward (numbafa::attention_bwd) "
+            "cannot be differentiated (torch.func.hessian, grad of grad, create_graph=True then "
+            "a second backward)")
+
+
+class _Attention(torch.autograd.Function):
+    """The forward operator with its backward, as torch.func's transforms take them.
+
+    The Function that ``register_autograd`` generates has no ``setup_context``
+    staticmethod, and ``torch.func.grad``, ``vjp`` and ``jacrev`` refuse such a
+    Function; this one has it (the same ``_setup_context`` and ``_backward``).
+    ``generate_vmap_rule``: under ``vmap`` the operators run once per mapped
+    element (PyTorch's fallback loop; they have no batching rule).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(*inputs):
+        return torch.ops.numbafa.attention_fwd(*inputs)
+
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)
 
 
 # ---------------------------------------------------------------------------
@@ -209,9 +260,9 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         # [heads] -> [batch, heads], a view; float32, so that the gradient is summed over the batch
         # in float32 and rounded once to the sinks' dtype.
         sinks = sinks.float().expand(q.shape[0], sinks.shape[0])
-    o, _ = torch.ops.numbafa.attention_fwd(qn, kn, vn, sinks, bound_min, bound_max, options.use_causal_mask,
-                                           options.sliding_window, options.softmax_scale or 0.0, layout,
-                                           options.dropout_p, options.seed, options.seed_offset)
+    o, _ = _Attention.apply(qn, kn, vn, sinks, bound_min, bound_max, options.use_causal_mask,
+                            options.sliding_window, options.softmax_scale or 0.0, layout, options.dropout_p,
+                            options.seed, options.seed_offset)
     return o.permute(from_neuron_perm(layout))
 
 

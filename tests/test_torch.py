@@ -318,6 +318,86 @@ def test_compile_gives_the_eager_results():
 
 
 # ---------------------------------------------------------------------------
+# torch.func: grad, vjp, jacrev, vmap (reverse mode; no forward mode, no double backward)
+# ---------------------------------------------------------------------------
+
+def _tiny(seed=9):
+    """q, k, v ``[1, 2, 8, 4]`` (bhsd, no grad), sinks ``[2]`` and a gradient ``do``."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) for shape in ((1, 2, 8, 4),) * 3 + ((2,), (1, 2, 8, 4))]
+
+
+def _eager_grads(q, k, v, sinks, do, **kw):
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    nt.attention(*leaves[:3], sinks=leaves[3], **kw).backward(do)
+    return [x.grad for x in leaves]
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_func_grad_and_vjp_give_the_eager_gradients_bit_for_bit():
+    q, k, v, sinks, do = _tiny()
+    kw = dict(causal=True, window=5)
+    eager = _eager_grads(q, k, v, sinks, do, **kw)
+
+    def loss(q, k, v, sinks):
+        return (nt.attention(q, k, v, sinks=sinks, **kw) * do).sum()
+
+    grads = torch.func.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    o, pullback = torch.func.vjp(lambda *a: nt.attention(*a[:3], sinks=a[3], **kw), q, k, v, sinks)
+    torch.testing.assert_close(o, nt.attention(q, k, v, sinks=sinks, **kw), rtol=0, atol=0)
+    for got in (grads, pullback(do)):
+        for g, e in zip(got, eager):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_func_jacrev_is_the_eager_jacobian():
+    """jacrev (vmap over the backward) against the Jacobian built row by row with eager backwards."""
+    q, k, v, sinks, _ = _tiny(seed=10)
+
+    def f(q, sinks):
+        return nt.attention(q, k, v, causal=True, sinks=sinks)
+
+    jac = torch.func.jacrev(f, argnums=(0, 1))(q, sinks)
+    eager = torch.autograd.functional.jacobian(f, (q, sinks))
+    assert jac[0].shape == q.shape + q.shape and jac[1].shape == q.shape + sinks.shape
+    for j, e in zip(jac, eager):
+        torch.testing.assert_close(j, e, rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_vmap_gives_each_call_and_its_gradient():
+    q, k, v, sinks, do = _tiny(seed=11)
+    qs = torch.stack([q, 2 * q, -q])
+
+    def loss(q):
+        return (nt.attention(q, k, v, causal=True, sinks=sinks) * do).sum()
+
+    out = torch.vmap(lambda q: nt.attention(q, k, v, causal=True, sinks=sinks))(qs)
+    dqs = torch.vmap(torch.func.grad(loss))(qs)
+    for i in range(3):
+        torch.testing.assert_close(out[i], nt.attention(qs[i], k, v, causal=True, sinks=sinks), rtol=0, atol=0)
+        torch.testing.assert_close(dqs[i], _eager_grads(qs[i], k, v, sinks, do, causal=True)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "hessian", "create_graph"])
+def test_forward_mode_and_double_backward_are_refused(transform):
+    """Documented in docs/frameworks.md: no forward mode (jvp, jacfwd, hessian), no double backward."""
+    q, k, v, _, _ = _tiny(seed=12)
+    if transform == "jvp":
+        with pytest.raises(NotImplementedError, match="implement the jvp function"):
+            torch.func.jvp(lambda q: nt.attention(q, k, v), (q,), (torch.ones_like(q),))
+    elif transform == "hessian":
+        with pytest.raises(NotImplementedError, match="implement the jvp function"):
+            torch.func.hessian(lambda q: nt.attention(q, k, v).sum())(q)
+    else:
+        q.requires_grad_()
+        dq, = torch.autograd.grad(nt.attention(q, k, v).square().sum(), q, create_graph=True)
+        with pytest.raises(NotImplementedError, match=r"^numbafa\.torch\.attention has no double backward"):
+            dq.sum().backward()
+
+
+# ---------------------------------------------------------------------------
 # Errors name the user's argument
 # ---------------------------------------------------------------------------
 
