@@ -121,7 +121,7 @@ def _backward(ctx, do, dlse):
     del dlse  # lse is not differentiable
     q, k, v, o, lse, sinks, bound_min, bound_max = ctx.saved_tensors
     dq, dk, dv, dsinks = _AttentionBackward.apply(q, k, v, o, do, lse, sinks, bound_min, bound_max,
-                                                  *ctx.options)
+                                                  ctx.options)
     return (dq, dk, dv, (dsinks if ctx.has_sinks else None), None, None) + (None,) * len(ctx.options)
 
 
@@ -134,13 +134,16 @@ class _AttentionBackward(torch.autograd.Function):
     Called through the operator's autograd kernel, it would be the Function
     that ``torch.library.custom_op`` generates, which ``torch.func.grad``
     refuses (no ``setup_context``) even though nothing differentiates it.
+    The operator's scalar arguments travel as one tuple, ``options``; the
+    parameters are spelled out because ``torch.compile`` passes ``ctx`` to a
+    ``forward(*inputs)``.
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(*inputs):
-        return torch.ops.numbafa.attention_bwd(*inputs)
+    def forward(q, k, v, o, do, lse, sinks, bound_min, bound_max, options):
+        return torch.ops.numbafa.attention_bwd(q, k, v, o, do, lse, sinks, bound_min, bound_max, *options)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -159,7 +162,8 @@ class _Attention(torch.autograd.Function):
 
     The Function that ``register_autograd`` generates has no ``setup_context``
     staticmethod, and ``torch.func.grad``, ``vjp`` and ``jacrev`` refuse such a
-    Function; this one has it (the same ``_setup_context`` and ``_backward``).
+    Function; this one has it (the same ``_setup_context`` and ``_backward``;
+    the scalar arguments as one tuple, ``options``, as in :class:`_AttentionBackward`).
     ``generate_vmap_rule``: under ``vmap`` the operators run once per mapped
     element (PyTorch's fallback loop; they have no batching rule).
     """
@@ -167,11 +171,17 @@ class _Attention(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(*inputs):
-        return torch.ops.numbafa.attention_fwd(*inputs)
+    def forward(q, k, v, sinks, bound_min, bound_max, options):
+        return torch.ops.numbafa.attention_fwd(q, k, v, sinks, bound_min, bound_max, *options)
 
-    setup_context = staticmethod(_setup_context)
-    backward = staticmethod(_backward)
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        *tensors, options = inputs
+        _setup_context(ctx, (*tensors, *options), output)
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        return _backward(ctx, do, dlse)[:6] + (None,)
 
 
 # ---------------------------------------------------------------------------
@@ -260,9 +270,9 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         # [heads] -> [batch, heads], a view; float32, so that the gradient is summed over the batch
         # in float32 and rounded once to the sinks' dtype.
         sinks = sinks.float().expand(q.shape[0], sinks.shape[0])
-    o, _ = _Attention.apply(qn, kn, vn, sinks, bound_min, bound_max, options.use_causal_mask,
-                            options.sliding_window, options.softmax_scale or 0.0, layout, options.dropout_p,
-                            options.seed, options.seed_offset)
+    o, _ = _Attention.apply(qn, kn, vn, sinks, bound_min, bound_max, (
+        options.use_causal_mask, options.sliding_window, options.softmax_scale or 0.0, layout,
+        options.dropout_p, options.seed, options.seed_offset))
     return o.permute(from_neuron_perm(layout))
 
 
