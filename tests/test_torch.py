@@ -475,6 +475,25 @@ def test_training_example_loss_falls():
     assert abs(sdpa_losses[0] - losses[0]) < 1e-3           # same model and data at step 0
 
 
+def test_training_example_says_its_last_loss_is_a_mean(capsys):
+    """The table's second loss is the mean of the last 10 steps, and says so; so does the page quoting it."""
+    import importlib.util
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("train_torch", root / "examples" / "train_torch.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(["--steps", "12", "--seq", "64", "--window", "16", "--no-sdpa"])
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("attention"))
+    assert header.split()[3:6] == ["last", "10", "mean"] and "last loss" not in out, header
+    assert "last 10 mean: the loss averaged over the last 10 steps" in out
+    page = " ".join((root / "docs" / "frameworks.md").read_text().split())
+    quoted = page[page.index("the loss fell from"):][:200]
+    assert "mean of the last 10 steps" in quoted, quoted
+
+
 def test_a_window_beyond_int64_is_the_whole_sequence():
     """A window wider than the keys is capped at them, as the NumPy API caps it (it used to reach
     the int64 operator argument: "Expected a value of type 'int' ... found type 'int'")."""
