@@ -18,7 +18,9 @@ that does not fit in memory (a one-line message, no traceback).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import os
 import sys
@@ -261,7 +263,8 @@ class Progress:
 
 
 class _CompileNotice(event.Listener):
-    """Prints the compile notice when the first real compilation starts, once.
+    """Prints the compile notice when the first real compilation starts, once; meanwhile, as a
+    logging filter, holds back :mod:`numbafa.runtime`'s per-kernel warnings, which it replaces.
 
     Numba's ``"numba:compile"`` event fires for a compilation, not for a load
     from the on-disk cache: with the kernels in the cache nothing is printed.
@@ -277,6 +280,22 @@ class _CompileNotice(event.Listener):
 
     def on_end(self, ev):
         pass
+
+    def filter(self, record) -> bool:
+        return not record.getMessage().startswith("numbafa: compiling")
+
+
+@contextlib.contextmanager
+def _compile_announced(progress: "Progress", name: str):
+    """The first calls of dtype ``name``: one CLI line if they compile, none if they load the cache."""
+    notice = _CompileNotice(progress, name)
+    logger = logging.getLogger("numbafa")
+    logger.addFilter(notice)
+    try:
+        with event.install_listener("numba:compile", notice):
+            yield
+    finally:
+        logger.removeFilter(notice)
 
 
 def _compile_notice(name: str) -> str:
@@ -334,7 +353,7 @@ def run(args, progress: Progress) -> list:
         dy = rng.standard_normal((b, h, d, s)).astype(dtype)
         lse_layout = "neuron" if s % 128 == 0 else "natural"
         t0 = time.perf_counter()
-        with event.install_listener("numba:compile", _CompileNotice(progress, name)):
+        with _compile_announced(progress, name):
             o, lse = attention_fwd(q, k, v, lse_layout=lse_layout, **opts)
             grads = attention_bwd(q, k, v, o, dy, lse, **opts)
         first = time.perf_counter() - t0

@@ -228,6 +228,7 @@ def test_compile_line_only_when_the_disk_cache_is_cold(tmp_path):
 
     cold = stderr()
     assert "first float32 calls: compiling the kernels, once (cached in " + str(tmp_path / "cache") in cold, cold
+    assert "numbafa: compiling the" not in cold, cold     # the CLI's line replaces the per-kernel warnings
     warm = stderr()
     assert "first float32 calls" not in warm and "compiling" not in warm, warm
 
