@@ -12,7 +12,8 @@ calls them through an ``autograd.Function`` with ``setup_context`` (the one
 ``register_autograd`` generates has none, and torch.func refuses it): it
 works in eager mode, under ``torch.no_grad``, ``torch.compile`` (opaque
 calls; the graph around them is compiled), ``torch.func.grad``, ``vjp``,
-``jacrev`` and ``torch.vmap`` (a loop over the mapped axis); not in forward
+``jacrev`` and ``torch.vmap`` (the mapped axis folded into the batch axis:
+one kernel call); not in forward
 mode (``torch.func.jvp``, ``jacfwd``, ``hessian``) and not twice
 differentiated (no double backward). Both operators take and return tensors in the
 Neuron layout ``[batch, heads, head_dim, seq]``; :func:`attention` permutes
@@ -128,6 +129,49 @@ def _backward(ctx, do, dlse):
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ---------------------------------------------------------------------------
+# Batching rules (torch.vmap, and jacrev, which maps the backward)
+# ---------------------------------------------------------------------------
+
+def _folded(x: Optional[torch.Tensor], bdim: Optional[int], size: int) -> Optional[torch.Tensor]:
+    """``x`` with its mapped axis (``bdim``; None: unmapped, broadcast) folded into its batch axis."""
+    if x is None:
+        return None
+    x = x.movedim(bdim, 0) if bdim is not None else x.expand(size, *x.shape)
+    return x.reshape(size * x.shape[1], *x.shape[2:])
+
+
+def _vmap_rule(op, n_tensors: int):
+    """A batching rule for ``op``: one call on the mapped axis folded into the batch axis.
+
+    Each (batch, KV head) unit is computed on its own, so the folded call gives
+    every mapped element the bits of its own call. Loops instead (one call per
+    element, as PyTorch's fallback) where folding would change a result: with
+    dropout (the mask depends on the batch index), packing bounds that differ
+    along the mapped axis, or ``[heads]`` sinks (their gradient is summed over the batch).
+    """
+    def rule(info, in_dims, *args):
+        tensors, options = args[:n_tensors], args[n_tensors:]
+        sinks, sinks_dim = tensors[-3], in_dims[n_tensors - 3]
+        if options[4] > 0 or any(d is not None for d in in_dims[n_tensors - 2:n_tensors]) or (
+                sinks is not None and sinks.dim() - (sinks_dim is not None) < 2):
+            outs = [op(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
+                    for i in range(info.batch_size)]
+            return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
+        size = info.batch_size
+        folded = [_folded(t, d, size) for t, d in zip(tensors[:-2], in_dims)] + list(tensors[-2:])
+        outs = op(*folded, *options)
+        unfolded = tuple(o.reshape(size, -1, *o.shape[1:]) for o in outs[:len(outs) - 1])
+        if sinks is None and len(outs) == 4:   # the backward's dsinks: empty, not mapped
+            return unfolded + (outs[3],), (0,) * 3 + (None,)
+        return unfolded + (outs[-1].reshape(size, -1, *outs[-1].shape[1:]),), (0,) * len(outs)
+    return rule
+
+
+_attention_fwd.register_vmap(_vmap_rule(torch.ops.numbafa.attention_fwd.default, 6))
+_attention_bwd.register_vmap(_vmap_rule(torch.ops.numbafa.attention_bwd.default, 9))
+
+
 class _AttentionBackward(torch.autograd.Function):
     """The backward operator, which has no gradient of its own, as torch.func's transforms take it.
 
@@ -164,8 +208,8 @@ class _Attention(torch.autograd.Function):
     staticmethod, and ``torch.func.grad``, ``vjp`` and ``jacrev`` refuse such a
     Function; this one has it (the same ``_setup_context`` and ``_backward``;
     the scalar arguments as one tuple, ``options``, as in :class:`_AttentionBackward`).
-    ``generate_vmap_rule``: under ``vmap`` the operators run once per mapped
-    element (PyTorch's fallback loop; they have no batching rule).
+    ``generate_vmap_rule``: under ``vmap`` the operators run with their
+    batching rules (:func:`_vmap_rule`).
     """
 
     generate_vmap_rule = True

@@ -333,7 +333,7 @@ def _eager_grads(q, k, v, sinks, do, **kw):
     return [x.grad for x in leaves]
 
 
-@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+@pytest.mark.filterwarnings("error:There is a performance drop:UserWarning")   # batching rules
 def test_func_grad_and_vjp_give_the_eager_gradients_bit_for_bit():
     q, k, v, sinks, do = _tiny()
     kw = dict(causal=True, window=5)
@@ -350,7 +350,7 @@ def test_func_grad_and_vjp_give_the_eager_gradients_bit_for_bit():
             torch.testing.assert_close(g, e, rtol=0, atol=0)
 
 
-@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+@pytest.mark.filterwarnings("error:There is a performance drop:UserWarning")   # batching rules
 def test_func_jacrev_is_the_eager_jacobian():
     """jacrev (vmap over the backward) against the Jacobian built row by row with eager backwards."""
     q, k, v, sinks, _ = _tiny(seed=10)
@@ -365,19 +365,50 @@ def test_func_jacrev_is_the_eager_jacobian():
         torch.testing.assert_close(j, e, rtol=0, atol=0)
 
 
-@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+@pytest.mark.filterwarnings("error:There is a performance drop:UserWarning")   # batching rules
 def test_vmap_gives_each_call_and_its_gradient():
+    """Folded into the batch axis (k, v and sinks mapped too), each element gets its own call's bits."""
     q, k, v, sinks, do = _tiny(seed=11)
-    qs = torch.stack([q, 2 * q, -q])
+    qs, ks, vs = torch.stack([q, 2 * q, -q]), torch.stack([k, k.flip(2), -k]), torch.stack([v, v, 3 * v])
+    sinks_b = torch.stack([sinks, -sinks, sinks + 1])
 
-    def loss(q):
+    def loss(q, k, v, sinks):
         return (nt.attention(q, k, v, causal=True, sinks=sinks) * do).sum()
 
-    out = torch.vmap(lambda q: nt.attention(q, k, v, causal=True, sinks=sinks))(qs)
-    dqs = torch.vmap(torch.func.grad(loss))(qs)
+    out = torch.vmap(lambda *a: nt.attention(*a[:3], causal=True, sinks=a[3]))(qs, ks, vs, sinks_b)
+    dqs = torch.vmap(torch.func.grad(loss, argnums=(0, 1, 2, 3)))(qs, ks, vs, sinks_b)
     for i in range(3):
-        torch.testing.assert_close(out[i], nt.attention(qs[i], k, v, causal=True, sinks=sinks), rtol=0, atol=0)
-        torch.testing.assert_close(dqs[i], _eager_grads(qs[i], k, v, sinks, do, causal=True)[0], rtol=0, atol=0)
+        args = (qs[i], ks[i], vs[i], sinks_b[i])
+        torch.testing.assert_close(out[i], nt.attention(*args[:3], causal=True, sinks=args[3]), rtol=0, atol=0)
+        for got, e in zip(dqs, _eager_grads(*args, do, causal=True)):
+            torch.testing.assert_close(got[i], e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["dropout", "bounds", "op with [heads] sinks"])
+def test_vmap_loops_where_folding_would_change_the_result(case):
+    """Dropout's mask depends on the batch index, bounds mapped along the axis differ per element,
+    and the operators' [heads] sinks have a gradient summed over the batch: one call per element."""
+    q, k, v, sinks, do = _tiny(seed=13)
+    qs = torch.stack([q, 2 * q])
+    if case == "dropout":
+        def f(q):
+            return nt.attention(q, k, v, causal=True, dropout_p=0.3, seed=5)
+        args, in_dims = (qs,), 0
+    elif case == "bounds":
+        bounds = [nt.cu_seqlens_to_bounds(torch.tensor(cu)) for cu in ([0, 3, 8], [0, 5, 8])]
+        bmin, bmax = (torch.stack(b) for b in zip(*bounds))
+
+        def f(q, bmin, bmax):
+            return nt.attention(q, k, v, causal=True, bound_min=bmin, bound_max=bmax)
+        args, in_dims = (qs, bmin, bmax), 0
+    else:
+        def f(q):
+            return torch.ops.numbafa.attention_bwd(q, k, v, q, do, q[:, :, 0], sinks, None, None, False, 0, 0.0,
+                                                   "bhsd", 0.0, None, 0)[3]
+        args, in_dims = (qs,), 0
+    out = torch.vmap(f, in_dims=in_dims)(*args)
+    for i in range(2):
+        torch.testing.assert_close(out[i], f(*(a[i] for a in args)), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("transform", ["jvp", "hessian", "create_graph"])
