@@ -148,6 +148,10 @@ def train(attention, steps=300, seq=256, bsz=4, window=64, lr=3e-3, seed=0, log_
     return losses, (time.perf_counter() - start) / max(steps, 1), memory, model
 
 
+#: The table's "last 10 mean": the loss averaged over the last LAST steps (one step's loss is noisy).
+LAST = 10
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None, help="training steps (default 300; 1000 with --long)")
@@ -169,10 +173,12 @@ def main(argv=None):
         if attention is numbafa_attention:
             sinks = [round(float(s), 2) for s in model.blocks[0].sinks.detach()]
             print(f"  trained sinks of block 0: {sinks}")
-    print(f"\n{'attention':36s} {'first loss':>10s} {'last loss':>10s} {'ms/step':>8s} {'saved MiB/step':>15s}")
+    print(f"\n{'attention':36s} {'first loss':>10s} {f'last {LAST} mean':>12s} {'ms/step':>8s} "
+          f"{'saved MiB/step':>15s}")
     for name, (losses, per_step, memory) in results.items():
-        last = sum(losses[-10:]) / len(losses[-10:])
-        print(f"{name:36s} {losses[0]:10.3f} {last:10.3f} {per_step * 1e3:8.1f} {memory / 2**20:15.2f}")
+        last = sum(losses[-LAST:]) / len(losses[-LAST:])
+        print(f"{name:36s} {losses[0]:10.3f} {last:12.3f} {per_step * 1e3:8.1f} {memory / 2**20:15.2f}")
+    print(f"(first loss: the first step's; last {LAST} mean: the loss averaged over the last {LAST} steps)")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 Default: batch 1, 8 q-heads, 2 KV heads, seqlen 2048, head_dim 128, causal,
 float32 and bf16 (``mixed_precision=True``). For each dtype it runs
-``attention_fwd`` and ``attention_bwd`` (the first call, which compiles or
-loads the kernels, is announced on stderr and reported on its own), times
+``attention_fwd`` and ``attention_bwd`` (the first calls, which compile or
+load the kernels, are reported on their own; a real compilation is announced
+on stderr as it starts), times
 ``--repeats`` calls of each, and checks the outputs of the first KV-head
 group of batch 0 (all of its q-heads, all rows) against the float64 golden,
 computed in blocks of query rows so that its memory does not grow with
@@ -17,23 +18,24 @@ that does not fit in memory (a one-line message, no traceback).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import os
 import sys
+import textwrap
 import time
 from typing import Optional
 
-import numba
 import numpy as np
+from numba.core import event
 
 from . import golden
 from .api import attention_bwd, attention_fwd
 from .info import backend_info
 from .jit import cache_info
 from .dtypes import bf16_dtype
-from .kernels.backward import bwd_work_item
-from .kernels.forward import fwd_work_item
 from .layout import MAX_BOUND, cu_seqlens_to_bounds
 from .onednn import gemm_path
 from .version import __version__
@@ -48,19 +50,18 @@ RTOL_LSE = {"float32": 1e-5, "bf16": 2e-2}
 #: block of 32 MiB, a few of them alive at a time.
 CHECK_BLOCK_ENTRIES = 1 << 22
 
-#: The dtype of the arrays the kernels receive, per --dtype (bf16 arrives as its uint16 bits).
-_KERNEL_DTYPE = {"float32": np.dtype(np.float32), "bf16": np.dtype(np.uint16)}
-
 DESCRIPTION = """\
 Forward + backward of numbafa's flash attention on a built-in default shape,
 timed and checked against the float64 golden."""
-EPILOG = """\
-example: numbafa --seqlen 4096 --head-dim 64 --dtype bf16 --json
 
-Exit status: 0 all checks passed, 1 a check failed, 2 bad options (NUMBAFA_GEMM
-included) or a size that does not fit in memory. The first call of each dtype
-compiles the kernels (about 15-30 s, once: they are cached on disk).
-"""
+#: The measured cold compile (docs/performance.md, "Compile time"), for the epilog and the notice.
+COMPILE_TIME = ("15-25 s of CPU for float32's forward and backward, about 14 s more for bf16 in the "
+                "same process (a 2-core AMD EPYC Zen 3, release 0.1.0)")
+
+EPILOG = "example: numbafa --seqlen 4096 --head-dim 64 --dtype bf16 --json\n\n" + textwrap.fill(
+    "Exit status: 0 all checks passed, 1 a check failed, 2 bad options (NUMBAFA_GEMM included) or a "
+    "size that does not fit in memory. The first call of each dtype compiles the kernels, once (they "
+    f"are cached on disk): {COMPILE_TIME}.", 79) + "\n"
 
 
 def _rule(dtype: str, output: str, err: float, scale: float) -> dict:
@@ -261,26 +262,47 @@ class Progress:
         print(text, file=sys.stderr, flush=True)
 
 
-def _kernels_loaded(kernel_dtype: np.dtype, dropout: bool = False) -> bool:
-    """Whether this process already holds the forward and backward kernels for ``kernel_dtype``
-    (the variant with dropout, a kernel of its own, if ``dropout``)."""
-    nb_dtype = numba.from_dtype(kernel_dtype)
+class _CompileNotice(event.Listener):
+    """Prints the compile notice when the first real compilation starts, once; meanwhile, as a
+    logging filter, holds back :mod:`numbafa.runtime`'s per-kernel warnings, which it replaces.
 
-    def matches(sig) -> bool:
-        bundles = sig[0].dtype   # (pointer to (ins, outs, [stats,] plan), item)
-        plan = bundles.types[-1]
-        has_dropout = not isinstance(plan.types[plan.fields.index("dropout")], numba.types.NoneType)
-        return bundles.types[0].types[0].dtype == nb_dtype and has_dropout == dropout
+    Numba's ``"numba:compile"`` event fires for a compilation, not for a load
+    from the on-disk cache: with the kernels in the cache nothing is printed.
+    """
 
-    return all(any(matches(sig) for sig in kernel.signatures) for kernel in (fwd_work_item, bwd_work_item))
+    def __init__(self, progress: "Progress", name: str):
+        self.progress, self.name, self.shown = progress, name, False
+
+    def on_start(self, ev):
+        if not self.shown:
+            self.shown = True
+            self.progress.note(_compile_notice(self.name))
+
+    def on_end(self, ev):
+        pass
+
+    def filter(self, record) -> bool:
+        return not record.getMessage().startswith("numbafa: compiling")
+
+
+@contextlib.contextmanager
+def _compile_announced(progress: "Progress", name: str):
+    """The first calls of dtype ``name``: one CLI line if they compile, none if they load the cache."""
+    notice = _CompileNotice(progress, name)
+    logger = logging.getLogger("numbafa")
+    logger.addFilter(notice)
+    try:
+        with event.install_listener("numba:compile", notice):
+            yield
+    finally:
+        logger.removeFilter(notice)
 
 
 def _compile_notice(name: str) -> str:
-    """The line announcing the first calls of a dtype (they load or compile the kernels)."""
+    """The line announcing that the first calls of a dtype compile the kernels."""
     cache = cache_info()
     where = f"cached in {cache['dir']}" if cache["enabled"] else f"not cached: {cache['reason']}"
-    return (f"first {name} calls: loading the kernels from the on-disk cache, or compiling them "
-            f"(about 15-30 s, once per numbafa version; {where})")
+    return f"first {name} calls: compiling the kernels, once ({where}); {COMPILE_TIME}"
 
 
 # ---------------------------------------------------------------------------
@@ -330,11 +352,10 @@ def run(args, progress: Progress) -> list:
         k, v = (rng.standard_normal((b, hkv, d, s)).astype(dtype) for _ in range(2))
         dy = rng.standard_normal((b, h, d, s)).astype(dtype)
         lse_layout = "neuron" if s % 128 == 0 else "natural"
-        if not _kernels_loaded(_KERNEL_DTYPE[name], bool(args.dropout)):
-            progress.note(_compile_notice(name))
         t0 = time.perf_counter()
-        o, lse = attention_fwd(q, k, v, lse_layout=lse_layout, **opts)
-        grads = attention_bwd(q, k, v, o, dy, lse, **opts)
+        with _compile_announced(progress, name):
+            o, lse = attention_fwd(q, k, v, lse_layout=lse_layout, **opts)
+            grads = attention_bwd(q, k, v, o, dy, lse, **opts)
         first = time.perf_counter() - t0
         progress.step(f"{name}: first calls")
         fwd_ms = _median_ms(lambda: attention_fwd(q, k, v, lse_layout=lse_layout, **opts), args.repeats)

@@ -7,9 +7,15 @@
 Two operators, ``torch.ops.numbafa.attention_fwd`` and
 ``torch.ops.numbafa.attention_bwd``, are defined with
 ``torch.library.custom_op``, each with a fake (meta) implementation, and
-tied together by ``torch.library.register_autograd``: they work in eager
-mode, under ``torch.no_grad``, and under ``torch.compile`` (as opaque calls;
-the graph around them is compiled). Both take and return tensors in the
+tied together by ``torch.library.register_autograd``. :func:`attention`
+calls them through an ``autograd.Function`` with ``setup_context`` (the one
+``register_autograd`` generates has none, and torch.func refuses it): it
+works in eager mode, under ``torch.no_grad``, ``torch.compile`` (opaque
+calls; the graph around them is compiled), ``torch.func.grad``, ``vjp``,
+``jacrev`` and ``torch.vmap`` (the mapped axis folded into the batch axis:
+one kernel call); not in forward
+mode (``torch.func.jvp``, ``jacfwd``, ``hessian``) and not twice
+differentiated (no double backward). Both operators take and return tensors in the
 Neuron layout ``[batch, heads, head_dim, seq]``; :func:`attention` permutes
 the caller's tensors to it and back (views, no copies), so autograd sees the
 permutes and returns gradients in the caller's layout.
@@ -115,12 +121,111 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, dlse):
     del dlse  # lse is not differentiable
     q, k, v, o, lse, sinks, bound_min, bound_max = ctx.saved_tensors
-    dq, dk, dv, dsinks = torch.ops.numbafa.attention_bwd(q, k, v, o, do, lse, sinks, bound_min, bound_max,
-                                                         *ctx.options)
+    dq, dk, dv, dsinks = _AttentionBackward.apply(q, k, v, o, do, lse, sinks, bound_min, bound_max,
+                                                  ctx.options)
     return (dq, dk, dv, (dsinks if ctx.has_sinks else None), None, None) + (None,) * len(ctx.options)
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------
+# Batching rules (torch.vmap, and jacrev, which maps the backward)
+# ---------------------------------------------------------------------------
+
+def _folded(x: Optional[torch.Tensor], bdim: Optional[int], size: int) -> Optional[torch.Tensor]:
+    """``x`` with its mapped axis (``bdim``; None: unmapped, broadcast) folded into its batch axis."""
+    if x is None:
+        return None
+    x = x.movedim(bdim, 0) if bdim is not None else x.expand(size, *x.shape)
+    return x.reshape(size * x.shape[1], *x.shape[2:])
+
+
+def _vmap_rule(op, n_tensors: int):
+    """A batching rule for ``op``: one call on the mapped axis folded into the batch axis.
+
+    Each (batch, KV head) unit is computed on its own, so the folded call gives
+    every mapped element the bits of its own call. Loops instead (one call per
+    element, as PyTorch's fallback) where folding would change a result: with
+    dropout (the mask depends on the batch index), packing bounds that differ
+    along the mapped axis, or ``[heads]`` sinks (their gradient is summed over the batch).
+    """
+    def rule(info, in_dims, *args):
+        tensors, options = args[:n_tensors], args[n_tensors:]
+        sinks, sinks_dim = tensors[-3], in_dims[n_tensors - 3]
+        if options[4] > 0 or any(d is not None for d in in_dims[n_tensors - 2:n_tensors]) or (
+                sinks is not None and sinks.dim() - (sinks_dim is not None) < 2):
+            outs = [op(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
+                    for i in range(info.batch_size)]
+            return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
+        size = info.batch_size
+        folded = [_folded(t, d, size) for t, d in zip(tensors[:-2], in_dims)] + list(tensors[-2:])
+        outs = op(*folded, *options)
+        unfolded = tuple(o.reshape(size, -1, *o.shape[1:]) for o in outs[:len(outs) - 1])
+        if sinks is None and len(outs) == 4:   # the backward's dsinks: empty, not mapped
+            return unfolded + (outs[3],), (0,) * 3 + (None,)
+        return unfolded + (outs[-1].reshape(size, -1, *outs[-1].shape[1:]),), (0,) * len(outs)
+    return rule
+
+
+_attention_fwd.register_vmap(_vmap_rule(torch.ops.numbafa.attention_fwd.default, 6))
+_attention_bwd.register_vmap(_vmap_rule(torch.ops.numbafa.attention_bwd.default, 9))
+
+
+class _AttentionBackward(torch.autograd.Function):
+    """The backward operator, which has no gradient of its own, as torch.func's transforms take it.
+
+    Called through the operator's autograd kernel, it would be the Function
+    that ``torch.library.custom_op`` generates, which ``torch.func.grad``
+    refuses (no ``setup_context``) even though nothing differentiates it.
+    The operator's scalar arguments travel as one tuple, ``options``; the
+    parameters are spelled out because ``torch.compile`` passes ``ctx`` to a
+    ``forward(*inputs)``.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, o, do, lse, sinks, bound_min, bound_max, options):
+        return torch.ops.numbafa.attention_bwd(q, k, v, o, do, lse, sinks, bound_min, bound_max, *options)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            "numbafa.torch.attention has no double backward: its backward (numbafa::attention_bwd) "
+            "cannot be differentiated (torch.func.hessian, grad of grad, create_graph=True then "
+            "a second backward)")
+
+
+class _Attention(torch.autograd.Function):
+    """The forward operator with its backward, as torch.func's transforms take them.
+
+    The Function that ``register_autograd`` generates has no ``setup_context``
+    staticmethod, and ``torch.func.grad``, ``vjp`` and ``jacrev`` refuse such a
+    Function; this one has it (the same ``_setup_context`` and ``_backward``;
+    the scalar arguments as one tuple, ``options``, as in :class:`_AttentionBackward`).
+    ``generate_vmap_rule``: under ``vmap`` the operators run with their
+    batching rules (:func:`_vmap_rule`).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, sinks, bound_min, bound_max, options):
+        return torch.ops.numbafa.attention_fwd(q, k, v, sinks, bound_min, bound_max, *options)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        *tensors, options = inputs
+        _setup_context(ctx, (*tensors, *options), output)
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        return _backward(ctx, do, dlse)[:6] + (None,)
 
 
 # ---------------------------------------------------------------------------
@@ -209,9 +314,9 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         # [heads] -> [batch, heads], a view; float32, so that the gradient is summed over the batch
         # in float32 and rounded once to the sinks' dtype.
         sinks = sinks.float().expand(q.shape[0], sinks.shape[0])
-    o, _ = torch.ops.numbafa.attention_fwd(qn, kn, vn, sinks, bound_min, bound_max, options.use_causal_mask,
-                                           options.sliding_window, options.softmax_scale or 0.0, layout,
-                                           options.dropout_p, options.seed, options.seed_offset)
+    o, _ = _Attention.apply(qn, kn, vn, sinks, bound_min, bound_max, (
+        options.use_causal_mask, options.sliding_window, options.softmax_scale or 0.0, layout,
+        options.dropout_p, options.seed, options.seed_offset))
     return o.permute(from_neuron_perm(layout))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -155,7 +156,7 @@ def test_api_names_kernel_and_dtype(monkeypatch):
         calls.append((kernel, dtype))
         return runtime.kernel_call(kernel, dtype)
 
-    monkeypatch.setattr(core, "kernel_call", recording)
+    monkeypatch.setattr(core, "kernel_call", recording)   # core.py launches the kernels of every front end
     q = np.ones((1, 1, 8, 128), np.float32)
     o, lse = numbafa.attention_fwd(q, q, q)
     numbafa.attention_bwd(q, q, q, o, q, lse)
@@ -194,6 +195,29 @@ def test_a_real_compile_is_announced_once_before_it_happens(caplog):
         with kernel_call("announced", "int64"):
             fresh(np.int8(1))
         assert len(logged()) == 2 and "int64" in logged()[1].getMessage()
+
+
+def test_the_announcement_quotes_the_readme_compile_time(caplog):
+    """The warning and the module's documentation give the README's measured figure and its CPU."""
+    import pathlib
+
+    from numbafa import runtime
+
+    readme = " ".join((pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    figure = re.search(r"\(([\d.]+-[\d.]+ s of CPU) for float32's forward and backward together", readme)
+    assert figure, "README: the compile-time sentence moved"
+
+    @numba.njit
+    def fresh(x):
+        return x * 2
+
+    with caplog.at_level(logging.INFO, logger="numbafa"), runtime.kernel_call("figure", "float32"):
+        fresh(1.0)
+    (record,) = _announcements(caplog.records)
+    doc = " ".join(runtime.__doc__.split())
+    for text in (record.getMessage(), doc):
+        assert figure[1] in text and "AMD EPYC Zen 3" in text, text
+        assert "tens of seconds" not in text and "40-second" not in text
 
 
 def test_announced_by_default_only_when_really_compiling(tmp_path):

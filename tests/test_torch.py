@@ -318,6 +318,117 @@ def test_compile_gives_the_eager_results():
 
 
 # ---------------------------------------------------------------------------
+# torch.func: grad, vjp, jacrev, vmap (reverse mode; no forward mode, no double backward)
+# ---------------------------------------------------------------------------
+
+def _tiny(seed=9):
+    """q, k, v ``[1, 2, 8, 4]`` (bhsd, no grad), sinks ``[2]`` and a gradient ``do``."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) for shape in ((1, 2, 8, 4),) * 3 + ((2,), (1, 2, 8, 4))]
+
+
+def _eager_grads(q, k, v, sinks, do, **kw):
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    nt.attention(*leaves[:3], sinks=leaves[3], **kw).backward(do)
+    return [x.grad for x in leaves]
+
+
+@pytest.mark.filterwarnings("error:There is a performance drop:UserWarning")   # batching rules
+def test_func_grad_and_vjp_give_the_eager_gradients_bit_for_bit():
+    q, k, v, sinks, do = _tiny()
+    kw = dict(causal=True, window=5)
+    eager = _eager_grads(q, k, v, sinks, do, **kw)
+
+    def loss(q, k, v, sinks):
+        return (nt.attention(q, k, v, sinks=sinks, **kw) * do).sum()
+
+    grads = torch.func.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    o, pullback = torch.func.vjp(lambda *a: nt.attention(*a[:3], sinks=a[3], **kw), q, k, v, sinks)
+    torch.testing.assert_close(o, nt.attention(q, k, v, sinks=sinks, **kw), rtol=0, atol=0)
+    for got in (grads, pullback(do)):
+        for g, e in zip(got, eager):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("error:There is a performance drop:UserWarning")   # batching rules
+def test_func_jacrev_is_the_eager_jacobian():
+    """jacrev (vmap over the backward) against the Jacobian built row by row with eager backwards."""
+    q, k, v, sinks, _ = _tiny(seed=10)
+
+    def f(q, sinks):
+        return nt.attention(q, k, v, causal=True, sinks=sinks)
+
+    jac = torch.func.jacrev(f, argnums=(0, 1))(q, sinks)
+    eager = torch.autograd.functional.jacobian(f, (q, sinks))
+    assert jac[0].shape == q.shape + q.shape and jac[1].shape == q.shape + sinks.shape
+    for j, e in zip(jac, eager):
+        torch.testing.assert_close(j, e, rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("error:There is a performance drop:UserWarning")   # batching rules
+def test_vmap_gives_each_call_and_its_gradient():
+    """Folded into the batch axis (k, v and sinks mapped too), each element gets its own call's bits."""
+    q, k, v, sinks, do = _tiny(seed=11)
+    qs, ks, vs = torch.stack([q, 2 * q, -q]), torch.stack([k, k.flip(2), -k]), torch.stack([v, v, 3 * v])
+    sinks_b = torch.stack([sinks, -sinks, sinks + 1])
+
+    def loss(q, k, v, sinks):
+        return (nt.attention(q, k, v, causal=True, sinks=sinks) * do).sum()
+
+    out = torch.vmap(lambda *a: nt.attention(*a[:3], causal=True, sinks=a[3]))(qs, ks, vs, sinks_b)
+    dqs = torch.vmap(torch.func.grad(loss, argnums=(0, 1, 2, 3)))(qs, ks, vs, sinks_b)
+    for i in range(3):
+        args = (qs[i], ks[i], vs[i], sinks_b[i])
+        torch.testing.assert_close(out[i], nt.attention(*args[:3], causal=True, sinks=args[3]), rtol=0, atol=0)
+        for got, e in zip(dqs, _eager_grads(*args, do, causal=True)):
+            torch.testing.assert_close(got[i], e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["dropout", "bounds", "op with [heads] sinks"])
+def test_vmap_loops_where_folding_would_change_the_result(case):
+    """Dropout's mask depends on the batch index, bounds mapped along the axis differ per element,
+    and the operators' [heads] sinks have a gradient summed over the batch: one call per element."""
+    q, k, v, sinks, do = _tiny(seed=13)
+    qs = torch.stack([q, 2 * q])
+    if case == "dropout":
+        def f(q):
+            return nt.attention(q, k, v, causal=True, dropout_p=0.3, seed=5)
+        args, in_dims = (qs,), 0
+    elif case == "bounds":
+        bounds = [nt.cu_seqlens_to_bounds(torch.tensor(cu)) for cu in ([0, 3, 8], [0, 5, 8])]
+        bmin, bmax = (torch.stack(b) for b in zip(*bounds))
+
+        def f(q, bmin, bmax):
+            return nt.attention(q, k, v, causal=True, bound_min=bmin, bound_max=bmax)
+        args, in_dims = (qs, bmin, bmax), 0
+    else:
+        def f(q):
+            return torch.ops.numbafa.attention_bwd(q, k, v, q, do, q[:, :, 0], sinks, None, None, False, 0, 0.0,
+                                                   "bhsd", 0.0, None, 0)[3]
+        args, in_dims = (qs,), 0
+    out = torch.vmap(f, in_dims=in_dims)(*args)
+    for i in range(2):
+        torch.testing.assert_close(out[i], f(*(a[i] for a in args)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "hessian", "create_graph"])
+def test_forward_mode_and_double_backward_are_refused(transform):
+    """Documented in docs/frameworks.md: no forward mode (jvp, jacfwd, hessian), no double backward."""
+    q, k, v, _, _ = _tiny(seed=12)
+    if transform == "jvp":
+        with pytest.raises(NotImplementedError, match="implement the jvp function"):
+            torch.func.jvp(lambda q: nt.attention(q, k, v), (q,), (torch.ones_like(q),))
+    elif transform == "hessian":
+        with pytest.raises(NotImplementedError, match="implement the jvp function"):
+            torch.func.hessian(lambda q: nt.attention(q, k, v).sum())(q)
+    else:
+        q.requires_grad_()
+        dq, = torch.autograd.grad(nt.attention(q, k, v).square().sum(), q, create_graph=True)
+        with pytest.raises(NotImplementedError, match=r"^numbafa\.torch\.attention has no double backward"):
+            dq.sum().backward()
+
+
+# ---------------------------------------------------------------------------
 # Errors name the user's argument
 # ---------------------------------------------------------------------------
 
@@ -393,6 +504,25 @@ def test_training_example_loss_falls():
     assert model.blocks[0].sinks.detach().abs().sum() > 0   # the sinks trained
     sdpa_losses, *_ = example.train(example.sdpa_attention, steps=3, seq=64, window=16, log_every=0)
     assert abs(sdpa_losses[0] - losses[0]) < 1e-3           # same model and data at step 0
+
+
+def test_training_example_says_its_last_loss_is_a_mean(capsys):
+    """The table's second loss is the mean of the last 10 steps, and says so; so does the page quoting it."""
+    import importlib.util
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("train_torch", root / "examples" / "train_torch.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(["--steps", "12", "--seq", "64", "--window", "16", "--no-sdpa"])
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("attention"))
+    assert header.split()[3:6] == ["last", "10", "mean"] and "last loss" not in out, header
+    assert "last 10 mean: the loss averaged over the last 10 steps" in out
+    page = " ".join((root / "docs" / "frameworks.md").read_text().split())
+    quoted = page[page.index("the loss fell from"):][:200]
+    assert "mean of the last 10 steps" in quoted, quoted
 
 
 def test_a_window_beyond_int64_is_the_whole_sequence():
