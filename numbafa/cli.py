@@ -100,24 +100,23 @@ def _lengths(text: str) -> tuple:
     return values
 
 
-def _dropout(text: str) -> float:
+def _number(text: str, convert, ok, expected: str):
+    """``convert(text)``, an ``ArgumentTypeError`` saying ``expected`` unless it converts and is ``ok``."""
     try:
-        value = float(text)
+        value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {text}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
     return value
+
+
+def _dropout(text: str) -> float:
+    return _number(text, float, lambda p: 0.0 <= p < 1.0, "a probability in [0, 1)")
 
 
 def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer seed in [0, 2**64), got {text!r}") from None
-    if not 0 <= value < 2 ** 64:
-        raise argparse.ArgumentTypeError(f"expected an integer seed in [0, 2**64), got {value}")
-    return value
+    return _number(text, int, lambda s: 0 <= s < 2 ** 64, "an integer seed in [0, 2**64)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,7 +24,7 @@ every task is given the absolute batch and q-head of its share's first element
 (``numbafa.shards.at_origin``), so it draws the whole problem's mask. See
 ``docs/distributed.md``.
 
-Requires the ``dask`` extra (``pip install 'numbafa[dask]'``); Dask is
+Requires the ``dask`` extra (``pip install ".[dask]"`` from a clone); Dask is
 imported only when a function here is called.
 """
 
@@ -69,7 +69,7 @@ def _dask():
         import dask.array as da
         import distributed
     except ImportError as exc:  # pragma: no cover - the test extra installs Dask
-        raise ImportError("numbafa.distributed needs Dask: pip install 'numbafa[dask]' "
+        raise ImportError("numbafa.distributed needs Dask: pip install '.[dask]' from numbafa's clone "
                           "(dask[distributed])") from exc
     return da, distributed
 
@@ -524,6 +524,15 @@ def _blocks(x):
     return lambda i, j: delayed_blocks[(i, j) + (0,) * (x.ndim - 2)]
 
 
+def _per_block(q, arrays, block) -> list:
+    """``results[i][j] = block(blocks, origin)`` for every block ``(i, j)`` of ``q_ref``'s chunks:
+    ``blocks`` the Delayed blocks ``(i, j)`` of ``arrays`` (None for a None array), ``origin``
+    its absolute ``(batch0, head0)`` (:func:`_origin`)."""
+    get = [_blocks(x) for x in arrays]
+    return [[block([g(i, j) for g in get], _origin(q.chunks, i, j)) for j in range(len(q.chunks[1]))]
+            for i in range(len(q.chunks[0]))]
+
+
 def _origin(chunks: tuple, i: int, j: int) -> tuple:
     """``(batch0, head0)``: the absolute batch and q-head of block ``(i, j)``'s first element
     (``chunks``: ``q_ref.chunks``)."""
@@ -571,18 +580,15 @@ def _fwd_dask(client, named, options, lse_layout):
     plan, plan_d = _dask_plan(client, named, sinks, prob, backward=False)
     bounds_d = [None if b is None else delayed(b, traverse=False) for b in bounds]
     n_chunks = plan.tiling.q_chunks
-    get = [_blocks(x) for x in (q, named["k_ref"], named["v_ref"], sinks)]
-    results = []
-    for i in range(len(q.chunks[0])):
-        results.append([])
-        for j in range(len(q.chunks[1])):
-            blocks = [g(i, j) for g in get]
-            origin = _origin(q.chunks, i, j)
-            parts = [delayed(shards.fwd_block, pure=True, nout=2)(plan_d, (c, origin), checked, lse_layout,
-                                                                   tuple(blocks[:3]), (blocks[3], *bounds_d))
-                     for c in range(n_chunks)]
-            results[-1].append(parts[0] if n_chunks == 1 else delayed(
-                shards.fwd_block_merge, pure=True, nout=2)(plan_d, parts, seqlen_q, lse_layout))
+
+    def block(blocks, origin):
+        parts = [delayed(shards.fwd_block, pure=True, nout=2)(plan_d, (c, origin), checked, lse_layout,
+                                                               tuple(blocks[:3]), (blocks[3], *bounds_d))
+                 for c in range(n_chunks)]
+        return parts[0] if n_chunks == 1 else delayed(shards.fwd_block_merge, pure=True, nout=2)(
+            plan_d, parts, seqlen_q, lse_layout)
+
+    results = _per_block(q, (q, named["k_ref"], named["v_ref"], sinks), block)
     lse_rest = ((Q_TILE,), (seqlen_q // Q_TILE,)) if lse_layout == "neuron" else ((seqlen_q,),)
     return (_assemble(results, 0, q.chunks[:2] + ((d_head,), (seqlen_q,)), q.dtype, "o"),
             _assemble(results, 1, q.chunks[:2] + lse_rest, np.float32, "lse"))
@@ -598,18 +604,15 @@ def _bwd_dask(client, named, options):
     plan, plan_d = _dask_plan(client, named, sinks, prob, backward=True)
     bounds_d = [None if b is None else delayed(b, traverse=False) for b in bounds]
     n_chunks = plan.tiling.q_chunks
-    get = [_blocks(x) for x in list(named.values()) + [sinks]]
-    results = []
-    for i in range(len(q.chunks[0])):
-        results.append([])
-        for j in range(len(q.chunks[1])):
-            blocks = [g(i, j) for g in get]
-            origin = _origin(q.chunks, i, j)
-            parts = [delayed(shards.bwd_block, pure=True, nout=4)(plan_d, (c, origin), checked, tuple(blocks[:6]),
-                                                                   (blocks[6], *bounds_d))
-                     for c in range(n_chunks)]
-            results[-1].append(parts[0] if n_chunks == 1 else delayed(
-                shards.bwd_block_merge, pure=True, nout=4)(plan_d, parts, blocks[6], seqlen_q, q.dtype))
+
+    def block(blocks, origin):
+        parts = [delayed(shards.bwd_block, pure=True, nout=4)(plan_d, (c, origin), checked, tuple(blocks[:6]),
+                                                               (blocks[6], *bounds_d))
+                 for c in range(n_chunks)]
+        return parts[0] if n_chunks == 1 else delayed(shards.bwd_block_merge, pure=True, nout=4)(
+            plan_d, parts, blocks[6], seqlen_q, q.dtype)
+
+    results = _per_block(q, list(named.values()) + [sinks], block)
     kv_chunks = (q.chunks[0], tuple(c // n_rep for c in q.chunks[1]), (d_head,), (seqlen_k,))
     grads = (_assemble(results, 0, q.chunks[:2] + ((d_head,), (seqlen_q,)), q.dtype, "dq"),
              _assemble(results, 1, kv_chunks, q.dtype, "dk"),

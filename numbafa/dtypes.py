@@ -141,27 +141,33 @@ def _widened_overload(x):
     return None
 
 
-@jit(entry=True)
-def _f32_to_bf16_bits_array(src, dst):
-    s = src.reshape(-1)
-    d = dst.reshape(-1)
-    for i in range(s.size):
-        d[i] = f32_to_bf16_bits(s[i])
+def _converted(x):  # pragma: no cover - replaced by the overload inside njit code
+    """One element across the bf16 boundary: float32 -> its RNE bf16 bits, bf16 bits -> float32."""
+    raise NotImplementedError("_converted is only callable from @njit code")
+
+
+@overload(_converted)
+def _converted_overload(x):
+    from numba import types
+
+    convert = {types.float32: f32_to_bf16_bits, types.uint16: bf16_bits_to_f32}.get(x)
+    return None if convert is None else (lambda x: convert(x))
 
 
 @jit(entry=True)
-def _bf16_bits_to_f32_array(src, dst):
+def _convert_array(src, dst):
+    """``dst[i] = _converted(src[i])`` over two C-contiguous arrays of one size."""
     s = src.reshape(-1)
     d = dst.reshape(-1)
     for i in range(s.size):
-        d[i] = bf16_bits_to_f32(s[i])
+        d[i] = _converted(s[i])
 
 
 def from_bf16_array(x: np.ndarray) -> np.ndarray:
     """Widen a ``ml_dtypes.bfloat16`` array to a new float32 array, bit-exactly (NaN payloads kept)."""
     bits = np.ascontiguousarray(x).view(np.uint16)
     out = np.empty(bits.shape, dtype=np.float32)
-    _bf16_bits_to_f32_array(bits, out)
+    _convert_array(bits, out)
     return out
 
 
@@ -169,7 +175,7 @@ def to_bf16_array(x: np.ndarray) -> np.ndarray:
     """Round a float32 array to a new ``ml_dtypes.bfloat16`` array (RNE)."""
     src = np.ascontiguousarray(x, dtype=np.float32)
     bits = np.empty(src.shape, dtype=np.uint16)
-    _f32_to_bf16_bits_array(src, bits)
+    _convert_array(src, bits)
     return bits.view(bf16_dtype())
 
 

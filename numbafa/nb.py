@@ -346,13 +346,9 @@ def _lse_from_natural(natural, lse):
 
 # --- the passes ---------------------------------------------------------------------------------
 
-@jit(entry=True)
-def attention_fwd(plan, q, k, v, o, lse, sinks=None):
-    """The forward of :func:`numbafa.attention_fwd` into ``o`` and ``lse`` (module docstring).
-
-    ``o``: ``q``'s shape and dtype; ``lse``: float32 ``[bs, nheads, 128, seqlen_q // 128]``;
-    ``sinks`` only (and required) when the plan was made ``with_sinks=True``.
-    """
+@jit()
+def _check_problem(plan, q, k, v, o, lse):
+    """The checks both passes make of the plan, q, k, v, o and lse; True for bf16 bits."""
     bits = _is_bits(q)
     _check_plan(plan, bits)
     _check_dtypes(bits, k, v, o)
@@ -362,6 +358,18 @@ def attention_fwd(plan, q, k, v, o, lse, sinks=None):
     _check_shape(k, bs, nheads_kv, d_head, seqlen_k)
     _check_shape(v, bs, nheads_kv, d_head, seqlen_k)
     _check_lse(lse, bs, nheads, seqlen_q)
+    return bits
+
+
+@jit(entry=True)
+def attention_fwd(plan, q, k, v, o, lse, sinks=None):
+    """The forward of :func:`numbafa.attention_fwd` into ``o`` and ``lse`` (module docstring).
+
+    ``o``: ``q``'s shape and dtype; ``lse``: float32 ``[bs, nheads, 128, seqlen_q // 128]``;
+    ``sinks`` only (and required) when the plan was made ``with_sinks=True``.
+    """
+    _check_problem(plan, q, k, v, o, lse)
+    bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k = plan.shape
     ins = FwdInputs(_kernel_input(q), _kernel_input(k), _kernel_input(v), _kernel_sinks(plan, sinks))
     o32 = _kernel_output(o)
     lse_natural = np.empty((bs, nheads, seqlen_q), dtype=np.float32)
@@ -382,21 +390,9 @@ def attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks=None, dsinks=None
     it; ``sinks`` and ``dsinks`` (float32, the sinks' shape) only, and both, with a plan made
     ``with_sinks=True``.
     """
-    bits = _is_bits(q)
-    _check_plan(plan, bits)
-    _check_dtypes(bits, k, v, o)
-    _check_dtypes(bits, dy, dq, dk)
-    _check_dtypes(bits, dv, dv, dv)
+    _check_problem(plan, q, k, v, o, lse)
+    _check_problem(plan, dq, dk, dv, dy, lse)   # the gradients and dy: the plan's dtype, q's and k's shapes
     bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k = plan.shape
-    _check_shape(q, bs, nheads, d_head, seqlen_q)
-    _check_shape(o, bs, nheads, d_head, seqlen_q)
-    _check_shape(dy, bs, nheads, d_head, seqlen_q)
-    _check_shape(dq, bs, nheads, d_head, seqlen_q)
-    _check_shape(k, bs, nheads_kv, d_head, seqlen_k)
-    _check_shape(v, bs, nheads_kv, d_head, seqlen_k)
-    _check_shape(dk, bs, nheads_kv, d_head, seqlen_k)
-    _check_shape(dv, bs, nheads_kv, d_head, seqlen_k)
-    _check_lse(lse, bs, nheads, seqlen_q)
     kernel_sinks = _kernel_sinks(plan, sinks)
     if (sinks is None) != (dsinks is None):
         raise ValueError("numbafa.nb: pass sinks and dsinks together")
