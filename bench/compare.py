@@ -136,12 +136,11 @@ def run(args):
 
 
 def _golden_ms(q, k, v, dy, kw, pass_):
-    gkw = dict(sinks=kw.get("sinks_ref"), use_causal_mask=kw.get("use_causal_mask", False),
-               sliding_window=kw.get("sliding_window"))
+    gkw = dict(use_causal_mask=kw.get("use_causal_mask", False), sliding_window=kw.get("sliding_window"))
+    sinks = kw.get("sinks_ref")
     if pass_ == "forward":
-        return _timed(lambda: golden.attention_fwd(q, k, v, **gkw)) * 1e3
-    return _timed(lambda: golden.attention_bwd(q, k, v, None, dy, None, sinks_ref=gkw.pop("sinks"),
-                                               **gkw)) * 1e3
+        return _timed(lambda: golden.attention_fwd(q, k, v, sinks=sinks, **gkw)) * 1e3
+    return _timed(lambda: golden.attention_bwd(q, k, v, None, dy, None, sinks_ref=sinks, **gkw)) * 1e3
 
 
 HEADER = (f"| {'shape':42} | dtype | pass | numbafa ms | GFLOP/s | torch ms | GFLOP/s | speed-up vs torch "

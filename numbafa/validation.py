@@ -42,7 +42,6 @@ Empty problems
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 from collections import namedtuple
@@ -105,15 +104,28 @@ class Problem:
 
 @jit(entry=True)
 def _count_nonfinite(flat):
-    """``(number of NaN/inf elements, largest finite |element|)`` of float32 or bf16-bits ``flat``."""
+    """``(number of NaN/inf elements, largest finite |element|)`` of float32 or bf16-bits ``flat``.
+
+    On the bits: ``|x|``'s float32 bit pattern orders as an unsigned int, so both reductions
+    are integer ones (a float max reduction does not vectorise without fast-math)."""
     n = 0
-    big = np.float32(0.0)
+    largest = np.uint32(0)
     for i in range(flat.size):
-        a = abs(widen(flat[i]))
-        finite = a <= FLOAT32_MAX   # False for NaN and inf
-        n += not finite
-        big = max(big, a if finite else np.float32(0.0))
-    return n, big
+        u = np.float32(widen(flat[i])).view(np.uint32) & np.uint32(0x7FFFFFFF)
+        bad = u >= np.uint32(0x7F800000)        # inf or NaN
+        n += bad
+        largest = np.uint32(max(largest, np.uint32(0) if bad else u))
+    return n, np.uint32(largest).view(np.float32)
+
+
+@jit(entry=True)
+def _count_nonfinite_all(flats):
+    """:func:`_count_nonfinite` of each array of a tuple of one type: ``(counts, largest)``."""
+    counts = np.zeros(len(flats), dtype=np.int64)
+    largest = np.zeros(len(flats), dtype=np.float32)
+    for j in range(len(flats)):
+        counts[j], largest[j] = _count_nonfinite(flats[j])
+    return counts, largest
 
 
 @jit(entry=True)
@@ -160,15 +172,15 @@ def _short_repr(x, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _require_array(name: str, x) -> np.ndarray:
+def _require_array(c: Caller, key: str, x) -> np.ndarray:
     if not isinstance(x, np.ndarray):
-        raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
+        raise TypeError(f"{c(key)} must be a numpy.ndarray, got {type(x).__name__}")
     return x
 
 
-def _require_bool(name: str, x) -> bool:
+def _require_bool(c: Caller, key: str, x) -> bool:
     if not isinstance(x, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}")
+        raise TypeError(f"{c(key)} must be a bool, got {type(x).__name__} {x!r}")
     return bool(x)
 
 
@@ -177,6 +189,16 @@ def _require_shape(name: str, shape: tuple, expected: tuple, why: str = "") -> N
     if tuple(shape) != tuple(expected):
         suffix = f" ({why})" if why else ""
         raise ValueError(f"{name} must have shape {tuple(expected)}{suffix}, got {tuple(shape)}")
+
+
+def _require_all_finite(c: Caller, arrays: dict) -> dict:
+    """:func:`_require_finite` of every array of ``arrays`` (kernel arrays of one type, by kernel
+    name) in one jitted call; the largest |element| of each, by name."""
+    counts, largest = _count_nonfinite_all(tuple(x.reshape(-1) for x in arrays.values()))
+    for (key, x), bad in zip(arrays.items(), counts):
+        if bad:
+            raise ValueError(f"{c(key)} must be finite, got {bad} NaN/inf element(s) of {x.size}")
+    return {key: float(big) for key, big in zip(arrays, largest)}
 
 
 def _require_finite(name: str, arr: np.ndarray) -> float:
@@ -202,9 +224,8 @@ def _check_scale(c: Caller, softmax_scale) -> Optional[float]:
     """The scale as given, or None for the default (``None`` and 0: upstream's ``or``)."""
     if softmax_scale is None:
         return None
-    name = c("softmax_scale")
     if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"{name} must be a real number or None, got {type(softmax_scale).__name__}")
+        raise TypeError(f"{c('softmax_scale')} must be a real number or None, got {type(softmax_scale).__name__}")
     try:
         scale = float(softmax_scale)
     except OverflowError:  # an int beyond float64
@@ -212,6 +233,7 @@ def _check_scale(c: Caller, softmax_scale) -> Optional[float]:
     with np.errstate(over="ignore"):
         finite = bool(np.isfinite(np.float32(scale)))  # the kernels' value: 1e39 -> inf
     if not finite:
+        name = c("softmax_scale")
         raise ValueError(f"{name} must be finite in float32 (|{name}| <= {FLOAT32_MAX:.8g}), "
                          f"got {_short_repr(softmax_scale)}")
     return None if scale == 0.0 else scale
@@ -224,16 +246,16 @@ def resolve_scale(softmax_scale: Optional[float], d_head: int) -> float:
 
 def _check_window(c: Caller, sliding_window, use_causal_mask: bool) -> int:
     """The window, 0 for none (``None`` or any int < 1, as upstream's -1); capped later."""
-    name, causal = c("sliding_window"), c("use_causal_mask")
     if sliding_window is None:
         return 0
     if isinstance(sliding_window, (bool, np.bool_)) or not isinstance(sliding_window, numbers.Integral):
-        raise TypeError(f"{name} must be an int or None, got {type(sliding_window).__name__} "
+        raise TypeError(f"{c('sliding_window')} must be an int or None, got {type(sliding_window).__name__} "
                         f"{_short_repr(sliding_window)} (None or a value < 1: no window)")
     window = int(sliding_window)
     if window < 1:
         return 0
     if not use_causal_mask:
+        name, causal = c("sliding_window"), c("use_causal_mask")
         raise ValueError(f"{name}={window} requires {causal}=True (None or a value < 1: no window), got "
                          f"{causal}=False")
     return window
@@ -248,7 +270,8 @@ def validate_dropout(dropout_p, seed, seed_offset, caller: Caller = KERNEL_CALLE
     p = float(dropout_p)
     if not 0.0 <= p < 1.0:  # NaN fails both comparisons
         raise ValueError(f"{c('dropout_p')} must be in [0, 1), got {_short_repr(dropout_p)}")
-    offset = _require_uint64(c("seed_offset"), seed_offset, "the dropout mask's offset")
+    offset = seed_offset if type(seed_offset) is int and 0 <= seed_offset < 2 ** 64 else \
+        _require_uint64(c("seed_offset"), seed_offset, "the dropout mask's offset")
     if seed is None:
         if p > 0.0:
             raise ValueError(f"{c('seed')} is required with {c('dropout_p')}={p!r} (the backward draws "
@@ -270,13 +293,13 @@ def check_options(options: AttentionOptions, caller: Caller = KERNEL_CALLER) -> 
         Naming the option as ``caller`` does, with the expected and the actual value.
     """
     c = caller
-    causal = _require_bool(c("use_causal_mask"), options.use_causal_mask)
-    mixed = _require_bool(c("mixed_precision"), options.mixed_precision)
+    causal = _require_bool(c, "use_causal_mask", options.use_causal_mask)
+    mixed = _require_bool(c, "mixed_precision", options.mixed_precision)
     window = _check_window(c, options.sliding_window, causal)
     scale = _check_scale(c, options.softmax_scale)
     dropout = validate_dropout(options.dropout_p, options.seed, options.seed_offset, c)
-    return dataclasses.replace(options, use_causal_mask=causal, mixed_precision=mixed, sliding_window=window,
-                               softmax_scale=scale, **dropout)
+    return AttentionOptions(options.sinks, options.bound_min, options.bound_max, causal, mixed, scale, window,
+                            dropout["dropout_p"], dropout["seed"], dropout["seed_offset"])
 
 
 # --- shapes and dtypes ---------------------------------------------------------------------
@@ -299,18 +322,18 @@ def _check_ranks(c: Caller, tensors: dict) -> None:
 
 
 def _check_dtypes(c: Caller, tensors: dict) -> None:
-    qn, dtype = c("q_ref"), tensors["q_ref"].dtype
+    dtype = tensors["q_ref"].dtype
     if not _allowed_dtype(dtype):
         bf16 = c.names.get("bfloat16", "bfloat16 (ml_dtypes.bfloat16)")
-        raise TypeError(f"{qn} must be float32 or {bf16}, got {dtype}")
+        raise TypeError(f"{c('q_ref')} must be float32 or {bf16}, got {dtype}")
     for key, x in tensors.items():
         if key != "lse_ref" and x.dtype != dtype:
-            raise TypeError(f"{c(key)} must have the dtype of {qn} ({dtype}), got {x.dtype}")
+            raise TypeError(f"{c(key)} must have the dtype of {c('q_ref')} ({dtype}), got {x.dtype}")
 
 
 def _check_dims(c: Caller, tensors: dict, causal: bool) -> Dims:
     q, k, v = tensors["q_ref"], tensors["k_ref"], tensors["v_ref"]
-    qn, kn = c("q_ref"), c("k_ref")
+    qn, kn = c.names.get("q_ref", "q_ref"), c.names.get("k_ref", "k_ref")
     bs, nheads, d_head, seqlen_q = q.shape
     if d_head < 1:
         raise ValueError(f"{c('d_head')} ({qn}.shape[{c.axis(2)}]) must be >= 1, got {d_head}")
@@ -335,7 +358,7 @@ def _check_dims(c: Caller, tensors: dict, causal: bool) -> Dims:
 
 
 def _check_lse_shape(c: Caller, lse, dims: Dims) -> None:
-    name, (bs, nheads, seqlen_q) = c("lse_ref"), (dims.bs, dims.nheads, dims.seqlen_q)
+    name, (bs, nheads, seqlen_q) = c.names.get("lse_ref", "lse_ref"), (dims.bs, dims.nheads, dims.seqlen_q)
     if lse.dtype != np.float32:
         raise TypeError(f"{name} must be float32, got {lse.dtype}")
     if len(lse.shape) == 3:
@@ -437,17 +460,17 @@ def _kernel_sinks(c: Caller, sinks, dims: Dims) -> np.ndarray:
 
 
 def _validate(c: Caller, tensors: dict, options: AttentionOptions) -> Problem:
-    tensors = {key: _require_array(c(key), x) for key, x in tensors.items()}
+    tensors = {key: _require_array(c, key, x) for key, x in tensors.items()}
     opts = check_options(options, c)
     key_of = {"sinks": "sinks_ref", "bound_min": "bound_min", "bound_max": "bound_max"}
     for field_name, x in opts.arrays().items():
         if x is not None:
-            _require_array(c(key_of[field_name]), x)
+            _require_array(c, key_of[field_name], x)
     dims = check_tensors(tensors, opts, c)
     bmin, bmax = _kernel_bounds(c, opts)
     sinks = _kernel_sinks(c, opts.sinks, dims)
     arrays = {key: _as_kernel_array(x) for key, x in tensors.items() if key != "lse_ref"}
-    max_abs = {key: _require_finite(c(key), x) for key, x in arrays.items()}
+    max_abs = _require_all_finite(c, arrays)
     lse = _kernel_lse(c, tensors["lse_ref"], dims) if "lse_ref" in tensors else None
     return Problem(arrays["q_ref"], arrays["k_ref"], arrays["v_ref"], arrays.get("o_ref"), arrays.get("dy_ref"),
                    lse, sinks, None if opts.sinks is None else tuple(opts.sinks.shape),
