@@ -316,7 +316,7 @@ def test_values_beyond_float32_on_the_cluster(client, small, dask_inputs):
     big_dy = dict(small, dy_ref=np.ldexp(small["dy_ref"], 124))
     expected_fwd = numbafa.attention_fwd(*(big_v[k] for k in ("q_ref", "k_ref", "v_ref")))
     expected = numbafa.attention_bwd(**big_dy)
-    assert float(np.abs(small["v_ref"]).max()) * 2.0 ** 125 * 256 > np.finfo(np.float32).max   # beyond it
+    assert float(np.abs(small["v_ref"]).max()) * 2.0 ** 125 * 256 > float(np.finfo(np.float32).max)   # beyond it
     run_v, run = ((_dask_inputs(x, 2, 2) if dask_inputs else x) for x in (big_v, big_dy))
     got_fwd = nd.attention_fwd(client, *(run_v[k] for k in ("q_ref", "k_ref", "v_ref")))
     got = nd.attention_bwd(client, **run)
