@@ -118,11 +118,21 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
+def _plain_eager() -> bool:
+    """Neither ``torch.compile`` tracing nor a torch.func transform: the operators may be called
+    directly (``autograd.Function.apply`` costs ~0.1 ms a call: it binds the signature of its
+    ``forward`` with ``inspect`` every time). Under a transform the Functions below are needed."""
+    return not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+
+
 def _backward(ctx, do, dlse):
     del dlse  # lse is not differentiable
     q, k, v, o, lse, sinks, bound_min, bound_max = ctx.saved_tensors
-    dq, dk, dv, dsinks = _AttentionBackward.apply(q, k, v, o, do, lse, sinks, bound_min, bound_max,
-                                                  ctx.options)
+    args = (q, k, v, o, do, lse, sinks, bound_min, bound_max)
+    # create_graph=True (grad mode on in the backward): the Function, which refuses a second backward
+    direct = _plain_eager() and not torch.is_grad_enabled()
+    dq, dk, dv, dsinks = (torch.ops.numbafa.attention_bwd(*args, *ctx.options) if direct
+                          else _AttentionBackward.apply(*args, ctx.options))
     return (dq, dk, dv, (dsinks if ctx.has_sinks else None), None, None) + (None,) * len(ctx.options)
 
 
@@ -314,9 +324,11 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         # [heads] -> [batch, heads], a view; float32, so that the gradient is summed over the batch
         # in float32 and rounded once to the sinks' dtype.
         sinks = sinks.float().expand(q.shape[0], sinks.shape[0])
-    o, _ = _Attention.apply(qn, kn, vn, sinks, bound_min, bound_max, (
-        options.use_causal_mask, options.sliding_window, options.softmax_scale or 0.0, layout,
-        options.dropout_p, options.seed, options.seed_offset))
+    scalars = (options.use_causal_mask, options.sliding_window, options.softmax_scale or 0.0, layout,
+               options.dropout_p, options.seed, options.seed_offset)
+    tensors = (qn, kn, vn, sinks, bound_min, bound_max)
+    o, _ = (torch.ops.numbafa.attention_fwd(*tensors, *scalars) if _plain_eager()
+            else _Attention.apply(*tensors, scalars))
     return o.permute(from_neuron_perm(layout))
 
 
