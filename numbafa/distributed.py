@@ -91,14 +91,8 @@ def _warm(client, kernel: str, dtype, dropout: bool) -> None:
     check that the workers would compute the client's bits (same numbafa sources, Numba and
     GEMM path)."""
     expected = shards.fingerprint()
-    for attempt in range(MAX_ATTEMPTS):   # a worker lost meanwhile: again, on the workers there are then
-        try:
-            found_by_worker = client.run(shards.warm, kernel, np.dtype(dtype).name, dropout)
-            break
-        except OSError:
-            if attempt + 1 >= MAX_ATTEMPTS:
-                raise
-            time.sleep(RETRY_WAIT * (attempt + 1))
+    found_by_worker = _retried(lambda: client.run(shards.warm, kernel, np.dtype(dtype).name, dropout),
+                               "loading the kernels on the workers")
     for worker, found in found_by_worker.items():
         if tuple(found) != expected:
             raise RuntimeError(f"worker {worker} runs numbafa/Numba/GEMM path {tuple(found)}, the "
@@ -136,19 +130,24 @@ def _direct(client) -> bool:
 RETRY_WAIT = 0.25
 
 
-def _scatter(client, data: list, direct: bool, broadcast: bool = False) -> list:
-    """``client.scatter`` that survives a worker lost while the data travels: a connection that
-    breaks (``CommClosedError``, an ``OSError``) is retried, up to ``MAX_ATTEMPTS`` times, on
-    the workers the scheduler knows then."""
-    for attempt in range(MAX_ATTEMPTS):
+def _retried(call, what: str):
+    """``call()``, again on the workers there are then when a worker is lost under it (a broken
+    connection: ``CommClosedError``, an ``OSError``), up to ``MAX_ATTEMPTS`` times."""
+    for attempt in range(MAX_ATTEMPTS - 1):
         try:
-            return client.scatter(data, broadcast=broadcast, hash=False, direct=direct)
-        except OSError as exc:
-            if attempt + 1 >= MAX_ATTEMPTS:
-                raise RuntimeError(f"scattering the call's inputs failed {MAX_ATTEMPTS} times: a worker "
-                                   f"was lost each time ({exc})") from exc
+            return call()
+        except OSError:
             time.sleep(RETRY_WAIT * (attempt + 1))
-    raise AssertionError("unreachable")  # pragma: no cover
+    try:
+        return call()
+    except OSError as exc:
+        raise RuntimeError(f"{what} failed {MAX_ATTEMPTS} times: a worker was lost each time ({exc})") from exc
+
+
+def _scatter(client, data: list, direct: bool, broadcast: bool = False) -> list:
+    """``client.scatter`` that survives a worker lost while the data travels (:func:`_retried`)."""
+    return _retried(lambda: client.scatter(data, broadcast=broadcast, hash=False, direct=direct),
+                    "scattering the call's inputs")
 
 
 def _gather(client, future, direct: bool):

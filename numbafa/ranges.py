@@ -30,6 +30,8 @@ import math
 
 import numpy as np
 
+from .dtypes import from_bf16_array, to_bf16_array
+
 __all__ = ["F32_MAX", "check_scores", "in_range", "rescale_exponent", "scaled_input", "unscaled_output"]
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -40,11 +42,9 @@ _SLACK = 1.25
 _ROWS = 256
 
 
-def _as_f64(x: np.ndarray) -> np.ndarray:
-    """A kernel array (float32, or bf16 as uint16 bits) as float64 values."""
-    if x.dtype == np.uint16:
-        x = (x.astype(np.uint32) << np.uint32(16)).view(np.float32)
-    return x.astype(np.float64)
+def _as_f32(x: np.ndarray) -> np.ndarray:
+    """A kernel array (float32, or bf16 as uint16 bits) as float32 values."""
+    return from_bf16_array(x) if x.dtype == np.uint16 else x
 
 
 def _largest_abs_score(prob) -> float:
@@ -54,8 +54,8 @@ def _largest_abs_score(prob) -> float:
     largest = 0.0
     for b in range(prob.q.shape[0]):
         for h in range(prob.q.shape[1]):
-            k = np.abs(_as_f64(prob.k[b, h // n_rep]))                  # [d, seqlen_k]
-            q = np.abs(_as_f64(prob.q[b, h]))                            # [d, seqlen_q]
+            k = np.abs(_as_f32(prob.k[b, h // n_rep]).astype(np.float64))   # [d, seqlen_k]
+            q = np.abs(_as_f32(prob.q[b, h]).astype(np.float64))            # [d, seqlen_q]
             for r in range(0, q.shape[1], _ROWS):
                 largest = max(largest, float((q[:, r:r + _ROWS].T @ k).max(initial=0.0)))
     return largest * abs(prob.softmax_scale)
@@ -112,9 +112,9 @@ def scaled_input(prob, e: int, backward: bool):
     """``prob`` with ``v`` (forward) or ``dy`` (backward) times ``2**-e``, in the kernels' form."""
     key = "dy" if backward else "v"
     x = getattr(prob, key)
-    scaled = np.ldexp(_as_f64(x).astype(np.float32), -e)
+    scaled = np.ldexp(_as_f32(x), -e)
     if x.dtype == np.uint16:   # exact: a power of two keeps the bf16 mantissa
-        scaled = (scaled.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+        scaled = to_bf16_array(scaled).view(np.uint16)
     return dataclasses.replace(prob, **{key: scaled})
 
 

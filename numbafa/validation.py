@@ -453,8 +453,8 @@ def _kernel_sinks(c: Caller, sinks, dims: Dims) -> np.ndarray:
     if sinks is None:
         return np.zeros((dims.bs, dims.nheads, 0), dtype=np.float32)
     num_sinks = sinks.shape[2] if sinks.ndim == 3 else 1  # explicit: -1 is ambiguous when bs == 0
-    s32 = np.broadcast_to(sinks.astype(np.float32), (dims.bs, dims.nheads)) if sinks.ndim == 1 else sinks
-    s32 = np.ascontiguousarray(s32.astype(np.float32)).reshape(dims.bs, dims.nheads, num_sinks)
+    s32 = np.broadcast_to(sinks, (dims.bs, dims.nheads)) if sinks.ndim == 1 else sinks
+    s32 = s32.astype(np.float32, order="C").reshape(dims.bs, dims.nheads, num_sinks)
     _require_finite(c("sinks_ref"), s32)
     return s32
 
