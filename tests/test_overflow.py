@@ -52,7 +52,9 @@ def test_a_large_constant_value_is_the_output():
     q, k, _, _ = _inputs(np.float32, s=128)
     v = np.full(q.shape, 1e37, np.float32)
     o, _ = numbafa.attention_fwd(q, k, v, lse_layout="natural")
-    np.testing.assert_allclose(o, 1e37, rtol=1e-6)
+    # o = (sum_j p_j v) / (sum_j p_j): two float32 sums of 128 terms in the GEMM's (CPU-dependent)
+    # order, each within gamma_128 = 128 u of exact, and one division (u = 2**-24).
+    np.testing.assert_allclose(o, 1e37, rtol=2 * 128 * 2.0 ** -24 + 2.0 ** -24)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bf16"])
