@@ -26,7 +26,6 @@ import numpy as np
 from . import core
 from .layout import LAYOUTS, from_neuron, to_neuron
 from .options import AttentionOptions, Caller
-from .validation import check_options
 
 __all__ = ["attention", "AttentionContext"]
 
@@ -50,7 +49,8 @@ class AttentionContext:
         Neuron-layout views ``[bs, heads, head_dim, seq]`` of the inputs and the output.
     lse : float32 ndarray ``[bs, nheads, seqlen_q]``
     options : AttentionOptions
-        The options shared by forward and backward (sinks, bounds, mask, scale, dropout), checked.
+        The options shared by forward and backward (sinks, bounds, mask, scale, dropout), as given
+        (the forward checked them; the backward checks them again with its own inputs).
     layout : str
         Layout of the caller's arrays, used for ``do`` and the gradients.
     checksums : dict
@@ -157,9 +157,9 @@ def attention(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_ma
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     qn, kn, vn = (to_neuron(x, layout, name=name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     caller = Caller(NAMES, layout)
-    options = check_options(AttentionOptions(sinks, bound_min, bound_max, use_causal_mask, mixed_precision,
-                                             softmax_scale, sliding_window, dropout_p, seed, seed_offset), caller)
-    o, lse = core.attention_fwd(qn, kn, vn, options, caller)
+    options = AttentionOptions(sinks, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
+                               sliding_window, dropout_p, seed, seed_offset)
+    o, lse = core.attention_fwd(qn, kn, vn, options, caller)   # checks the options (and the backward again)
     ctx = AttentionContext(qn, kn, vn, o, lse, options, layout)
     checksums = {name: _crc32(x) for name, x in ctx._watched().items()}
     return from_neuron(o, layout), dataclasses.replace(ctx, checksums=checksums)
