@@ -12,8 +12,15 @@ in rounds (medians of each round's mean over a run of calls of >= 20 ms):
 * ``numbafa.torch``: the custom operator's forward (no grad) and a whole
   forward + backward through autograd, if torch is installed.
 
+* ``python``: ``numbafa.attention_fwd`` / ``attention_bwd`` with the launch
+  replaced by nothing: all the Python work of a call (validation, plan,
+  BLAS pin, allocation, conversion) without the kernel.
+
 The fixed cost is ``numbafa - kernel``, each pass; BLAS stays pinned around
-the kernel-only calls, as the API pins it.
+the kernel-only calls, as the API pins it. It is larger than ``python``: a
+kernel entered after some Python work finds the threading layer's workers
+asleep and its caches colder than one entered back to back (on a 2-core Zen 3,
+20 us of other work between two launches adds about 30 us to the second).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import numba
 import numpy as np
 
 import numbafa
+from numbafa.kernels import launch
 from numbafa.blas import single_threaded_blas
 from numbafa.kernels.backward import bwd_work_item, flash_attn_bwd, new_bwd_stats
 from numbafa.kernels.bundles import BwdEntries, BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, make_plan
@@ -80,6 +88,18 @@ def _kernels(q, k, v, dy, causal):
             (lambda: _bwd_kernel(bins, bouts, stats, bplan, entries, bitems, units)), o, lse)
 
 
+def _without_kernel(fn):
+    """``fn`` with the launchers replaced by nothing (:func:`numbafa.kernels.launch._launch`)."""
+    def call():
+        real = launch._launch
+        launch._launch = lambda *args, **kwargs: None
+        try:
+            fn()
+        finally:
+            launch._launch = real
+    return call
+
+
 def _torch(q, k, v, dy, causal):
     try:
         import torch
@@ -113,11 +133,10 @@ def main(argv=None):
     q, k, v, dy = (rng.standard_normal((b, h, d, s), dtype=np.float32) for _ in range(4))
     fwd_kernel, bwd_kernel, o, lse = _kernels(q, k, v, dy, causal)
     t_fwd, t_train = _torch(q, k, v, dy, causal)
-    calls = {
-        "kernel fwd": fwd_kernel, "kernel bwd": bwd_kernel,
-        "numbafa fwd": lambda: numbafa.attention_fwd(q, k, v, use_causal_mask=causal),
-        "numbafa bwd": lambda: numbafa.attention_bwd(q, k, v, o, dy, lse, use_causal_mask=causal),
-    }
+    api_fwd = lambda: numbafa.attention_fwd(q, k, v, use_causal_mask=causal)  # noqa: E731
+    api_bwd = lambda: numbafa.attention_bwd(q, k, v, o, dy, lse, use_causal_mask=causal)  # noqa: E731
+    calls = {"kernel fwd": fwd_kernel, "kernel bwd": bwd_kernel, "numbafa fwd": api_fwd, "numbafa bwd": api_bwd,
+             "python fwd": _without_kernel(api_fwd), "python bwd": _without_kernel(api_bwd)}
     if t_fwd is not None:
         calls.update({"numbafa.torch fwd": t_fwd, "numbafa.torch fwd+bwd": t_train})
     times = {name: [] for name in calls}
@@ -134,7 +153,10 @@ def main(argv=None):
     for name, us in med.items():
         print(f"  {name:24s} {us:9.1f}")
     for pass_ in ("fwd", "bwd"):
-        print(f"  fixed cost, {pass_}: {med[f'numbafa {pass_}'] - med[f'kernel {pass_}']:.1f} us")
+        print(f"  fixed cost, {pass_}: {med[f'numbafa {pass_}'] - med[f'kernel {pass_}']:.1f} us "
+              f"(its Python work: {med[f'python {pass_}']:.1f} us)")
+    if t_fwd is not None:
+        print(f"  torch adapter, fwd: {med['numbafa.torch fwd'] - med['numbafa fwd']:.1f} us beyond numbafa fwd")
 
 
 if __name__ == "__main__":

@@ -29,22 +29,33 @@ wins, at the price of oversubscription.
 BLAS is imported first. Scanning the process for libraries costs about a
 millisecond, so the controller is built once (on first use) and reused; it
 holds no setting of its own, only the list of BLAS libraries found.
+
+Per call, threadpoolctl's own get/set cost tens of microseconds (its
+controlling-thread bookkeeping), a large share of a small call. An OpenBLAS
+on pthreads (SciPy's) is therefore read and set by its exported C functions
+(``openblas_get_num_threads`` / ``openblas_set_num_threads`` with the
+library's symbol affixes: under a microsecond) whenever no thread holds
+threadpoolctl's control; when one does, the change goes through threadpoolctl
+as described above, so its rule still decides.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import itertools
 import os
 import pathlib
 import threading
+from typing import Optional
 
 import scipy
 import scipy.linalg  # noqa: F401  -- loads the BLAS Numba's np.dot calls, so it can be pinned
 import threadpoolctl
 from threadpoolctl import ThreadpoolController
 
-__all__ = ["single_threaded_blas", "blas_controller"]
+__all__ = ["single_threaded_blas", "blas_controller", "pin", "unpin"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -60,6 +71,64 @@ def blas_controller() -> ThreadpoolController:
     return ThreadpoolController._from_controllers(mine) if mine else blas
 
 
+class _Direct:
+    """An OpenBLAS (pthreads) library's exported ``get``/``set`` thread-count functions."""
+
+    def __init__(self, lib):
+        dll = ctypes.CDLL(lib.filepath)   # already loaded: the same handle
+        for prefix, suffix in itertools.product(("", "scipy_"), ("", "64_", "_64")):
+            get = getattr(dll, f"{prefix}openblas_get_num_threads{suffix}", None)
+            set_ = getattr(dll, f"{prefix}openblas_set_num_threads{suffix}", None)
+            if get is not None and set_ is not None:
+                get.restype, get.argtypes = ctypes.c_int, []
+                set_.restype, set_.argtypes = None, [ctypes.c_int]
+                self.get, self.set = get, set_
+                return
+        raise LookupError(lib.filepath)
+
+
+@functools.lru_cache(maxsize=1)
+def _direct_calls() -> Optional[list]:
+    """The direct functions of every library the pin touches, or None (then threadpoolctl
+    serves them all): a library that is not OpenBLAS on pthreads, or a threadpoolctl whose
+    controlling-thread state cannot be read."""
+    if _controlling_thread() is _UNKNOWN:
+        return None
+    direct = []
+    for lib in blas_controller().lib_controllers:
+        if getattr(lib, "internal_api", None) != "openblas" or getattr(lib, "threading_layer", None) != "pthreads":
+            return None
+        try:
+            direct.append(_Direct(lib))
+        except (OSError, LookupError):
+            return None
+    return direct
+
+
+_UNKNOWN = object()
+
+
+def _controlling_thread():
+    """The thread holding threadpoolctl's control of OpenBLAS (None: nobody), or
+    ``_UNKNOWN`` for a threadpoolctl without that rule or whose state is laid out otherwise."""
+    state = getattr(getattr(threadpoolctl, "OpenBLASController", None), "_SHARED_STATE", None)
+    if state is None or not hasattr(state, "controlling_thread"):
+        return None if not hasattr(threadpoolctl, "CONTROLLING_THREAD_OWNERSHIP") else _UNKNOWN
+    thread = state.controlling_thread
+    return thread if thread is not None and thread.is_alive() else None
+
+
+def _pin_direct(direct) -> list:
+    """Pin through the direct calls; the ``(functions, count)`` to restore."""
+    saved = []
+    for fn in direct:
+        n = fn.get()
+        if n != 1:
+            fn.set(1)
+            saved.append((fn, n))
+    return saved
+
+
 def _set_threads(libs, counts) -> None:
     """Set each library's thread count, as a zero-length ``threadpool_limits`` would."""
     ownership = getattr(threadpoolctl, "CONTROLLING_THREAD_OWNERSHIP", None)
@@ -73,6 +142,16 @@ def _set_threads(libs, counts) -> None:
             ownership.decrement()  # gives control back unless this thread held it already
 
 
+def _restore(saved) -> None:
+    """Put back what the pin changed: ``(direct functions or library, count)`` pairs."""
+    direct = [(fn, n) for fn, n in saved if isinstance(fn, _Direct)]
+    for fn, n in direct:
+        fn.set(n)
+    libs = [(lib, n) for lib, n in saved if not isinstance(lib, _Direct)]
+    if libs:
+        _set_threads([lib for lib, _ in libs], [n for _, n in libs])
+
+
 class _BlasPin:
     """The process-wide, reference-counted "BLAS on one thread" (see the module docstring)."""
 
@@ -84,6 +163,11 @@ class _BlasPin:
     def enter(self) -> None:
         with self._lock:
             if self._active == 0:
+                direct = _direct_calls()
+                if direct is not None and _controlling_thread() is None:
+                    self._saved = _pin_direct(direct)
+                    self._active += 1
+                    return
                 libs = blas_controller().lib_controllers
                 before = [(lib, lib.get_num_threads()) for lib in libs]
                 change = [(lib, n) for lib, n in before if n != 1]
@@ -99,7 +183,7 @@ class _BlasPin:
             self._active -= 1
             if self._active == 0 and self._saved:
                 saved, self._saved = self._saved, []
-                _set_threads([lib for lib, _ in saved], [n for _, n in saved])
+                _restore(saved)
 
     def _after_fork_in_child(self) -> None:
         # The calls that held the pin belong to threads the child does not have.
@@ -108,7 +192,7 @@ class _BlasPin:
             self._active = 0
             saved, self._saved = self._saved, []
             try:
-                _set_threads([lib for lib, _ in saved], [n for _, n in saved])
+                _restore(saved)
             except Exception:  # never fail a fork
                 pass
 
@@ -116,6 +200,16 @@ class _BlasPin:
 _PIN = _BlasPin()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_PIN._after_fork_in_child)
+
+
+def pin() -> None:
+    """Enter the pin (:func:`single_threaded_blas`); each call is matched by one :func:`unpin`."""
+    _PIN.enter()
+
+
+def unpin() -> None:
+    """Leave the pin entered by :func:`pin`."""
+    _PIN.leave()
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ import numpy as np
 
 from .dtypes import to_bf16_array
 from .kernels.backward import new_bwd_stats
-from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, make_plan
+from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, shared_plan
 from .kernels.launch import run_backward, run_forward
 from .layout import lse_to_neuron
 from .options import AttentionOptions, Caller
@@ -75,17 +75,19 @@ def _dtype_name(ins) -> str:
 
 @contextlib.contextmanager
 def _threads(n_threads):
-    """Numba's thread count of this thread set to ``n_threads`` (None: left as it is), then
-    restored (``numba.set_num_threads`` is per thread)."""
-    if n_threads is None:
-        yield
-        return
+    """Numba's thread count of this thread set to ``n_threads``, then restored
+    (``numba.set_num_threads`` is per thread)."""
     previous = numba.get_num_threads()
     numba.set_num_threads(max(1, min(int(n_threads), numba.config.NUMBA_NUM_THREADS)))
     try:
         yield
     finally:
         numba.set_num_threads(previous)
+
+
+def _on_threads(n_threads):
+    """:func:`_threads`, or nothing for ``n_threads=None`` (the calling thread's count)."""
+    return contextlib.nullcontext() if n_threads is None else _threads(n_threads)
 
 
 def bwd_outputs(ins: BwdInputs, q_chunks: int) -> BwdOutputs:
@@ -100,28 +102,40 @@ def bwd_outputs(ins: BwdInputs, q_chunks: int) -> BwdOutputs:
                       np.empty(part_shape, dtype=np.float32), np.empty(part_shape, dtype=np.float32))
 
 
-def run_fwd(ins: FwdInputs, plan, items=None, n_threads=None) -> FwdOutputs:
+def run_fwd(ins: FwdInputs, plan, items=None, n_threads=None, signature=None) -> FwdOutputs:
     """Allocate the forward's float32 ``o`` and ``lse`` and run its work ``items`` (None: all)
-    on ``n_threads`` threads (None: ``numba.get_num_threads()``; any number, the same bits)."""
+    on ``n_threads`` threads (None: ``numba.get_num_threads()``; any number, the same bits).
+    ``signature``: see :func:`~numbafa.kernels.launch.work_item_address` (None: Numba's
+    fingerprint of the bundles)."""
     nb, nheads, d_head, seqlen_q = ins.q.shape
     outs = FwdOutputs(np.empty((nb, nheads, d_head, seqlen_q), dtype=np.float32),
                       np.empty((nb, nheads, seqlen_q), dtype=np.float32))
-    with kernel_call(_kernel_name("forward", plan), _dtype_name(ins)), _threads(n_threads):
-        run_forward(ins, outs, plan, items)
+    with kernel_call(_kernel_name("forward", plan), _dtype_name(ins)), _on_threads(n_threads):
+        run_forward(ins, outs, plan, items, signature)
     return outs
 
 
-def run_bwd(ins: BwdInputs, plan, items=None, units=None, n_threads=None, state=None):
+def run_bwd(ins: BwdInputs, plan, items=None, units=None, n_threads=None, state=None, signature=None):
     """Run the backward's work ``items`` and finish its ``units`` (None: all, as
     :func:`~numbafa.kernels.launch.run_backward`); return ``(outs, stats)``.
 
     ``state``: the ``(outs, stats)`` to finish into (the Dask merge of split units); None:
     allocated here (:func:`bwd_outputs`, :func:`~numbafa.kernels.backward.new_bwd_stats`).
+    ``signature`` as :func:`run_fwd`.
     """
     outs, stats = state if state is not None else (bwd_outputs(ins, plan.tiling.q_chunks), new_bwd_stats(ins))
-    with kernel_call(_kernel_name("backward", plan), _dtype_name(ins)), _threads(n_threads):
-        run_backward(ins, outs, stats, plan, items, units)
+    with kernel_call(_kernel_name("backward", plan), _dtype_name(ins)), _on_threads(n_threads):
+        run_backward(ins, outs, stats, plan, items, units, signature)
     return outs, stats
+
+
+def _signature(prob, plan) -> tuple:
+    """What decides the Numba types of the bundles :func:`attention_fwd` / :func:`attention_bwd`
+    build (:func:`~numbafa.kernels.launch.work_item_address`): their arrays are the
+    validated ones (C-contiguous, aligned, of a writable type: :func:`numbafa.validation.kernel_view`)
+    or new float32 ones of fixed ranks, so only the input dtype and the plan's dropout
+    (``None`` or a bundle) vary; the GEMM path is the process's."""
+    return ("core", prob.dtype, plan.dropout is None)
 
 
 def attention_fwd(q, k, v, options: AttentionOptions, caller: Caller, lse_layout: str = "natural"):
@@ -134,8 +148,8 @@ def attention_fwd(q, k, v, options: AttentionOptions, caller: Caller, lse_layout
     prob = validate_fwd_inputs(q, k, v, options, caller)
     check_lse_layout(lse_layout, prob.q.shape[3])
     prob, e = in_range(prob, caller, backward=False)
-    plan = make_plan(prob, backward=False)
-    outs = run_fwd(FwdInputs(prob.q, prob.k, prob.v, prob.sinks), plan)
+    plan = shared_plan(prob, backward=False)
+    outs = run_fwd(FwdInputs(prob.q, prob.k, prob.v, prob.sinks), plan, signature=_signature(prob, plan))
     return to_dtype(unscaled_output(outs.o, e, "o"), prob.dtype), lse_out(outs.lse, lse_layout)
 
 
@@ -144,8 +158,9 @@ def attention_bwd(q, k, v, o, dy, lse, options: AttentionOptions, caller: Caller
     in the sinks' shape and dtype when there are sinks. Arguments as :func:`attention_fwd`."""
     prob = validate_bwd_inputs(q, k, v, o, dy, lse, options, caller)
     prob, e = in_range(prob, caller, backward=True)
-    plan = make_plan(prob, backward=True)
-    outs, _ = run_bwd(BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks), plan)
+    plan = shared_plan(prob, backward=True)
+    outs, _ = run_bwd(BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks), plan,
+                      signature=_signature(prob, plan))
     grads = tuple(to_dtype(unscaled_output(getattr(outs, name), e, name), prob.dtype) for name in ("dq", "dk", "dv"))
     if prob.sinks_shape is None:
         return grads

@@ -157,3 +157,24 @@ def test_concurrent_kernel_calls_leave_the_users_blas_setting_alone():
             t.join()
         assert not errors
         assert _blas_threads() == before
+
+
+def test_scipys_openblas_is_pinned_by_direct_calls_without_taking_threadpoolctl_control():
+    """The per-call pin goes through OpenBLAS's own C functions (a microsecond, not
+    threadpoolctl's tens) and leaves threadpoolctl's controlling thread unset."""
+    from numbafa import blas
+
+    libs = blas_controller().lib_controllers
+    if not all(getattr(lib, "internal_api", "") == "openblas" and getattr(lib, "threading_layer", "") == "pthreads"
+               for lib in libs):
+        pytest.skip(f"the pinned BLAS is not OpenBLAS on pthreads here: {[lib.filepath for lib in libs]}")
+    if blas._controlling_thread() is blas._UNKNOWN:
+        pytest.skip("this threadpoolctl's controlling-thread state is laid out otherwise")
+    direct = blas._direct_calls()
+    assert direct is not None and len(direct) == len(libs)
+    before = _blas_threads()
+    with single_threaded_blas():
+        assert [fn.get() for fn in direct] == [1] * len(direct)
+        assert set(_blas_threads().values()) == {1}
+        assert blas._controlling_thread() is None
+    assert _blas_threads() == before

@@ -277,3 +277,74 @@ def test_fork_while_a_kernel_call_is_active_does_not_deadlock_the_child():
     if not hasattr(os, "fork"):
         pytest.skip("no fork")
     assert _run(FORK_WHILE_HELD, NUMBA_THREADING_LAYER="workqueue") == "0"
+
+
+def _same_bundle(a, b) -> bool:
+    if isinstance(a, tuple):
+        return type(a) is type(b) and all(_same_bundle(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and np.array_equal(a, b)
+    return a == b and type(a) is type(b)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("options", [dict(use_causal_mask=True, sliding_window=40),
+                                     dict(dropout_p=0.5, seed=3, seed_offset=9)])
+def test_a_shared_plan_is_the_plan_of_the_call(backward, options):
+    """Repeated calls share their plan (built once per shape and options); what they get is
+    exactly the fresh plan of their own problem, dropout seed and offset included."""
+    from numbafa.kernels.bundles import make_plan, shared_plan
+    from numbafa.options import AttentionOptions
+    from numbafa.validation import validate_fwd_inputs
+
+    q = np.ones((2, 2, 8, 300), np.float32)
+    for offset in (9, 10):
+        prob = validate_fwd_inputs(q, q, q, AttentionOptions(**dict(options, seed_offset=offset)
+                                                             if "seed" in options else options))
+        first, again = shared_plan(prob, backward), shared_plan(prob, backward)
+        assert _same_bundle(first, make_plan(prob, backward)) and _same_bundle(again, first)
+
+
+def test_packing_plans_are_never_shared():
+    from numbafa.kernels.bundles import shared_plan
+    from numbafa.options import AttentionOptions
+    from numbafa.validation import validate_fwd_inputs
+
+    q = np.ones((1, 1, 8, 128), np.float32)
+    lo, hi = np.zeros(128, np.float32), np.full(128, 64, np.float32)
+    p1 = shared_plan(validate_fwd_inputs(q, q, q, AttentionOptions(bound_min=lo, bound_max=hi)), False)
+    p2 = shared_plan(validate_fwd_inputs(q, q, q, AttentionOptions(bound_min=lo, bound_max=hi * 2)), False)
+    assert p1.mask.key_hi.max() == 64 and p2.mask.key_hi.max() == 128
+
+
+def test_repeated_calls_launch_the_remembered_overload_with_the_same_bits():
+    """From the second call of a dtype on, the launchers are entered through the compiled
+    overload the first call ran (no dispatcher typing): same results, bit for bit."""
+    from numbafa.kernels import launch
+
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 3, 16, 200)).astype(np.float32)
+    o, lse = numbafa.attention_fwd(q, q, q, lse_layout="natural")
+    grads = numbafa.attention_bwd(q, q, q, o, q, lse)
+    for launcher in (launch.flash_attn_fwd, launch.flash_attn_bwd):
+        assert any(key[0] is launcher and key[1][1] == np.float32 for key in launch._entries)
+    o2, lse2 = numbafa.attention_fwd(q, q, q, lse_layout="natural")
+    grads2 = numbafa.attention_bwd(q, q, q, o, q, lse)
+    for a, b in zip((o, lse) + grads, (o2, lse2) + grads2):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_signature_address_is_the_fingerprint_address():
+    from numbafa import core
+    from numbafa.kernels import launch
+    from numbafa.kernels.bundles import FwdInputs, FwdOutputs, shared_plan
+    from numbafa.options import AttentionOptions
+    from numbafa.validation import validate_fwd_inputs
+
+    q = np.ones((1, 1, 8, 128), np.float32)
+    prob = validate_fwd_inputs(q, q, q, AttentionOptions())
+    plan = shared_plan(prob, False)
+    args = (FwdInputs(prob.q, prob.k, prob.v, prob.sinks),
+            FwdOutputs(np.empty(q.shape, np.float32), np.empty((1, 1, 128), np.float32)), plan)
+    assert launch.work_item_address(launch.fwd_work_item, args, core._signature(prob, plan)) == \
+        launch.work_item_address(launch.fwd_work_item, args)

@@ -235,3 +235,55 @@ def test_display_names_and_layout_in_messages():
         validate_fwd_inputs(qn[:, :, :0], kn[:, :, :0], kn[:, :, :0], AttentionOptions(), caller)
     with pytest.raises(TypeError, match=r"^v must have the dtype of q \(float32\), got float64$"):
         validate_fwd_inputs(qn, qn, qn.astype(np.float64), AttentionOptions(), caller)
+
+
+# --- checks remembered between calls (numbafa.validation._metadata) ---------------------------
+
+def test_a_remembered_shape_still_has_its_values_checked():
+    """A second call with the shapes and options of a valid one skips only the shape/option
+    checks: NaN inputs, NaN bounds and non-finite sinks are still caught."""
+    f = good_inputs()
+    bounds = dict(bound_min=np.zeros(S, np.float32), bound_max=np.full(S, S, np.float32))
+    sinks = np.zeros((BS, H), np.float32)
+    numbafa.attention_bwd(**f, **bounds, sinks_ref=sinks)
+    with pytest.raises(ValueError, match="q_ref must be finite, got 1 NaN/inf"):
+        numbafa.attention_bwd(**dict(f, q_ref=with_nan(f["q_ref"])), **bounds, sinks_ref=sinks)
+    with pytest.raises(ValueError, match="bound_max must not contain NaN"):
+        numbafa.attention_bwd(**f, **dict(bounds, bound_max=with_nan(bounds["bound_max"])), sinks_ref=sinks)
+    with pytest.raises(ValueError, match="sinks_ref must be finite"):
+        numbafa.attention_bwd(**f, **bounds, sinks_ref=with_nan(sinks, np.inf))
+    with pytest.raises(ValueError, match="lse_ref must not contain NaN or -inf"):
+        numbafa.attention_bwd(**dict(f, lse_ref=with_nan(f["lse_ref"])), **bounds, sinks_ref=sinks)
+
+
+def test_a_remembered_call_does_not_let_other_types_through():
+    # True passed; 1 has the same hash and value but is not a bool.
+    f = good_inputs()
+    numbafa.attention_bwd(**f, use_causal_mask=True, softmax_scale=0.5)
+    with pytest.raises(TypeError, match="use_causal_mask must be a bool, got int"):
+        numbafa.attention_bwd(**f, use_causal_mask=1, softmax_scale=0.5)
+    numbafa.attention_bwd(**f, sliding_window=8, use_causal_mask=True)
+    with pytest.raises(TypeError, match="sliding_window must be an int or None, got float"):
+        numbafa.attention_bwd(**f, sliding_window=8.0, use_causal_mask=True)
+
+
+def test_a_remembered_dropout_call_takes_each_calls_seed_and_offset():
+    f = good_inputs()
+    kw = dict(dropout_p=0.25, seed=7)
+    o1, _ = numbafa.attention_fwd(f["q_ref"], f["k_ref"], f["v_ref"], **kw, seed_offset=0)
+    o2, _ = numbafa.attention_fwd(f["q_ref"], f["k_ref"], f["v_ref"], **kw, seed_offset=1)
+    o3, _ = numbafa.attention_fwd(f["q_ref"], f["k_ref"], f["v_ref"], dropout_p=0.25, seed=8)
+    o1b, _ = numbafa.attention_fwd(f["q_ref"], f["k_ref"], f["v_ref"], **kw, seed_offset=0)
+    assert not np.array_equal(o1, o2) and not np.array_equal(o1, o3)
+    np.testing.assert_array_equal(o1, o1b)
+    with pytest.raises(ValueError, match="seed_offset must be in"):
+        numbafa.attention_fwd(f["q_ref"], f["k_ref"], f["v_ref"], **kw, seed_offset=2 ** 64)
+
+
+def test_the_remembered_checks_are_bounded():
+    from numbafa import validation
+
+    q = np.ones((1, 1, 4, 1), np.float32)
+    for n in range(validation.CHECKED_MAX + 5):
+        numbafa.attention_fwd(q, q, q, softmax_scale=1.0 + n, lse_layout="natural")
+        assert len(validation._CHECKED) <= validation.CHECKED_MAX

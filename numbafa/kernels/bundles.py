@@ -38,7 +38,7 @@ from .mask import fill_key_ranges
 from .matmul import ONEDNN
 
 __all__ = ["Tiling", "Mask", "Precision", "Plan", "FwdInputs", "FwdOutputs", "BwdInputs",
-           "BwdOutputs", "BwdEntries", "make_plan"]
+           "BwdOutputs", "BwdEntries", "make_plan", "shared_plan", "PLANS_MAX"]
 
 Tiling = namedtuple("Tiling", ["q_tile", "k_tile", "k_sub_tile", "q_tile_group", "d_tile",
                                "section_len", "q_chunks"])
@@ -102,3 +102,33 @@ def make_plan(prob, backward: bool) -> Plan:
     dropout = make_dropout(prob.dropout_p, prob.seed, prob.seed_offset)
     return Plan(tiling, mask, precision, np.float32(prob.softmax_scale), ONEDNN if onednn else None,
                 operand, dropout)
+
+
+_PLANS: dict = {}
+#: The most plans :func:`shared_plan` keeps (emptied when full).
+PLANS_MAX = 256
+
+
+def shared_plan(prob, backward: bool) -> Plan:
+    """:func:`make_plan`, built once for all calls with the same shapes, dtype and options.
+
+    Small models make thousands of calls of one shape; building a plan is most of
+    the Python work of a small call. Problems with packing bounds (whose key
+    ranges depend on the bounds' values) get a fresh plan; with dropout the
+    shared plan gets this call's :data:`~numbafa.kernels.dropout.Dropout`.
+    The shared plan's arrays (the key ranges) are read by the kernels and never
+    written: nobody may write into a plan.
+    """
+    if prob.use_packing:
+        return make_plan(prob, backward)
+    key = (prob.q.shape, prob.k.shape, prob.dtype, prob.mixed_precision, prob.use_causal_mask, prob.window,
+           prob.softmax_scale, prob.dropout_p > 0.0, backward)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = make_plan(prob, backward)
+        if len(_PLANS) >= PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    elif prob.dropout_p > 0.0:
+        plan = plan._replace(dropout=make_dropout(prob.dropout_p, prob.seed, prob.seed_offset))
+    return plan

@@ -34,6 +34,7 @@ from .forward import flash_attn_fwd, fwd_work_item
 __all__ = ["run_forward", "run_backward", "work_item_address", "needs_finish", "threading_layer_is_thread_safe"]
 
 _addresses: dict = {}        # (kernel, fingerprint of the argument bundles) -> address
+_entries: dict = {}          # (launcher, signature) -> the compiled overload's entry point
 _launch_lock = threading.Lock()
 _thread_safe_layer = None    # None: not known yet
 
@@ -50,18 +51,53 @@ def threading_layer_is_thread_safe() -> bool:
     return _thread_safe_layer
 
 
-def _launch(launcher, *args) -> None:
+def _entry(launcher, args: tuple, signature):
+    """The callable to launch ``args`` with: for a ``signature`` (:func:`work_item_address`) seen
+    before, the compiled overload's own entry point, which skips the dispatcher's typing of the
+    nested bundles (about 10 us a call); else the dispatcher."""
+    if signature is None:
+        return launcher
+    entry = _entries.get((launcher, signature))
+    if entry is None:
+        return launcher
+    return entry
+
+
+def _remember_entry(launcher, args: tuple, signature) -> None:
+    """After a dispatcher launch, keep the overload it ran under ``signature``."""
+    if signature is None or (launcher, signature) in _entries:
+        return
+    compiled = launcher.overloads.get(tuple(numba.typeof(a) for a in args))
+    if compiled is not None:
+        _entries[(launcher, signature)] = compiled.entry_point
+
+
+def _launch(launcher, args: tuple, signature=None) -> None:
+    entry = _entry(launcher, args, signature)
     if threading_layer_is_thread_safe():
-        launcher(*args)
+        entry(*args)
     else:
         with _launch_lock:
-            launcher(*args)
+            entry(*args)
+    if entry is launcher:
+        _remember_entry(launcher, args, signature)
 
 
-def work_item_address(kernel, args: tuple) -> int:
+def work_item_address(kernel, args: tuple, signature=None) -> int:
     """Address of ``kernel`` (a work item or the unit finish) compiled for a pointer to the type
     of ``args`` (the launcher's packed bundles: ``(ins, outs, plan)`` forward, ``(ins, outs,
-    stats, plan)`` backward) and an int64."""
+    stats, plan)`` backward) and an int64.
+
+    ``signature``: a hashable value that determines the Numba types of ``args`` for this caller
+    (the execution core's: the input dtype and whether there is dropout, its bundles being
+    built one way), to look the address up by instead of Numba's fingerprint of ``args``
+    (about 10 us for the nested bundles); None: the fingerprint."""
+    if signature is not None:
+        key = (kernel, "signature", signature)
+        address = _addresses.get(key)
+        if address is None:
+            address = _addresses[key] = work_item_address(kernel, args)
+        return address
     try:
         key = (kernel, _dispatcher.compute_fingerprint(args))
     except (ValueError, TypeError):   # a value Numba fingerprints no faster than it types
@@ -78,11 +114,13 @@ def _all(n: int) -> np.ndarray:
     return np.arange(n, dtype=np.int64)
 
 
-def run_forward(ins, outs, plan, items=None) -> None:
-    """The forward's work ``items`` (default: all, ``range(units * q_chunks)``)."""
+def run_forward(ins, outs, plan, items=None, signature=None) -> None:
+    """The forward's work ``items`` (default: all, ``range(units * q_chunks)``); ``signature`` as
+    :func:`work_item_address`."""
     if items is None:
         items = _all(ins.q.shape[0] * ins.k.shape[1] * plan.tiling.q_chunks)
-    _launch(flash_attn_fwd, ins, outs, plan, work_item_address(fwd_work_item, (ins, outs, plan)), items)
+    _launch(flash_attn_fwd, (ins, outs, plan, work_item_address(fwd_work_item, (ins, outs, plan), signature), items),
+            signature)
 
 
 def needs_finish(ins, plan) -> bool:
@@ -91,9 +129,9 @@ def needs_finish(ins, plan) -> bool:
     return plan.tiling.q_chunks > 1 or ins.sinks.shape[2] > 0
 
 
-def run_backward(ins, outs, stats, plan, items=None, units=None) -> None:
+def run_backward(ins, outs, stats, plan, items=None, units=None, signature=None) -> None:
     """The backward's work ``items``, then the ``units`` to finish (defaults: every item, then
-    every unit if :func:`needs_finish`)."""
+    every unit if :func:`needs_finish`); ``signature`` as :func:`work_item_address`."""
     n_units = ins.q.shape[0] * ins.k.shape[1]
     if items is None:
         items = _all(n_units * plan.tiling.q_chunks)
@@ -101,6 +139,6 @@ def run_backward(ins, outs, stats, plan, items=None, units=None) -> None:
         units = _all(n_units if needs_finish(ins, plan) else 0)
     args = (ins, outs, stats, plan)
     # The finish is compiled only when some call needs it (0: never called).
-    entries = BwdEntries(work_item_address(bwd_work_item, args),
-                         work_item_address(bwd_finish_unit, args) if units.size else 0)
-    _launch(flash_attn_bwd, ins, outs, stats, plan, entries, items, units)
+    entries = BwdEntries(work_item_address(bwd_work_item, args, signature),
+                         work_item_address(bwd_finish_unit, args, signature) if units.size else 0)
+    _launch(flash_attn_bwd, (ins, outs, stats, plan, entries, items, units), signature)
