@@ -25,6 +25,7 @@ import numpy as np
 from . import core
 from .dtypes import bf16_dtype
 from .layout import check_layout
+from .memo import Memo
 from .options import AttentionOptions, Caller
 from .validation import check_options, check_tensors
 
@@ -82,6 +83,28 @@ def check_call(layout: str, given: dict, options: AttentionOptions) -> Attention
     TypeError, ValueError
         Naming the user's argument, with the expected and the actual value.
     """
+    key = _call_key(layout, given, options)
+    known = _CHECKED_CALLS.get(key)
+    if known is not None:
+        return known.with_call_values(options)
+    checked = _check_call(layout, given, options)
+    _CHECKED_CALLS.put(key, checked)
+    return checked
+
+
+#: Adapter calls whose checks passed: :func:`_call_key` -> checked options (no arrays).
+_CHECKED_CALLS = Memo()
+
+
+def _call_key(layout, given: dict, options: AttentionOptions):
+    """What :func:`check_call` depends on (the arrays' values aside), or None."""
+    scalars = options.scalar_key()
+    if scalars is None or options.sinks is not None or options.bound_min is not None or options.bound_max is not None:
+        return None
+    return layout, tuple(given.items()), scalars
+
+
+def _check_call(layout: str, given: dict, options: AttentionOptions) -> AttentionOptions:
     if layout not in FRAMEWORK_LAYOUTS:
         raise ValueError(f"layout must be one of {FRAMEWORK_LAYOUTS}, got {layout!r}")
     caller = Caller(NAMES, layout)

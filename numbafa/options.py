@@ -64,6 +64,34 @@ class AttentionOptions:
         """The options that are arrays, by field name (None when absent)."""
         return {"sinks": self.sinks, "bound_min": self.bound_min, "bound_max": self.bound_max}
 
+    def scalar_key(self):
+        """The scalar options as a key for remembering checks that passed (:mod:`numbafa.memo`),
+        or None when they cannot be one.
+
+        Each value with its type (``True`` and ``1`` differ: only one is a bool). Seed and
+        offset enter only as "None" / "an int in ``[0, 2**64)``": their values decide nothing
+        but the dropout mask, and :meth:`with_call_values` puts them back."""
+        seed, offset = self.seed, self.seed_offset
+        if not (seed is None or _plain_uint64(seed)) or not _plain_uint64(offset):
+            return None
+        return ((type(self.use_causal_mask), self.use_causal_mask), (type(self.mixed_precision), self.mixed_precision),
+                (type(self.softmax_scale), self.softmax_scale), (type(self.sliding_window), self.sliding_window),
+                (type(self.dropout_p), self.dropout_p), seed is None)
+
+    def with_call_values(self, call: "AttentionOptions") -> "AttentionOptions":
+        """These checked options (remembered for ``call``'s :meth:`scalar_key`) with ``call``'s
+        arrays, seed (None: 0) and offset."""
+        if not (call.seed or call.seed_offset or call.sinks is not None or call.bound_min is not None
+                or call.bound_max is not None):
+            return self
+        return AttentionOptions(call.sinks, call.bound_min, call.bound_max, self.use_causal_mask,
+                                self.mixed_precision, self.softmax_scale, self.sliding_window, self.dropout_p,
+                                call.seed or 0, call.seed_offset)
+
+
+def _plain_uint64(x) -> bool:
+    return type(x) is int and 0 <= x < 2 ** 64
+
 
 @dataclass(frozen=True)
 class Caller:

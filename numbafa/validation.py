@@ -54,6 +54,7 @@ import numpy as np
 from .jit import jit
 from .tiling import Q_TILE
 from .dtypes import is_bf16, widen
+from .memo import Memo
 from .options import KERNEL_CALLER, AttentionOptions, Caller
 
 __all__ = ["Dims", "Problem", "check_options", "check_tensors", "kernel_view", "resolve_scale",
@@ -157,13 +158,25 @@ class _WritableView:
         self.__array_interface__ = interface
 
 
+def _canonical_strides(x: np.ndarray) -> bool:
+    """Whether a C-contiguous ``x`` has the strides a new array of its shape would have. NumPy
+    calls an array C-contiguous whatever the strides of its length-1 axes (a seqlen-1 view of
+    a transposed array, say); the kernels read every stride, so those are copied too."""
+    expected = x.itemsize
+    for n, stride in zip(reversed(x.shape), reversed(x.strides)):
+        if stride != expected:
+            return False
+        expected *= n
+    return True
+
+
 def kernel_view(x: np.ndarray) -> np.ndarray:
     """``x`` as the kernels take an input: C-contiguous and aligned (a copy only if it is not),
     and of a writable type (a read-only array, such as a buffer JAX hands to a callback, is
     viewed as writable, not copied): every call then has the one compiled signature."""
     flags = x.flags
-    if not (flags.c_contiguous and flags.aligned):
-        x = np.require(x, requirements=("C", "A"))
+    if not (flags.c_contiguous and flags.aligned) or (1 in x.shape and not _canonical_strides(x)):
+        x = np.array(x, order="C")
     if not x.flags.writeable:
         x = np.asarray(_WritableView(x))
     return x
@@ -469,24 +482,14 @@ def _kernel_sinks(c: Caller, sinks, dims: Dims) -> np.ndarray:
     return s32
 
 
-#: Metadata that passed its checks: :func:`_metadata_key` -> (checked options, Dims).
-_CHECKED: dict = {}
-#: The most entries :data:`_CHECKED` holds (it is emptied when full).
-CHECKED_MAX = 256
-_SCALARS = ("use_causal_mask", "mixed_precision", "softmax_scale", "sliding_window", "dropout_p")
-
-
-def _plain_uint64(x) -> bool:
-    return type(x) is int and 0 <= x < 2 ** 64
+#: Metadata that passed its checks: :func:`_metadata_key` -> (checked options without arrays, Dims).
+_CHECKED = Memo()
 
 
 def _metadata_key(tensors: dict, options: AttentionOptions):
-    """What the checks of :func:`_metadata` depend on, or None when it cannot be had cheaply.
-
-    The arrays' types, shapes and dtypes, the scalar options with their types (``True`` and
-    ``1`` differ), and whether seed and offset are plain ints in range (their values are then
-    put back into the options; they decide nothing else). The caller's names only shape
-    messages, so they are not part of it."""
+    """What the checks of :func:`_metadata` depend on, or None when it cannot be had cheaply: the
+    arrays' types, shapes and dtypes, and :meth:`~numbafa.options.AttentionOptions.scalar_key`.
+    The caller's names only shape messages, so they are not part of it."""
     parts = []
     for x in tensors.values():
         if type(x) is not np.ndarray:
@@ -496,32 +499,19 @@ def _metadata_key(tensors: dict, options: AttentionOptions):
         if x is not None and type(x) is not np.ndarray:
             return None
         parts.append(None if x is None else (x.shape, x.dtype))
-    for name in _SCALARS:
-        x = getattr(options, name)
-        parts.append((type(x), x))
-    if not (options.seed is None or _plain_uint64(options.seed)) or not _plain_uint64(options.seed_offset):
-        return None
-    parts.append(options.seed is None)
-    return tuple(parts)
+    scalars = options.scalar_key()
+    return None if scalars is None else (tuple(parts), scalars)
 
 
 def _metadata(c: Caller, tensors: dict, options: AttentionOptions):
     """The checks that depend only on the arguments' types, shapes, dtypes and scalar options:
-    ``(checked options, Dims)``. Remembered for each :func:`_metadata_key` that passed (a hit
-    skips them: they would pass again); a failing call is never remembered."""
-    try:
-        key = _metadata_key(tensors, options)
-        known = _CHECKED.get(key) if key is not None else None
-    except TypeError:   # an unhashable scalar: checked (and rejected) below
-        key = known = None
+    ``(checked options, Dims)``, remembered per :func:`_metadata_key` (a hit skips them: they
+    would pass again; a failing call is never remembered)."""
+    key = _metadata_key(tensors, options)
+    known = _CHECKED.get(key)
     if known is not None:
         opts, dims = known
-        if (options.seed or options.seed_offset or options.sinks is not None or options.bound_min is not None
-                or options.bound_max is not None):
-            opts = AttentionOptions(options.sinks, options.bound_min, options.bound_max, opts.use_causal_mask,
-                                    opts.mixed_precision, opts.softmax_scale, opts.sliding_window, opts.dropout_p,
-                                    options.seed or 0, options.seed_offset)
-        return opts, dims
+        return opts.with_call_values(options), dims
     for k, x in tensors.items():
         _require_array(c, k, x)
     opts = check_options(options, c)
@@ -530,10 +520,7 @@ def _metadata(c: Caller, tensors: dict, options: AttentionOptions):
         if x is not None:
             _require_array(c, key_of[field_name], x)
     dims = check_tensors(tensors, opts, c)
-    if key is not None:
-        if len(_CHECKED) >= CHECKED_MAX:
-            _CHECKED.clear()
-        _CHECKED[key] = (dataclasses.replace(opts, sinks=None, bound_min=None, bound_max=None), dims)
+    _CHECKED.put(key, (dataclasses.replace(opts, sinks=None, bound_min=None, bound_max=None), dims))
     return opts, dims
 
 

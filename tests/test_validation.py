@@ -284,6 +284,23 @@ def test_the_remembered_checks_are_bounded():
     from numbafa import validation
 
     q = np.ones((1, 1, 4, 1), np.float32)
-    for n in range(validation.CHECKED_MAX + 5):
+    for n in range(validation._CHECKED.limit + 5):
         numbafa.attention_fwd(q, q, q, softmax_scale=1.0 + n, lse_layout="natural")
-        assert len(validation._CHECKED) <= validation.CHECKED_MAX
+        assert len(validation._CHECKED) <= validation._CHECKED.limit
+
+
+@pytest.mark.parametrize("seqlen", [1, 3])
+def test_length_one_axes_with_any_strides_are_taken(seqlen):
+    """NumPy calls a transposed seqlen-1 view C-contiguous although its last stride is not the
+    item size (the torch adapter's views of [batch, seq, heads, dim] tensors, say); it once
+    reached the GEMM as such and failed "operands need a unit inner stride"."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 4, seqlen, 16)).astype(np.float32)   # [bs, heads, seq, dim]
+    view = x.transpose(0, 1, 3, 2)                                   # Neuron layout, a view
+    dense = np.ascontiguousarray(view)
+    o, lse = numbafa.attention_fwd(view, view, view, lse_layout="natural")
+    o2, lse2 = numbafa.attention_fwd(dense, dense, dense, lse_layout="natural")
+    np.testing.assert_array_equal(o, o2)
+    grads = numbafa.attention_bwd(view, view, view, o, view, lse)
+    for a, b in zip(grads, numbafa.attention_bwd(dense, dense, dense, o2, dense, lse2)):
+        np.testing.assert_array_equal(a, b)

@@ -30,6 +30,7 @@ from collections import namedtuple
 
 import numpy as np
 
+from ..memo import Memo
 from ..onednn import gemm_path
 from ..schedule import q_chunks
 from ..tiling import setup_config
@@ -38,7 +39,7 @@ from .mask import fill_key_ranges
 from .matmul import ONEDNN
 
 __all__ = ["Tiling", "Mask", "Precision", "Plan", "FwdInputs", "FwdOutputs", "BwdInputs",
-           "BwdOutputs", "BwdEntries", "make_plan", "shared_plan", "PLANS_MAX"]
+           "BwdOutputs", "BwdEntries", "make_plan", "shared_plan"]
 
 Tiling = namedtuple("Tiling", ["q_tile", "k_tile", "k_sub_tile", "q_tile_group", "d_tile",
                                "section_len", "q_chunks"])
@@ -104,9 +105,7 @@ def make_plan(prob, backward: bool) -> Plan:
                 operand, dropout)
 
 
-_PLANS: dict = {}
-#: The most plans :func:`shared_plan` keeps (emptied when full).
-PLANS_MAX = 256
+_PLANS = Memo()
 
 
 def shared_plan(prob, backward: bool) -> Plan:
@@ -126,9 +125,7 @@ def shared_plan(prob, backward: bool) -> Plan:
     plan = _PLANS.get(key)
     if plan is None:
         plan = make_plan(prob, backward)
-        if len(_PLANS) >= PLANS_MAX:
-            _PLANS.clear()
-        _PLANS[key] = plan
+        _PLANS.put(key, plan)
     elif prob.dropout_p > 0.0:
         plan = plan._replace(dropout=make_dropout(prob.dropout_p, prob.seed, prob.seed_offset))
     return plan
