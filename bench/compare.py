@@ -156,9 +156,9 @@ def _print_row(r):
     def f(key, fmt):
         return format(r[key], fmt) if key in r else "-"
 
-    print(f"| {r['shape']:42} | {r['dtype']} | {r['pass_']} | {f('numbafa_ms', '.0f')} | "
-          f"{f('numbafa_gflops', '.0f')} | {f('torch_ms', '.0f')} | {f('torch_gflops', '.0f')} | "
-          f"{f('speedup_vs_torch', '.2f')} | {f('golden_ms', '.0f')} |", flush=True)
+    print(f"| {r['shape']:42} | {r['dtype']} | {r['pass_']} | {f('numbafa_ms', '.3g')} | "
+          f"{f('numbafa_gflops', '.0f')} | {f('torch_ms', '.3g')} | {f('torch_gflops', '.0f')} | "
+          f"{f('speedup_vs_torch', '.2f')} | {f('golden_ms', '.3g')} |", flush=True)
 
 
 _print_row.first = True
