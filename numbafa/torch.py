@@ -75,13 +75,15 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Opt
                    window: int, softmax_scale: float, layout: str, dropout_p: float, seed: Optional[int],
                    seed_offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """o ``[b, h, d, s]`` (q's dtype) and lse ``[b, h, s]`` (float32); ``layout`` only names shapes in errors."""
-    return _host_fwd(q, k, v, sinks, bound_min, bound_max, causal, window, softmax_scale, layout, dropout_p, seed,
-                     seed_offset)
+    return _host_fwd((q, k, v, sinks, bound_min, bound_max),
+                     (causal, window, softmax_scale, layout, dropout_p, seed, seed_offset))
 
 
-def _host_fwd(q, k, v, sinks, bound_min, bound_max, causal, window, softmax_scale, layout, dropout_p, seed,
-              seed_offset):
-    """The forward operator's body (:func:`attention` calls it directly when nothing needs autograd)."""
+def _host_fwd(tensors: tuple, scalars: tuple):
+    """The forward operator's body on its ``tensors`` (q, k, v, sinks, bound_min, bound_max) and
+    ``scalars`` (causal ... seed_offset): plain eager calls run it without the dispatcher."""
+    q, k, v, sinks, bound_min, bound_max = tensors
+    causal, window, softmax_scale, layout, dropout_p, seed, seed_offset = scalars
     options = _frameworks.host_options((_np(sinks), _np(bound_min), _np(bound_max)), causal, window,
                                        softmax_scale, (dropout_p, seed, seed_offset))
     o, lse = _frameworks.host_forward(to_numpy(q), to_numpy(k), to_numpy(v), options, layout)
@@ -102,13 +104,15 @@ def _attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
                    layout: str, dropout_p: float, seed: Optional[int], seed_offset: int
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv ``[b, h(_kv), d, s]`` and dsinks (the sinks' shape; empty without sinks)."""
-    return _host_bwd(q, k, v, o, do, lse, sinks, bound_min, bound_max, causal, window, softmax_scale, layout,
-                     dropout_p, seed, seed_offset)
+    return _host_bwd((q, k, v, o, do, lse, sinks, bound_min, bound_max),
+                     (causal, window, softmax_scale, layout, dropout_p, seed, seed_offset))
 
 
-def _host_bwd(q, k, v, o, do, lse, sinks, bound_min, bound_max, causal, window, softmax_scale, layout,
-              dropout_p, seed, seed_offset):
-    """The backward operator's body (called directly in plain eager mode, see :func:`_backward`)."""
+def _host_bwd(tensors: tuple, scalars: tuple):
+    """The backward operator's body on its ``tensors`` (q ... bound_max) and ``scalars``
+    (causal ... seed_offset): plain eager calls run it without the dispatcher (:func:`_backward`)."""
+    q, k, v, o, do, lse, sinks, bound_min, bound_max = tensors
+    causal, window, softmax_scale, layout, dropout_p, seed, seed_offset = scalars
     options = _frameworks.host_options((_np(sinks), _np(bound_min), _np(bound_max)), causal, window,
                                        softmax_scale, (dropout_p, seed, seed_offset))
     grads = _frameworks.host_backward(tuple(to_numpy(x) for x in (q, k, v, o, do)), to_numpy(lse), options,
@@ -158,7 +162,7 @@ def _backward(ctx, do, dlse):
     # create_graph=True (grad mode on in the backward): the Function, which refuses a second backward;
     # else, in plain eager mode, the operator's body without its dispatcher
     direct = not torch.is_grad_enabled() and _bodies_directly(do, *args)
-    dq, dk, dv, dsinks = (_host_bwd(*args, *ctx.options) if direct
+    dq, dk, dv, dsinks = (_host_bwd(args, ctx.options) if direct
                           else _AttentionBackward.apply(*args, ctx.options))
     return (dq, dk, dv, (dsinks if ctx.has_sinks else None), None, None) + (None,) * len(ctx.options)
 
@@ -275,7 +279,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, bound_min, bound_max, options):
-        output = _host_fwd(q, k, v, sinks, bound_min, bound_max, *options)
+        output = _host_fwd((q, k, v, sinks, bound_min, bound_max), options)
         _setup_context(ctx, (q, k, v, sinks, bound_min, bound_max, *options), output)
         return output
 
@@ -380,7 +384,7 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
         o, _ = _EagerAttention.apply(*tensors, scalars)
     else:   # nothing to differentiate: the operator's body, without the dispatcher (~0.1 ms)
-        o, _ = _host_fwd(*tensors, *scalars)
+        o, _ = _host_fwd(tensors, scalars)
     return o.permute(from_neuron_perm(layout))
 
 
