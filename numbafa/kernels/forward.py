@@ -318,6 +318,9 @@ def flash_attn_fwd(ins, outs, plan, item, items):
     """
     args = pack((ins, outs, plan))
     status = np.zeros(items.size, dtype=np.int32)
-    for i in prange(items.size):
-        status[i] = call_status(item, (args, items[i]))
+    if items.size == 1:   # one item: run here, no parallel region to wake (see flash_attn_bwd)
+        status[0] = call_status(item, (args, items[0]))
+    else:
+        for i in prange(items.size):
+            status[i] = call_status(item, (args, items[i]))
     raise_failed(item, args, items, status)
