@@ -82,12 +82,17 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Opt
 def _host_fwd(tensors: tuple, scalars: tuple):
     """The forward operator's body on its ``tensors`` (q, k, v, sinks, bound_min, bound_max) and
     ``scalars`` (causal ... seed_offset): plain eager calls run it without the dispatcher."""
-    q, k, v, sinks, bound_min, bound_max = tensors
-    causal, window, softmax_scale, layout, dropout_p, seed, seed_offset = scalars
-    options = _frameworks.host_options((_np(sinks), _np(bound_min), _np(bound_max)), causal, window,
-                                       softmax_scale, (dropout_p, seed, seed_offset))
-    o, lse = _frameworks.host_forward(to_numpy(q), to_numpy(k), to_numpy(v), options, layout)
+    o, lse = _fwd_on_arrays(tuple(_np(t) for t in tensors), scalars)
     return from_numpy(o), torch.from_numpy(lse)
+
+
+def _fwd_on_arrays(arrays: tuple, scalars: tuple) -> tuple:
+    """numbafa's forward on the NumPy views of the operator's tensors: ``(o, lse)`` arrays."""
+    q, k, v, sinks, bound_min, bound_max = arrays
+    causal, window, softmax_scale, layout, dropout_p, seed, seed_offset = scalars
+    options = _frameworks.host_options((sinks, bound_min, bound_max), causal, window, softmax_scale,
+                                       (dropout_p, seed, seed_offset))
+    return _frameworks.host_forward(q, k, v, options, layout)
 
 
 @_attention_fwd.register_fake
@@ -369,22 +374,27 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
             raise ValueError(f"{name} must be in [0, 2**63) for PyTorch's int64 operator arguments, "
                              f"got {getattr(options, name)}")
     perm = check_layout(layout)
+    scalars = (options.use_causal_mask, options.sliding_window, options.softmax_scale or 0.0, layout,
+               options.dropout_p, options.seed, options.seed_offset)
+    if _bodies_directly(q, k, v, sinks, bound_min, bound_max) and not (
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))):
+        # nothing to differentiate: the operator's body, without the dispatcher (~0.1 ms), the
+        # layout changed in NumPy (torch's permutes cost a few us each)
+        o, _ = _fwd_on_arrays((*(to_numpy(x).transpose(perm) for x in (q, k, v)), _np(sinks), _np(bound_min),
+                               _np(bound_max)), scalars)
+        return from_numpy(o.transpose(from_neuron_perm(layout)))
     qn, kn, vn = (x.permute(perm) for x in (q, k, v))
     if sinks is not None and sinks.dim() == 1:
         # [heads] -> [batch, heads], a view; float32, so that the gradient is summed over the batch
         # in float32 and rounded once to the sinks' dtype.
         sinks = sinks.float().expand(q.shape[0], sinks.shape[0])
-    scalars = (options.use_causal_mask, options.sliding_window, options.softmax_scale or 0.0, layout,
-               options.dropout_p, options.seed, options.seed_offset)
     tensors = (qn, kn, vn, sinks, bound_min, bound_max)
     if not _plain_eager():
         o, _ = _Attention.apply(*tensors, scalars)
     elif not _bodies_directly(*tensors):
         o, _ = torch.ops.numbafa.attention_fwd(*tensors, *scalars)
-    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
+    else:
         o, _ = _EagerAttention.apply(*tensors, scalars)
-    else:   # nothing to differentiate: the operator's body, without the dispatcher (~0.1 ms)
-        o, _ = _host_fwd(tensors, scalars)
     return o.permute(from_neuron_perm(layout))
 
 
