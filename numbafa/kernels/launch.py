@@ -6,11 +6,14 @@
 item by address (:mod:`numbafa.linking`); the address is that of the work
 item compiled for exactly the types of the bundles the launcher gets, looked
 up by their fingerprint (the one Numba's dispatcher computes, in C, a few
-microseconds) and compiled -- or loaded from the disk cache -- on the first
-call with new types.
+microseconds) or by a caller's signature (:func:`work_item_address`) and
+compiled -- or loaded from the disk cache -- on the first call with new
+types. From the second launch of a signature on, the launcher is entered
+through the compiled overload the dispatcher chose the first time.
 
 Threading layers: a launcher runs its ``prange`` on Numba's threading layer,
-with ``numba.get_num_threads()`` threads of the calling thread. ``omp`` and
+with ``numba.get_num_threads()`` threads of the calling thread (a single
+work item runs on the calling thread, without a parallel region). ``omp`` and
 ``tbb`` take launches from several Python threads at once; ``workqueue`` is
 not thread-safe (a second concurrent launch aborts the process), so under it
 launches are serialised by a lock: concurrent calls then run one after the
