@@ -106,6 +106,10 @@ def run(args):
     rows = []
     pool = {"standard": SHAPES, "training": TRAINING_SHAPES, "all": SHAPES + TRAINING_SHAPES}[args.set]
     shapes = [s for s in pool if not args.shapes or s[0] in args.shapes]
+    missing = set(args.shapes or ()) - {s[0] for s in shapes}
+    if missing:
+        raise SystemExit(f"--shapes {' '.join(sorted(missing))}: not in --set {args.set} "
+                         f"(its shapes: {', '.join(s[0] for s in pool)}); --set all takes every shape")
     for name, bs, h, hkv, s, d, options in shapes:
         for dtype_name in args.dtypes:
             dtype = ml_dtypes.bfloat16 if dtype_name == "bf16" else np.float32
@@ -154,11 +158,15 @@ def _print_row(r):
         _print_row.first = False
 
     def f(key, fmt):
-        return format(r[key], fmt) if key in r else "-"
+        if key not in r:
+            return "-"
+        if fmt == "ms":   # 3 significant digits below 100 ms (small shapes), whole ms above
+            return format(r[key], ".3g" if r[key] < 100 else ".0f")
+        return format(r[key], fmt)
 
-    print(f"| {r['shape']:42} | {r['dtype']} | {r['pass_']} | {f('numbafa_ms', '.3g')} | "
-          f"{f('numbafa_gflops', '.0f')} | {f('torch_ms', '.3g')} | {f('torch_gflops', '.0f')} | "
-          f"{f('speedup_vs_torch', '.2f')} | {f('golden_ms', '.3g')} |", flush=True)
+    print(f"| {r['shape']:42} | {r['dtype']} | {r['pass_']} | {f('numbafa_ms', 'ms')} | "
+          f"{f('numbafa_gflops', '.0f')} | {f('torch_ms', 'ms')} | {f('torch_gflops', '.0f')} | "
+          f"{f('speedup_vs_torch', '.2f')} | {f('golden_ms', 'ms')} |", flush=True)
 
 
 _print_row.first = True
