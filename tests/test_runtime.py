@@ -348,3 +348,24 @@ def test_the_signature_address_is_the_fingerprint_address():
             FwdOutputs(np.empty(q.shape, np.float32), np.empty((1, 1, 128), np.float32)), plan)
     assert launch.work_item_address(launch.fwd_work_item, args, core._signature(prob, plan)) == \
         launch.work_item_address(launch.fwd_work_item, args)
+
+
+@pytest.mark.parametrize("units", [1, 2], ids=["one-item-on-the-calling-thread", "prange"])
+def test_a_failing_work_item_raises_its_own_exception(units):
+    """A work item that fails (here: a K operand whose length-1 axis has a 64-byte stride, which
+    validation would have copied; K goes to the GEMM as it is) reports it, is run again alone, and its exception reaches the
+    caller, whether the launcher ran it on the calling thread (one item) or in its prange."""
+    from numbafa.blas import single_threaded_blas
+    from numbafa.kernels import launch
+    from numbafa.kernels.bundles import FwdInputs, FwdOutputs, make_plan
+    from numbafa.options import AttentionOptions
+    from numbafa.validation import validate_fwd_inputs
+
+    good = np.ones((units, 1, 16, 1), np.float32)
+    prob = validate_fwd_inputs(good, good, good, AttentionOptions())
+    bad = np.ones((units, 1, 1, 16), np.float32).transpose(0, 1, 3, 2)   # strides (.., 4, 4) -> (.., 4, 64)
+    assert bad.flags.c_contiguous and bad.strides[-1] != bad.itemsize
+    ins = FwdInputs(prob.q, bad, prob.v, prob.sinks)
+    outs = FwdOutputs(np.empty(good.shape, np.float32), np.empty((units, 1, 1), np.float32))
+    with single_threaded_blas(), pytest.raises(ValueError, match="matmul: operands need a unit inner stride"):
+        launch.run_forward(ins, outs, make_plan(prob, backward=False))
