@@ -143,13 +143,13 @@ def _set_threads(libs, counts) -> None:
 
 
 def _restore(saved) -> None:
-    """Put back what the pin changed: ``(direct functions or library, count)`` pairs."""
-    direct = [(fn, n) for fn, n in saved if isinstance(fn, _Direct)]
-    for fn, n in direct:
-        fn.set(n)
-    libs = [(lib, n) for lib, n in saved if not isinstance(lib, _Direct)]
-    if libs:
-        _set_threads([lib for lib, _ in libs], [n for _, n in libs])
+    """Put back what the pin changed: ``(direct functions, count)`` pairs (:func:`_pin_direct`)
+    or ``(library, count)`` pairs (threadpoolctl's path), never both."""
+    if saved and isinstance(saved[0][0], _Direct):
+        for fn, n in saved:
+            fn.set(n)
+    elif saved:
+        _set_threads([lib for lib, _ in saved], [n for _, n in saved])
 
 
 class _BlasPin:

@@ -35,13 +35,12 @@ class Memo:
     def put(self, key, value) -> None:
         if key is None:
             return
-        try:
-            hash(key)
-        except TypeError:
-            return
         if len(self._items) >= self.limit:
             self._items.clear()
-        self._items[key] = value
+        try:
+            self._items[key] = value
+        except TypeError:   # unhashable: not remembered
+            pass
 
     def __len__(self) -> int:
         return len(self._items)

@@ -88,11 +88,16 @@ def _host_fwd(tensors: tuple, scalars: tuple):
 
 def _fwd_on_arrays(arrays: tuple, scalars: tuple) -> tuple:
     """numbafa's forward on the NumPy views of the operator's tensors: ``(o, lse)`` arrays."""
-    q, k, v, sinks, bound_min, bound_max = arrays
+    options, layout = _host_options(arrays[3:], scalars)
+    return _frameworks.host_forward(*arrays[:3], options, layout)
+
+
+def _host_options(option_arrays: tuple, scalars: tuple):
+    """``(options, layout)`` of an operator call: ``option_arrays`` the NumPy sinks, bound_min,
+    bound_max (or None), ``scalars`` the operator's causal ... seed_offset."""
     causal, window, softmax_scale, layout, dropout_p, seed, seed_offset = scalars
-    options = _frameworks.host_options((sinks, bound_min, bound_max), causal, window, softmax_scale,
-                                       (dropout_p, seed, seed_offset))
-    return _frameworks.host_forward(q, k, v, options, layout)
+    return _frameworks.host_options(option_arrays, causal, window, softmax_scale,
+                                    (dropout_p, seed, seed_offset)), layout
 
 
 @_attention_fwd.register_fake
@@ -117,9 +122,7 @@ def _host_bwd(tensors: tuple, scalars: tuple):
     """The backward operator's body on its ``tensors`` (q ... bound_max) and ``scalars``
     (causal ... seed_offset): plain eager calls run it without the dispatcher (:func:`_backward`)."""
     q, k, v, o, do, lse, sinks, bound_min, bound_max = tensors
-    causal, window, softmax_scale, layout, dropout_p, seed, seed_offset = scalars
-    options = _frameworks.host_options((_np(sinks), _np(bound_min), _np(bound_max)), causal, window,
-                                       softmax_scale, (dropout_p, seed, seed_offset))
+    options, layout = _host_options((_np(sinks), _np(bound_min), _np(bound_max)), scalars)
     grads = _frameworks.host_backward(tuple(to_numpy(x) for x in (q, k, v, o, do)), to_numpy(lse), options,
                                       layout)
     dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else from_numpy(grads[3])
@@ -376,8 +379,8 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
     perm = check_layout(layout)
     scalars = (options.use_causal_mask, options.sliding_window, options.softmax_scale or 0.0, layout,
                options.dropout_p, options.seed, options.seed_offset)
-    if _bodies_directly(q, k, v, sinks, bound_min, bound_max) and not (
-            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))):
+    direct = _bodies_directly(q, k, v, sinks, bound_min, bound_max)
+    if direct and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))):
         # nothing to differentiate: the operator's body, without the dispatcher (~0.1 ms), the
         # layout changed in NumPy (torch's permutes cost a few us each)
         o, _ = _fwd_on_arrays((*(to_numpy(x).transpose(perm) for x in (q, k, v)), _np(sinks), _np(bound_min),
@@ -389,12 +392,12 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         # in float32 and rounded once to the sinks' dtype.
         sinks = sinks.float().expand(q.shape[0], sinks.shape[0])
     tensors = (qn, kn, vn, sinks, bound_min, bound_max)
-    if not _plain_eager():
-        o, _ = _Attention.apply(*tensors, scalars)
-    elif not _bodies_directly(*tensors):
-        o, _ = torch.ops.numbafa.attention_fwd(*tensors, *scalars)
-    else:
+    if direct:   # (the permuted views are plain tensors as their bases are)
         o, _ = _EagerAttention.apply(*tensors, scalars)
+    elif not _plain_eager():
+        o, _ = _Attention.apply(*tensors, scalars)
+    else:
+        o, _ = torch.ops.numbafa.attention_fwd(*tensors, *scalars)
     return o.permute(from_neuron_perm(layout))
 
 

@@ -54,18 +54,6 @@ def threading_layer_is_thread_safe() -> bool:
     return _thread_safe_layer
 
 
-def _entry(launcher, args: tuple, signature):
-    """The callable to launch ``args`` with: for a ``signature`` (:func:`work_item_address`) seen
-    before, the compiled overload's own entry point, which skips the dispatcher's typing of the
-    nested bundles (about 10 us a call); else the dispatcher."""
-    if signature is None:
-        return launcher
-    entry = _entries.get((launcher, signature))
-    if entry is None:
-        return launcher
-    return entry
-
-
 def _remember_entry(launcher, args: tuple, signature) -> None:
     """After a dispatcher launch, keep the overload it ran under ``signature``."""
     if signature is None or (launcher, signature) in _entries:
@@ -76,7 +64,9 @@ def _remember_entry(launcher, args: tuple, signature) -> None:
 
 
 def _launch(launcher, args: tuple, signature=None) -> None:
-    entry = _entry(launcher, args, signature)
+    # For a signature (work_item_address) seen before: the compiled overload's own entry point,
+    # which skips the dispatcher's typing of the nested bundles (about 10 us a call).
+    entry = launcher if signature is None else _entries.get((launcher, signature), launcher)
     if threading_layer_is_thread_safe():
         entry(*args)
     else:
