@@ -6,12 +6,15 @@
 For every shape (bench/shapes.py), dtype and pass, the implementations are
 warmed up, then run alternately ``--repeats`` times; the table gives median
 milliseconds, GFLOP/s (forward 4*B*Hq*S*S*D, halved when causal; backward
-2.5x) and numbafa's speed-up over torch. PyTorch gets the same values in
+2.5x; bench/shapes.py) and numbafa's speed-up over torch. PyTorch gets the same values in
 ``[batch, heads, seq, dim]`` (a transposed copy, made outside the timing);
 its backward is timed alone (the forward that builds the graph is not timed).
 Shapes with a sliding window or sinks have no SDPA equivalent and are
-skipped for torch. The golden (float64, materialising) runs once per shape
-up to ``--golden-max-seqlen``.
+skipped for torch; shapes whose v has a head dim of its own run on SDPA's
+math backend (``torch_backend`` in the JSON rows). The golden (float64,
+materialising) runs once per shape up to ``--golden-max-seqlen``.
+``--memory`` adds the peak extra memory of one float32 backward of each shape
+(bench/memory.py: a fresh process per measurement).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
@@ -34,7 +38,8 @@ import numpy as np  # noqa: E402
 import numbafa  # noqa: E402
 from numbafa import golden  # noqa: E402
 
-from shapes import SHAPES, TRAINING_SHAPES, forward_flops, make_inputs  # noqa: E402
+from memory import measure  # noqa: E402
+from shapes import HEAD_DIM_SHAPES, SHAPES, TRAINING_SHAPES, flops, make_inputs  # noqa: E402
 
 try:
     import torch
@@ -84,9 +89,13 @@ class Torch:
         self.q, self.k, self.v, self.dy = t(q), t(k), t(v), t(dy)
         self.causal = kw.get("use_causal_mask", False)
         self.gqa = self.q.shape[1] != self.k.shape[1]
+        # Two head dims: SDPA's CPU flash kernel takes one, so its math backend runs them.
+        self.backend = "math" if q.shape[2] != v.shape[2] else "default"
 
     def _sdpa(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=self.gqa)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.MATH) if self.backend == "math" else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=self.gqa)
 
     def forward(self):
         with torch.no_grad():
@@ -104,7 +113,7 @@ class Torch:
 
 def run(args):
     rows = []
-    pool = {"standard": SHAPES, "training": TRAINING_SHAPES, "all": SHAPES + TRAINING_SHAPES}[args.set]
+    pool = SETS[args.set]
     shapes = [s for s in pool if not args.shapes or s[0] in args.shapes]
     missing = set(args.shapes or ()) - {s[0] for s in shapes}
     if missing:
@@ -118,25 +127,35 @@ def run(args):
             if torch is not None and not args.no_torch and not (kw.get("sliding_window") or "sinks_ref" in kw):
                 impls.append(Torch(q, k, v, dy, kw))
             for pass_ in args.passes:
-                flops = forward_flops(bs, h, s, d, options) * (2.5 if pass_ == "backward" else 1.0)
+                n_flops = flops(pass_, bs, h, s, d, options)
                 times = {impl.name: [] for impl in impls}
                 for impl in impls:  # warm-up (compile, allocator, thread pools)
                     getattr(impl, pass_)()
                 for _ in range(args.repeats):  # alternate, so drift hits everyone alike
                     for impl in impls:
                         times[impl.name].append(getattr(impl, pass_)())
-                row = dict(shape=name, dtype=dtype_name, pass_=pass_, flops=flops)
+                row = dict(shape=name, dtype=dtype_name, pass_=pass_, flops=n_flops)
                 for impl_name, ts in times.items():
                     row[f"{impl_name}_ms"] = float(np.median(ts)) * 1e3
-                    row[f"{impl_name}_gflops"] = flops / float(np.median(ts)) / 1e9
+                    row[f"{impl_name}_gflops"] = n_flops / float(np.median(ts)) / 1e9
                 if "torch_ms" in row:
                     row["speedup_vs_torch"] = row["torch_ms"] / row["numbafa_ms"]
+                    row["torch_backend"] = impls[1].backend
+                if args.memory and pass_ == "backward" and dtype_name == "float32" and bs == 1:
+                    row.update(_peak_memory(impls, h, hkv, s, d, options))
                 if s <= args.golden_max_seqlen and dtype_name == "float32":
                     row["golden_ms"] = _golden_ms(q, k, v, dy, kw, pass_)
                     row["speedup_vs_golden"] = row["golden_ms"] / row["numbafa_ms"]
                 rows.append(row)
                 _print_row(row)
     return rows
+
+
+def _peak_memory(impls, h, hkv, s, d, options):
+    """``{impl}_peak_mib``: peak extra memory of one float32 backward (bench/memory.py)."""
+    spec = dict(heads=h, kv_heads=hkv, d_head_v=options.get("head_dim_v"), causal=options.get("use_causal_mask", False))
+    return {f"{impl.name}_peak_mib": measure(impl.name, s, d, math=getattr(impl, "backend", "") == "math", **spec)
+            / 2.0 ** 20 for impl in impls}
 
 
 def _golden_ms(q, k, v, dy, kw, pass_):
@@ -149,6 +168,10 @@ def _golden_ms(q, k, v, dy, kw, pass_):
 
 HEADER = (f"| {'shape':42} | dtype | pass | numbafa ms | GFLOP/s | torch ms | GFLOP/s | speed-up vs torch "
           f"| golden ms |")
+
+
+SETS = {"standard": SHAPES, "training": TRAINING_SHAPES, "head-dims": HEAD_DIM_SHAPES,
+        "all": SHAPES + TRAINING_SHAPES + HEAD_DIM_SHAPES}
 
 
 def _print_row(r):
@@ -164,9 +187,11 @@ def _print_row(r):
             return format(r[key], ".3g" if r[key] < 100 else ".0f")
         return format(r[key], fmt)
 
+    memory = f" peak MiB: numbafa {f('numbafa_peak_mib', '.0f')}, torch {f('torch_peak_mib', '.0f')}" \
+        if "numbafa_peak_mib" in r else ""
     print(f"| {r['shape']:42} | {r['dtype']} | {r['pass_']} | {f('numbafa_ms', 'ms')} | "
           f"{f('numbafa_gflops', '.0f')} | {f('torch_ms', 'ms')} | {f('torch_gflops', '.0f')} | "
-          f"{f('speedup_vs_torch', '.2f')} | {f('golden_ms', 'ms')} |", flush=True)
+          f"{f('speedup_vs_torch', '.2f')} | {f('golden_ms', 'ms')} |{memory}", flush=True)
 
 
 _print_row.first = True
@@ -197,10 +222,13 @@ def plot(rows, path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--set", choices=["standard", "training", "all"], default="standard",
-                   help="bench/shapes.py's SHAPES (long sequences), TRAINING_SHAPES, or both")
+    p.add_argument("--set", choices=list(SETS), default="standard",
+                   help="bench/shapes.py's SHAPES (long sequences), TRAINING_SHAPES, HEAD_DIM_SHAPES (a value "
+                        "head dim of its own), or all")
     p.add_argument("--shapes", nargs="*",
-                   help=f"subset of: {', '.join(s[0] for s in SHAPES + TRAINING_SHAPES)}")
+                   help=f"subset of: {', '.join(s[0] for s in SETS['all'])}")
+    p.add_argument("--memory", action="store_true",
+                   help="also the peak extra memory of one float32 backward per shape (batch 1; a process each)")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bf16"], choices=["float32", "bf16"])
     p.add_argument("--passes", nargs="+", default=["forward", "backward"], choices=["forward", "backward"])
     p.add_argument("--repeats", type=int, default=5)

@@ -27,23 +27,34 @@ def status(field):
             return int(line.split()[1]) * 1024
     raise RuntimeError(field)
 
-impl, s, d, causal = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+spec = json.loads(sys.argv[1])
+impl, s, d, dv, causal = spec["impl"], spec["seqlen"], spec["head_dim"], spec["head_dim_v"], spec["causal"]
+h, hkv = spec["heads"], spec["kv_heads"]
 rng = np.random.default_rng(0)
-q, k, v, o, dy = (rng.standard_normal((1, 1, d, s)).astype(np.float32) for _ in range(5))
-lse = np.full((1, 1, s), 10.0, np.float32)
+q = rng.standard_normal((1, h, d, s)).astype(np.float32)
+k = rng.standard_normal((1, hkv, d, s)).astype(np.float32)
+v = rng.standard_normal((1, hkv, dv, s)).astype(np.float32)
+o, dy = (rng.standard_normal((1, h, dv, s)).astype(np.float32) for _ in range(2))
+lse = np.full((1, h, s), 10.0, np.float32)
 if impl == "numbafa":
     import numbafa
-    t = np.ones((1, 1, d, 256), np.float32)
-    numbafa.attention_bwd(t, t, t, t, t, np.zeros((1, 1, 256), np.float32), use_causal_mask=causal)
+    t, tv = np.ones((1, hkv, d, 256), np.float32), np.ones((1, hkv, dv, 256), np.float32)
+    tq, to = np.ones((1, h, d, 256), np.float32), np.ones((1, h, dv, 256), np.float32)
+    numbafa.attention_bwd(tq, t, tv, to, to, np.zeros((1, h, 256), np.float32), use_causal_mask=causal)
     run = lambda: numbafa.attention_bwd(q, k, v, o, dy, lse, use_causal_mask=causal)
 else:
+    import contextlib
     import torch, torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     torch.set_num_threads(2)
+    backend = sdpa_kernel(SDPBackend.MATH) if spec["math"] else contextlib.nullcontext()
     tq, tk, tv = (torch.from_numpy(x.transpose(0, 1, 3, 2).copy()).requires_grad_() for x in (q, k, v))
     tdy = torch.from_numpy(dy.transpose(0, 1, 3, 2).copy())
+    gqa = h != hkv
     small = [x[:, :, :256].detach().clone().requires_grad_() for x in (tq, tk, tv)]
-    F.scaled_dot_product_attention(*small, is_causal=causal).backward(tdy[:, :, :256])
-    out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+    with backend:
+        F.scaled_dot_product_attention(*small, is_causal=causal, enable_gqa=gqa).backward(tdy[:, :, :256])
+        out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal, enable_gqa=gqa)
     run = lambda: out.backward(tdy)
 with open("/proc/self/clear_refs", "w") as fh:
     fh.write("5")
@@ -53,9 +64,14 @@ print(json.dumps(dict(impl=impl, extra_bytes=status("VmHWM") - before)))
 """
 
 
-def measure(impl, seqlen, d_head, causal):
-    out = subprocess.run([sys.executable, "-c", CHILD, impl, str(seqlen), str(d_head), "1" if causal else "0"],
-                         check=True, capture_output=True, text=True)
+def measure(impl, seqlen, d_head, causal, heads=1, kv_heads=1, d_head_v=None, math=False):
+    """Peak extra bytes of one float32 backward (batch 1) of ``impl`` ("numbafa" or "torch"; torch on
+    its math backend with ``math``), in a fresh subprocess. The torch forward (its graph, and on the
+    math backend its S x S probabilities) is built before the measured backward starts."""
+    spec = dict(impl=impl, seqlen=seqlen, head_dim=d_head, head_dim_v=d_head if d_head_v is None else d_head_v,
+                causal=bool(causal), heads=heads, kv_heads=kv_heads, math=bool(math))
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], check=True, capture_output=True,
+                         text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["extra_bytes"]
 
 

@@ -1,8 +1,11 @@
 """Benchmark shapes, shared by the pytest-benchmark suite and compare.py.
 
-Each shape: (id, batch, q-heads, KV heads, seqlen, head_dim, options).
+Each shape: (id, batch, q-heads, KV heads, seqlen, head_dim, options); the
+option ``head_dim_v`` gives v (and o, dy) a head dim of its own.
 FLOPs follow flash-attention's convention: forward 4*B*Hq*Sq*Sk*D, halved
-when causal; backward 2.5x the forward.
+when causal; backward 2.5x the forward. With two head dims the products are
+counted as they are: forward 2*B*Hq*Sq*Sk*(D + Dv) (S = Q^T K, O = P V),
+backward 2*B*Hq*Sq*Sk*(3 D + 2 Dv) (S, dQ, dK over D; dP, dV over Dv).
 """
 
 from __future__ import annotations
@@ -32,19 +35,35 @@ TRAINING_SHAPES = [
 ]
 
 
+#: A value head dim of its own: DeepSeek's MLA trains with d_qk 192, d_v 128 (torch's CPU SDPA
+#: runs it on its math backend, which materialises the S x S scores).
+HEAD_DIM_SHAPES = [
+    ("mla-h8-s2048-d192-dv128-causal", 1, 8, 8, 2048, 192, dict(use_causal_mask=True, head_dim_v=128)),
+    ("mla-gqa16/4-s2048-d192-dv128-causal", 1, 16, 4, 2048, 192, dict(use_causal_mask=True, head_dim_v=128)),
+]
+
+
 def forward_flops(bs, nheads, seqlen, d_head, options):
+    return flops("forward", bs, nheads, seqlen, d_head, options)
+
+
+def flops(pass_, bs, nheads, seqlen, d_head, options):
+    """FLOPs of one pass (module docstring)."""
     visible = 0.5 if options.get("use_causal_mask") else 1.0
-    return 4.0 * bs * nheads * seqlen * seqlen * d_head * visible
+    d_v = options.get("head_dim_v", d_head)
+    dims = d_head + d_v if pass_ == "forward" else 3 * d_head + 2 * d_v
+    return 2.0 * bs * nheads * seqlen * seqlen * dims * visible
 
 
 def make_inputs(bs, nheads, nheads_kv, seqlen, d_head, dtype, options, seed=0):
     """q, k, v, dy in the Neuron layout and the numbafa keyword options."""
     rng = np.random.default_rng(seed)
+    d_v = options.get("head_dim_v", d_head)
     q = rng.standard_normal((bs, nheads, d_head, seqlen)).astype(dtype)
     k = rng.standard_normal((bs, nheads_kv, d_head, seqlen)).astype(dtype)
-    v = rng.standard_normal((bs, nheads_kv, d_head, seqlen)).astype(dtype)
-    dy = rng.standard_normal((bs, nheads, d_head, seqlen)).astype(dtype)
-    kwargs = {k_: v_ for k_, v_ in options.items() if k_ != "sinks"}
+    v = rng.standard_normal((bs, nheads_kv, d_v, seqlen)).astype(dtype)
+    dy = rng.standard_normal((bs, nheads, d_v, seqlen)).astype(dtype)
+    kwargs = {k_: v_ for k_, v_ in options.items() if k_ not in ("sinks", "head_dim_v")}
     if options.get("sinks"):
         kwargs["sinks_ref"] = rng.standard_normal((bs, nheads)).astype(np.float32)
     return q, k, v, dy, kwargs

@@ -78,7 +78,7 @@ def from_neuron(x):
 def attention_step(plan, x, wq, wk, wv, da_rows, bsz, seq):
     """q, k, v of ``x``; the attention output ``a``; with ``da_rows`` (dL/da), dL/dq, dL/dk, dL/dv.
     Returns the Neuron-layout arrays (tests compare them with the Python API's)."""
-    _, heads, kv_heads, head_dim, _, _ = plan.shape
+    _, heads, kv_heads, head_dim, _, _, _ = plan.shape
     q = to_neuron(x @ wq, bsz, seq, heads, head_dim)
     k = to_neuron(x @ wk, bsz, seq, kv_heads, head_dim)
     v = to_neuron(x @ wv, bsz, seq, kv_heads, head_dim)

@@ -38,7 +38,8 @@ FRAMEWORK_LAYOUTS = ("bhsd", "bshd")
 NAMES = {"q_ref": "q", "k_ref": "k", "v_ref": "v", "o_ref": "o", "dy_ref": "do", "lse_ref": "lse",
          "sinks_ref": "sinks", "use_causal_mask": "causal", "sliding_window": "window",
          # the dimensions, as SDPA's and flash-attn's documentation name them
-         "bs": "batch", "nheads": "heads", "nheads_kv": "heads_kv", "d_head": "head_dim", "seqlen_q": "seq",
+         "bs": "batch", "nheads": "heads", "nheads_kv": "heads_kv", "d_head": "head_dim",
+         "d_head_v": "head_dim_v", "seqlen_q": "seq",
          "seqlen_k": "seq_k", "bfloat16": "bfloat16"}
 
 #: A tensor described by its shape and dtype (NumPy's, or the framework's name when NumPy has none).

@@ -27,7 +27,9 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     Parameters
     ----------
     q_ref : ndarray ``[bs, nheads, d_head, seqlen_q]``, float32 or ``ml_dtypes.bfloat16``
-    k_ref, v_ref : ndarray ``[bs, nheads_kv, d_head, seqlen_k]``, same dtype
+    k_ref : ndarray ``[bs, nheads_kv, d_head, seqlen_k]``, same dtype
+    v_ref : ndarray ``[bs, nheads_kv, d_head_v, seqlen_k]``, same dtype (``d_head_v`` may differ
+        from ``d_head``)
     sinks_ref : ``[nheads]``, ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``, optional
         Sink logits: extra softmax columns in the denominator, no value.
     bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale, sliding_window
@@ -43,7 +45,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
 
     Returns
     -------
-    o : ``[bs, nheads, d_head, seqlen_q]`` in the inputs' dtype
+    o : ``[bs, nheads, d_head_v, seqlen_q]`` in the inputs' dtype
     lse : float32 in ``lse_layout``. A row that attends to nothing (no key
         and no sink) has ``o = 0`` and ``lse = +inf``.
 
@@ -73,11 +75,14 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     ----------
     q_ref : ndarray ``[bs, nheads, d_head, seqlen_q]``, float32 or ``ml_dtypes.bfloat16``
         Queries, head_dim before seq (the Neuron layout).
-    k_ref, v_ref : ndarray ``[bs, nheads_kv, d_head, seqlen_k]``, same dtype
-        Keys and values; ``nheads % nheads_kv == 0`` (GQA / MQA).
-    o_ref : ndarray ``[bs, nheads, d_head, seqlen_q]``, same dtype
+    k_ref : ndarray ``[bs, nheads_kv, d_head, seqlen_k]``, same dtype
+        Keys; ``nheads % nheads_kv == 0`` (GQA / MQA).
+    v_ref : ndarray ``[bs, nheads_kv, d_head_v, seqlen_k]``, same dtype
+        Values. Their head dim ``d_head_v`` may differ from ``d_head`` (DeepSeek's
+        MLA trains with 192 and 128); the default scale stays ``1 / sqrt(d_head)``.
+    o_ref : ndarray ``[bs, nheads, d_head_v, seqlen_q]``, same dtype
         Forward output; used for ``D = rowsum(o * dy)``.
-    dy_ref : ndarray ``[bs, nheads, d_head, seqlen_q]``, same dtype
+    dy_ref : ndarray ``[bs, nheads, d_head_v, seqlen_q]``, same dtype
         Upstream gradient dL/do.
     lse_ref : float32 ndarray ``[bs, nheads, 128, seqlen_q // 128]`` or ``[bs, nheads, seqlen_q]``
         Log-sum-exp of each query row, from the forward. The 4-D Neuron
@@ -125,7 +130,8 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     Returns
     -------
     dq : ``[bs, nheads, d_head, seqlen_q]``
-    dk, dv : ``[bs, nheads_kv, d_head, seqlen_k]``, summed over the q-heads of each KV head
+    dk, dv : ``[bs, nheads_kv, d_head, seqlen_k]`` and ``[bs, nheads_kv, d_head_v, seqlen_k]``,
+        summed over the q-heads of each KV head
     dsinks : shape and dtype of ``sinks_ref`` (only when sinks are given)
         ``dsinks = -sum_q p_sink * D``.
 

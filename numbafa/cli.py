@@ -128,7 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV heads; --heads must be a multiple (default: %(default)s)")
     p.add_argument("--seqlen", type=_positive_int, default=2048,
                    help="sequence length of q and k (default: %(default)s)")
-    p.add_argument("--head-dim", type=_positive_int, default=128, help="head dimension (default: %(default)s)")
+    p.add_argument("--head-dim", type=_positive_int, default=128,
+                   help="head dimension of q and k (default: %(default)s)")
+    p.add_argument("--head-dim-v", type=_positive_int, default=None,
+                   help="head dimension of v, o and their gradients, e.g. 128 with --head-dim 192 as "
+                        "DeepSeek's MLA (default: --head-dim)")
     p.add_argument("--dtype", choices=("float32", "bf16", "both"), default="both",
                    help="input dtype; bf16 runs with mixed_precision=True (default: %(default)s)")
     p.add_argument("--mask", choices=("causal", "full"), default="causal",
@@ -178,13 +182,14 @@ def _estimate_bytes(args) -> int:
     calls; the golden check adds float64 copies of one KV group and a few
     row blocks of CHECK_BLOCK_ENTRIES scores.
     """
-    q = args.batch * args.heads * args.head_dim * args.seqlen
-    k = args.batch * args.kv_heads * args.head_dim * args.seqlen
+    d = max(args.head_dim, _head_dim_v(args))   # an upper bound with two head dims
+    q = args.batch * args.heads * d * args.seqlen
+    k = args.batch * args.kv_heads * d * args.seqlen
     sinks = args.batch * args.heads * (args.sinks or 0)
     total = 4 * (6 * q + 8 * k + sinks) + 8 * 2 * args.seqlen
     if not args.no_check:
-        group = (args.heads // args.kv_heads) * args.head_dim * args.seqlen
-        total += 8 * (6 * group + 6 * args.head_dim * args.seqlen + 8 * max(CHECK_BLOCK_ENTRIES, args.seqlen))
+        group = (args.heads // args.kv_heads) * d * args.seqlen
+        total += 8 * (6 * group + 6 * d * args.seqlen + 8 * max(CHECK_BLOCK_ENTRIES, args.seqlen))
     return total
 
 
@@ -329,9 +334,15 @@ def _errors(actual, expected) -> tuple:
     return float(diff.max()), float(finite.max()) if finite.size else 0.0
 
 
+def _head_dim_v(args) -> int:
+    """``--head-dim-v``, defaulting to ``--head-dim``."""
+    return args.head_dim if args.head_dim_v is None else args.head_dim_v
+
+
 def run(args, progress: Progress) -> list:
     """Run every requested dtype; return one record per (dtype, pass)."""
     b, h, hkv, s, d = args.batch, args.heads, args.kv_heads, args.seqlen, args.head_dim
+    dv = _head_dim_v(args)
     causal = args.mask == "causal"
     opts = dict(use_causal_mask=causal, sliding_window=args.window, mixed_precision=True)
     if args.dropout:
@@ -342,14 +353,16 @@ def run(args, progress: Progress) -> list:
     if args.packing:
         opts["bound_min"], opts["bound_max"] = cu_seqlens_to_bounds(np.cumsum((0,) + args.packing))
     visible = 0.5 if causal else 1.0  # share of the score matrix computed (flash-attn convention)
-    fwd_flops = 4.0 * b * h * s * s * d * visible
+    fwd_flops = 2.0 * b * h * s * s * (d + dv) * visible        # S = Q^T K, O = P V
+    bwd_flops = 2.0 * b * h * s * s * (3 * d + 2 * dv) * visible  # S, dP = dO V^T, dV, dK, dQ
     records = []
     dtypes = ("float32", "bf16") if args.dtype == "both" else (args.dtype,)
     for name in dtypes:
         dtype = bf16_dtype() if name == "bf16" else np.dtype(np.float32)
         q = rng.standard_normal((b, h, d, s)).astype(dtype)
-        k, v = (rng.standard_normal((b, hkv, d, s)).astype(dtype) for _ in range(2))
-        dy = rng.standard_normal((b, h, d, s)).astype(dtype)
+        k = rng.standard_normal((b, hkv, d, s)).astype(dtype)
+        v = rng.standard_normal((b, hkv, dv, s)).astype(dtype)
+        dy = rng.standard_normal((b, h, dv, s)).astype(dtype)
         lse_layout = "neuron" if s % 128 == 0 else "natural"
         t0 = time.perf_counter()
         with _compile_announced(progress, name):
@@ -366,9 +379,10 @@ def run(args, progress: Progress) -> list:
             errors = _check(q, k, v, o, lse, dy, grads, opts, hkv)
             progress.step(f"{name}: golden check")
         for pass_name, ms, flops, outs in (("forward", fwd_ms, fwd_flops, ("o", "lse")),
-                                           ("backward", bwd_ms, 2.5 * fwd_flops, ("dq", "dk", "dv", "dsinks"))):
+                                           ("backward", bwd_ms, bwd_flops, ("dq", "dk", "dv", "dsinks"))):
             rec = {"dtype": name, "pass": pass_name, "ms": ms, "gflops": flops / ms / 1e6,
-                   "first_call_s": first, "shape": dict(batch=b, heads=h, kv_heads=hkv, seqlen=s, head_dim=d),
+                   "first_call_s": first, "shape": dict(batch=b, heads=h, kv_heads=hkv, seqlen=s, head_dim=d,
+                                                       head_dim_v=dv),
                    "mask": args.mask, "window": args.window, "sinks": args.sinks, "dropout": args.dropout,
                    "packing": list(args.packing) if args.packing else None}
             rec.update(_summary(name, {out: errors[out] for out in outs if out in errors}))
@@ -421,7 +435,7 @@ def _golden_blocked(q, k, v, dy, sinks, opts, block_rows: int) -> tuple:
     """
     seqlen_q = q.shape[3]
     lo, hi = _row_bounds(seqlen_q, k.shape[3], opts)
-    o, dq = np.zeros(q.shape), np.zeros(q.shape)
+    o, dq = np.zeros(dy.shape), np.zeros(q.shape)
     lse = np.zeros(q.shape[:2] + (seqlen_q,))
     dk, dv = np.zeros(k.shape), np.zeros(v.shape)
     dsinks = None if sinks is None else np.zeros(np.shape(sinks))
@@ -502,8 +516,11 @@ def _format_error(r: dict, out: str) -> str:
 def _print_table(records) -> None:
     r0 = records[0]
     sh = r0["shape"]
+    kv = [sh["batch"], sh["kv_heads"], sh["head_dim"], sh["seqlen"]]
+    kv_text = f"k/v {kv}" if sh["head_dim_v"] == sh["head_dim"] else \
+        f"k {kv}, v {[sh['batch'], sh['kv_heads'], sh['head_dim_v'], sh['seqlen']]}"
     print(f"numbafa {__version__}: q [{sh['batch']}, {sh['heads']}, {sh['head_dim']}, {sh['seqlen']}], "
-          f"k/v [{sh['batch']}, {sh['kv_heads']}, {sh['head_dim']}, {sh['seqlen']}], {r0['mask']}"
+          f"{kv_text}, {r0['mask']}"
           + (f", window {r0['window']}" if r0["window"] else "") + (f", {r0['sinks']} sinks" if r0["sinks"] else "")
           + (f", packed {r0['packing']}" if r0["packing"] else "")
           + (f", dropout {r0['dropout']}" if r0["dropout"] else ""))

@@ -93,13 +93,16 @@ def _on_threads(n_threads):
 def bwd_outputs(ins: BwdInputs, q_chunks: int) -> BwdOutputs:
     """The backward's float32 outputs, with the dK/dV partials of split units (``q_chunks > 1``)."""
     nb, nheads, d_head, seqlen_q = ins.q.shape
-    nheads_kv, seqlen_k = ins.k.shape[1], ins.k.shape[3]
-    part_shape = (nb * nheads_kv, q_chunks - 1, d_head, seqlen_k) if q_chunks > 1 else (1, 1, d_head, 0)
+    nheads_kv, d_v, seqlen_k = ins.v.shape[1:]
+
+    def parts(d):
+        return np.empty((nb * nheads_kv, q_chunks - 1, d, seqlen_k) if q_chunks > 1 else (1, 1, d, 0),
+                        dtype=np.float32)
+
     return BwdOutputs(np.empty((nb, nheads, d_head, seqlen_q), dtype=np.float32),
                       np.empty((nb, nheads_kv, d_head, seqlen_k), dtype=np.float32),
-                      np.empty((nb, nheads_kv, d_head, seqlen_k), dtype=np.float32),
-                      np.empty(ins.sinks.shape, dtype=np.float32),
-                      np.empty(part_shape, dtype=np.float32), np.empty(part_shape, dtype=np.float32))
+                      np.empty((nb, nheads_kv, d_v, seqlen_k), dtype=np.float32),
+                      np.empty(ins.sinks.shape, dtype=np.float32), parts(d_head), parts(d_v))
 
 
 def run_fwd(ins: FwdInputs, plan, items=None, n_threads=None, signature=None) -> FwdOutputs:
@@ -107,8 +110,8 @@ def run_fwd(ins: FwdInputs, plan, items=None, n_threads=None, signature=None) ->
     on ``n_threads`` threads (None: ``numba.get_num_threads()``; any number, the same bits).
     ``signature``: see :func:`~numbafa.kernels.launch.work_item_address` (None: Numba's
     fingerprint of the bundles)."""
-    nb, nheads, d_head, seqlen_q = ins.q.shape
-    outs = FwdOutputs(np.empty((nb, nheads, d_head, seqlen_q), dtype=np.float32),
+    nb, nheads, _, seqlen_q = ins.q.shape
+    outs = FwdOutputs(np.empty((nb, nheads, ins.v.shape[2], seqlen_q), dtype=np.float32),
                       np.empty((nb, nheads, seqlen_q), dtype=np.float32))
     with kernel_call(_kernel_name("forward", plan), _dtype_name(ins)), _on_threads(n_threads):
         run_forward(ins, outs, plan, items, signature)

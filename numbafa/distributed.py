@@ -217,7 +217,7 @@ def _units_per_task(plan, prob, n_slots: int) -> int:
     if plan.tiling.q_chunks > 1 or n_units == 0:
         return 1
     visible = int(np.maximum(plan.mask.key_hi.astype(np.int64) - plan.mask.key_lo, 0).sum())
-    unit_work = max(1, visible * d_head * (nheads // prob.k.shape[1]))
+    unit_work = max(1, visible * (d_head + prob.v.shape[2]) // 2 * (nheads // prob.k.shape[1]))
     return max(1, min(-(-MIN_TASK_WORK // unit_work), n_units // (2 * max(n_slots, 1))))
 
 
@@ -295,7 +295,7 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     plan = shards.with_q_chunks(plan, _fwd_row_chunks(plan, seqlen_q, bs * nheads_kv, n_slots))
     n_chunks = plan.tiling.q_chunks
     rows = [shards.owned_rows(seqlen_q, plan.tiling, c) for c in range(n_chunks)]
-    o = np.empty((bs, nheads, d_head, seqlen_q), dtype=prob.dtype)
+    o = np.empty((bs, nheads, prob.v.shape[2], seqlen_q), dtype=prob.dtype)
     lse = np.empty((bs, nheads, seqlen_q), dtype=np.float32)
     units = _units(bs, nheads_kv, nheads // nheads_kv, _units_per_task(plan, prob, n_slots))
     shares = [(FwdInputs(shards.pack_rows(prob.q[b, heads], rows[c]), prob.k[b, kv], prob.v[b, kv],
@@ -381,7 +381,7 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     rows = [shards.owned_rows(seqlen_q, plan.tiling, c) for c in range(n_chunks)]
     dq = np.empty((bs, nheads, d_head, seqlen_q), dtype=prob.dtype)
     dk = np.empty((bs, nheads_kv, d_head, seqlen_k), dtype=prob.dtype)
-    dv = np.empty_like(dk)
+    dv = np.empty((bs, nheads_kv, prob.v.shape[2], seqlen_k), dtype=prob.dtype)
     dsinks = np.empty(prob.sinks.shape, dtype=np.float32)
     units = _units(bs, nheads_kv, nheads // nheads_kv,
                    _units_per_task(plan, prob, sum(client.nthreads().values())))
@@ -574,7 +574,8 @@ def _fwd_dask(client, named, options, lse_layout):
     from dask import delayed
     prob, checked, sinks, bounds = _validate_dask(client, named, options, validate_fwd_inputs)
     q = named["q_ref"]
-    d_head, seqlen_q = q.shape[2:]
+    seqlen_q = q.shape[3]
+    d_v = named["v_ref"].shape[2]
     check_lse_layout(lse_layout, seqlen_q)
     plan, plan_d = _dask_plan(client, named, sinks, prob, backward=False)
     bounds_d = [None if b is None else delayed(b, traverse=False) for b in bounds]
@@ -589,7 +590,7 @@ def _fwd_dask(client, named, options, lse_layout):
 
     results = _per_block(q, (q, named["k_ref"], named["v_ref"], sinks), block)
     lse_rest = ((Q_TILE,), (seqlen_q // Q_TILE,)) if lse_layout == "neuron" else ((seqlen_q,),)
-    return (_assemble(results, 0, q.chunks[:2] + ((d_head,), (seqlen_q,)), q.dtype, "o"),
+    return (_assemble(results, 0, q.chunks[:2] + ((d_v,), (seqlen_q,)), q.dtype, "o"),
             _assemble(results, 1, q.chunks[:2] + lse_rest, np.float32, "lse"))
 
 
@@ -612,10 +613,10 @@ def _bwd_dask(client, named, options):
             plan_d, parts, blocks[6], seqlen_q, q.dtype)
 
     results = _per_block(q, list(named.values()) + [sinks], block)
-    kv_chunks = (q.chunks[0], tuple(c // n_rep for c in q.chunks[1]), (d_head,), (seqlen_k,))
+    kv_heads = (q.chunks[0], tuple(c // n_rep for c in q.chunks[1]))
     grads = (_assemble(results, 0, q.chunks[:2] + ((d_head,), (seqlen_q,)), q.dtype, "dq"),
-             _assemble(results, 1, kv_chunks, q.dtype, "dk"),
-             _assemble(results, 2, kv_chunks, q.dtype, "dv"))
+             _assemble(results, 1, kv_heads + ((d_head,), (seqlen_k,)), q.dtype, "dk"),
+             _assemble(results, 2, kv_heads + ((named["v_ref"].shape[2],), (seqlen_k,)), q.dtype, "dv"))
     if sinks is None:
         return grads
     dsinks = _assemble(results, 3, q.chunks[:2] + tuple((n,) for n in sinks.shape[2:]), sinks.dtype, "dsinks")

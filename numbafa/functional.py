@@ -132,7 +132,8 @@ def attention(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_ma
     q : ndarray ``[bs, seqlen_q, nheads, d_head]`` for ``layout="bshd"``
         (``[bs, nheads, seqlen_q, d_head]`` for ``"bhsd"``,
         ``[bs, nheads, d_head, seqlen_q]`` for ``"neuron"``); float32 or bf16.
-    k, v : ndarray, likewise with ``nheads_kv`` and ``seqlen_k``
+    k, v : ndarray, likewise with ``nheads_kv`` and ``seqlen_k``; ``v``'s head dim
+        ``d_head_v`` may differ from ``d_head`` (``o`` and ``do`` carry it)
     sinks, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale, sliding_window
         As in :func:`numbafa.attention_fwd`.
     layout : {"bshd", "bhsd", "neuron"}

@@ -179,7 +179,8 @@ def attention_fwd(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causa
     Parameters
     ----------
     q : array ``[bs, nheads, d_head, seqlen_q]``
-    k, v : arrays ``[bs, nheads_kv, d_head, seqlen_k]``
+    k : array ``[bs, nheads_kv, d_head, seqlen_k]``
+    v : array ``[bs, nheads_kv, d_head_v, seqlen_k]`` (``d_head_v`` may differ from ``d_head``)
     sinks : array ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``, optional
         Sink logits: extra softmax columns with no value.
     bound_min, bound_max : arrays ``[seqlen_q]``, optional
@@ -196,14 +197,14 @@ def attention_fwd(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causa
 
     Returns
     -------
-    o : float64 ``[bs, nheads, d_head, seqlen_q]``
+    o : float64 ``[bs, nheads, d_head_v, seqlen_q]``
     lse : float64, in ``lse_layout``
     """
     q64, k64, scale, allowed, sink3, n_rep = _setup(
         q, k, sinks, bound_min, bound_max, use_causal_mask, softmax_scale, sliding_window)
     v64 = _f64(v)
-    bs, nheads, d_head, seqlen_q = q64.shape
-    o = np.zeros((bs, nheads, d_head, seqlen_q))
+    bs, nheads, _, seqlen_q = q64.shape
+    o = np.zeros((bs, nheads, v64.shape[2], seqlen_q))
     lse = np.zeros((bs, nheads, seqlen_q))
     mult = _dropout_multipliers((bs, nheads, seqlen_q, k64.shape[3]), dropout_p, seed, seed_offset,
                                 keep, np.float64)
@@ -233,8 +234,8 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     Returns
     -------
     dq : float64 ``[bs, nheads, d_head, seqlen_q]``
-    dk, dv : float64 ``[bs, nheads_kv, d_head, seqlen_k]`` (summed over the
-        q-heads sharing each KV head)
+    dk, dv : float64 ``[bs, nheads_kv, d_head, seqlen_k]``, ``[bs, nheads_kv, d_head_v, seqlen_k]``
+        (summed over the q-heads sharing each KV head)
     dsinks : float64, shape of ``sinks_ref`` (only when sinks are given)
     """
     del o_ref, lse_ref, mixed_precision
@@ -366,11 +367,13 @@ class Observer:
         """dsinks ``index = (b, h, i_sink)``: the logit as loaded and the 128 lanes before their sum."""
 
 
-def _neuron_tiling(d_head):
-    """(d_tile, section_len) of the Neuron kernel: head-dim tiles of <= 128,
-    KV sections of ``8192 // power_of_2(#head-dim tiles)`` keys (>= 512)."""
-    n_d = -(-d_head // 128)
-    d_tile = -(-d_head // n_d)
+def _neuron_tiling(d_head, d_head_v):
+    """(d_tile, section_len) of the Neuron kernel: D's head-dim tiles (over ``d_head_v``) of
+    <= 128, KV sections of ``8192 // power_of_2(#head-dim tiles)`` keys (>= 512), the tiles
+    counted for the wider of the two head dims (one head dim upstream)."""
+    n_dv = -(-d_head_v // 128)
+    d_tile = -(-d_head_v // n_dv)
+    n_d = -(-max(d_head, d_head_v) // 128)
     pow2 = 1 << (n_d - 1).bit_length()
     return d_tile, max(512, (8192 // pow2) // 512 * 512)
 
@@ -509,7 +512,7 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
         np.asarray(sinks_ref).astype(f32).reshape(bs, nheads, -1)
     mult = _dropout_multipliers((bs, nheads, seqlen_q, seqlen_k), dropout_p, seed, seed_offset, None, f32)
     ins = _Inputs(q, k, v, o, dy, lse, sink3, mult)
-    setup = Setup(f32(1.0 / np.sqrt(d_head) if not softmax_scale else softmax_scale), *_neuron_tiling(d_head),
+    setup = Setup(f32(1.0 / np.sqrt(d_head) if not softmax_scale else softmax_scale), *_neuron_tiling(d_head, v.shape[2]),
                   allowed_mask(seqlen_q, seqlen_k, use_causal_mask, sliding_window, bound_min, bound_max),
                   n_rep, Rounding(bool(is_bf16), bool(mixed_precision), frozenset(disable)))
     observer = Observer() if observer is None else observer
@@ -517,12 +520,12 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
 
     dq = np.zeros((bs, nheads, d_head, seqlen_q), f32)
     dk = np.zeros((bs, nheads_kv, d_head, seqlen_k), f32)
-    dv = np.zeros_like(dk)
+    dv = np.zeros((bs, nheads_kv, v.shape[2], seqlen_k), f32)
     dsinks = np.zeros(sink3.shape, f32)
     for b in range(bs):
         for hk in range(nheads_kv):
             dk_acc = np.zeros((seqlen_k, d_head), f32)
-            dv_acc = np.zeros((seqlen_k, d_head), f32)
+            dv_acc = np.zeros((seqlen_k, v.shape[2]), f32)
             for h in range(hk * n_rep, (hk + 1) * n_rep):
                 tiles = _head_tiles(ins, setup, b, h)
                 observer.head((b, h), tiles)

@@ -119,7 +119,7 @@ def _lse_shape(q, layout):
 
 
 def _forward_call(static, q, k, v, sinks, bound_min, bound_max):
-    shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), _lse_shape(q, static[3]))
+    shapes = (jax.ShapeDtypeStruct(q.shape[:-1] + v.shape[-1:], q.dtype), _lse_shape(q, static[3]))
     return jax.pure_callback(functools.partial(_host_fwd, static), shapes, q, k, v, sinks, bound_min,
                              bound_max, vmap_method=VMAP_METHOD)
 
@@ -161,7 +161,8 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
     q : array ``[batch, heads, seq_q, head_dim]`` for ``layout="bhsd"``,
         ``[batch, seq_q, heads, head_dim]`` for ``"bshd"`` (as
         ``jax.nn.dot_product_attention``); float32 or bfloat16
-    k, v : arrays, likewise with ``heads_kv`` (``heads % heads_kv == 0``) and ``seq_k``
+    k, v : arrays, likewise with ``heads_kv`` (``heads % heads_kv == 0``) and ``seq_k``; ``v``'s
+        head dim (``head_dim_v``) may differ from ``head_dim`` (as DeepSeek's MLA: 192 and 128)
     causal : bool
         Key ``j`` is visible to query ``i`` only if ``j <= i`` (needs ``seq_q == seq_k``).
     window : int, optional
@@ -179,7 +180,7 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
 
     Returns
     -------
-    array of the shape and dtype of ``q``
+    array of the shape of ``q`` with ``v``'s head dim, the dtype of ``q``
 
     Notes
     -----

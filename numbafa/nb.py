@@ -19,8 +19,9 @@ in the Neuron layout, exactly the bits :func:`numbafa.attention_fwd` and
 nothing is validated again but the arrays' shapes and dtypes against the
 plan: a mismatch raises a ``ValueError`` before anything is written.
 
-Arrays: ``q, o, dy, dq`` ``[bs, nheads, d_head, seqlen_q]``; ``k, v, dk,
-dv`` ``[bs, nheads_kv, d_head, seqlen_k]``; float32, or uint16 holding bf16
+Arrays: ``q, dq`` ``[bs, nheads, d_head, seqlen_q]``; ``o, dy`` ``[bs, nheads, d_head_v,
+seqlen_q]``; ``k, dk`` ``[bs, nheads_kv, d_head, seqlen_k]``; ``v, dv`` ``[bs, nheads_kv,
+d_head_v, seqlen_k]`` (``d_head_v``, the value head dim, may differ from ``d_head``); float32, or uint16 holding bf16
 bit patterns (``x.view(numpy.uint16)`` of an ``ml_dtypes.bfloat16`` array)
 for a plan made from bf16 inputs. ``lse`` is float32 ``[bs, nheads, 128,
 seqlen_q // 128]`` (the Neuron packing: ``seqlen_q`` must be a multiple of
@@ -72,7 +73,7 @@ from .validation import validate_fwd_inputs
 __all__ = ["NbPlan", "plan", "attention_fwd", "attention_bwd", "with_seed_offset", "single_threaded_blas"]
 
 #: A validated problem for the njit functions: ``fwd``/``bwd`` the kernels' plans of each pass,
-#: ``shape`` ``(bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k)``, ``bf16`` (arrays are uint16
+#: ``shape`` ``(bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_head_v)``, ``bf16`` (arrays are uint16
 #: bf16 bits), ``with_sinks``, ``fwd_item``/``bwd_item``/``bwd_finish`` the work items' addresses,
 #: ``fwd_key``/``bwd_key`` (a hash of the argument types the work items were compiled for: a call
 #: whose types differ is refused, never run), ``seed`` (the dropout seed as two 32-bit words) and
@@ -98,8 +99,8 @@ def plan(q, k, v, *, use_causal_mask=False, sliding_window=None, bound_min=None,
     ----------
     q : ndarray ``[bs, nheads, d_head, seqlen_q]``
         float32, ``ml_dtypes.bfloat16``, or uint16 (bf16 bits); ``seqlen_q % 128 == 0``.
-    k, v : ndarray ``[bs, nheads_kv, d_head, seqlen_k]``, same dtype
-        Their values are checked (finite) here, as :func:`numbafa.attention_fwd` does; the
+    k, v : ndarray ``[bs, nheads_kv, d_head, seqlen_k]`` and ``[bs, nheads_kv, d_head_v, seqlen_k]``,
+        same dtype. Their values are checked (finite) here, as :func:`numbafa.attention_fwd` does; the
         njit calls may pass other values of the same shapes and dtype.
     use_causal_mask, sliding_window, bound_min, bound_max, softmax_scale, mixed_precision
         As in :func:`numbafa.attention_bwd`.
@@ -149,7 +150,8 @@ def plan(q, k, v, *, use_causal_mask=False, sliding_window=None, bound_min=None,
         # The finish runs only for split units or sinks (as in launch.run_backward); 0: never called.
         needs_finish = bwd.tiling.q_chunks > 1 or with_sinks
         bwd_finish = work_item_address(bwd_finish_unit, bwd_args) if needs_finish else 0
-    return NbPlan(fwd, bwd, (bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k), bool(prob.is_bf16),
+    return NbPlan(fwd, bwd, (bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, prob.v.shape[2]),
+                  bool(prob.is_bf16),
                   bool(with_sinks), fwd_item, bwd_item, bwd_finish, _type_key(numba.typeof(fwd_args)),
                   _type_key(numba.typeof(bwd_args)), (prob.seed & 0xFFFFFFFF, prob.seed >> 32), os.getpid())
 
@@ -352,11 +354,11 @@ def _check_problem(plan, q, k, v, o, lse):
     bits = _is_bits(q)
     _check_plan(plan, bits)
     _check_dtypes(bits, k, v, o)
-    bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k = plan.shape
+    bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_v = plan.shape
     _check_shape(q, bs, nheads, d_head, seqlen_q)
-    _check_shape(o, bs, nheads, d_head, seqlen_q)
+    _check_shape(o, bs, nheads, d_v, seqlen_q)
     _check_shape(k, bs, nheads_kv, d_head, seqlen_k)
-    _check_shape(v, bs, nheads_kv, d_head, seqlen_k)
+    _check_shape(v, bs, nheads_kv, d_v, seqlen_k)
     _check_lse(lse, bs, nheads, seqlen_q)
     return bits
 
@@ -365,11 +367,11 @@ def _check_problem(plan, q, k, v, o, lse):
 def attention_fwd(plan, q, k, v, o, lse, sinks=None):
     """The forward of :func:`numbafa.attention_fwd` into ``o`` and ``lse`` (module docstring).
 
-    ``o``: ``q``'s shape and dtype; ``lse``: float32 ``[bs, nheads, 128, seqlen_q // 128]``;
+    ``o``: ``q``'s shape with ``v``'s head dim, ``q``'s dtype; ``lse``: float32 ``[bs, nheads, 128, seqlen_q // 128]``;
     ``sinks`` only (and required) when the plan was made ``with_sinks=True``.
     """
     _check_problem(plan, q, k, v, o, lse)
-    bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k = plan.shape
+    bs, nheads, nheads_kv, _, seqlen_q, _, _ = plan.shape
     ins = FwdInputs(_kernel_input(q), _kernel_input(k), _kernel_input(v), _kernel_sinks(plan, sinks))
     o32 = _kernel_output(o)
     lse_natural = np.empty((bs, nheads, seqlen_q), dtype=np.float32)
@@ -386,13 +388,13 @@ def attention_fwd(plan, q, k, v, o, lse, sinks=None):
 def attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks=None, dsinks=None):
     """The backward of :func:`numbafa.attention_bwd` into ``dq, dk, dv`` (and ``dsinks``).
 
-    ``dq``: ``q``'s shape, ``dk, dv``: ``k``'s, all in ``q``'s dtype; ``lse`` as the forward wrote
+    ``dq``: ``q``'s shape, ``dk``: ``k``'s, ``dv``: ``v``'s, all in ``q``'s dtype; ``lse`` as the forward wrote
     it; ``sinks`` and ``dsinks`` (float32, the sinks' shape) only, and both, with a plan made
     ``with_sinks=True``.
     """
     _check_problem(plan, q, k, v, o, lse)
-    _check_problem(plan, dq, dk, dv, dy, lse)   # the gradients and dy: the plan's dtype, q's and k's shapes
-    bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k = plan.shape
+    _check_problem(plan, dq, dk, dv, dy, lse)   # the gradients and dy: the plan's dtype, q's, k's, v's, o's shapes
+    bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_v = plan.shape
     kernel_sinks = _kernel_sinks(plan, sinks)
     if (sinks is None) != (dsinks is None):
         raise ValueError("numbafa.nb: pass sinks and dsinks together")
@@ -400,11 +402,13 @@ def attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks=None, dsinks=None
                     _kernel_input(dy), _lse_to_natural(lse), kernel_sinks)
     q_chunks = plan.bwd.tiling.q_chunks
     n_units = bs * nheads_kv
-    parts = (n_units, q_chunks - 1, d_head, seqlen_k) if q_chunks > 1 else (1, 1, d_head, 0)
+    split = q_chunks > 1
+    parts_k = (n_units, q_chunks - 1, d_head, seqlen_k) if split else (1, 1, d_head, 0)
+    parts_v = (n_units, q_chunks - 1, d_v, seqlen_k) if split else (1, 1, d_v, 0)
     dq32, dk32, dv32 = _kernel_output(dq), _kernel_output(dk), _kernel_output(dv)
     dsinks32 = np.empty(kernel_sinks.shape, dtype=np.float32)
-    outs = BwdOutputs(dq32, dk32, dv32, dsinks32, np.empty(parts, dtype=np.float32),
-                      np.empty(parts, dtype=np.float32))
+    outs = BwdOutputs(dq32, dk32, dv32, dsinks32, np.empty(parts_k, dtype=np.float32),
+                      np.empty(parts_v, dtype=np.float32))
     stats_shape = (n_units, nheads // nheads_kv, seqlen_q)
     stats = BwdStats(np.empty(stats_shape, dtype=np.float32), np.empty(stats_shape, dtype=np.float32))
     n_finish = n_units if q_chunks > 1 or kernel_sinks.shape[2] > 0 else 0

@@ -84,13 +84,13 @@ def check_scores(prob, caller) -> None:
 def _backward_bound(prob) -> float:
     """A bound of every float32 value the backward accumulates, for ``max|dy|``."""
     m = prob.max_abs
-    d_head, seqlen_q = prob.q.shape[2], prob.q.shape[3]
+    d_v, seqlen_q = prob.v.shape[2], prob.q.shape[3]   # dP = dO V^T and D = rowsum(dO * O) run over d_v
     seqlen_k, n_rep = prob.k.shape[3], prob.q.shape[1] // prob.k.shape[1]
     keep = 1.0 / (1.0 - prob.dropout_p)
     dy, scale = m["dy_ref"], abs(prob.softmax_scale)
-    d_sum = d_head * m["o_ref"] * dy
-    d_s = d_head * dy * (m["v_ref"] * keep + m["o_ref"])
-    return max(d_head * dy * m["v_ref"] * keep, d_sum, d_s, n_rep * seqlen_q * dy * keep,
+    d_sum = d_v * m["o_ref"] * dy
+    d_s = d_v * dy * (m["v_ref"] * keep + m["o_ref"])
+    return max(d_v * dy * m["v_ref"] * keep, d_sum, d_s, n_rep * seqlen_q * dy * keep,
                n_rep * seqlen_q * d_s * m["q_ref"] * scale, scale * seqlen_k * d_s * m["k_ref"],
                seqlen_q * d_sum)
 

@@ -127,7 +127,7 @@ def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
 
     Returns
     -------
-    o : ``[nb, nheads, d_head, rows]`` in ``out_dtype``;  lse : float32 ``[nb, nheads, rows]``,
+    o : ``[nb, nheads, d_head_v, rows]`` in ``out_dtype``;  lse : float32 ``[nb, nheads, rows]``,
     the chunk's rows (all rows when units are not split).
     """
     plan = at_origin(plan, origin)
@@ -214,13 +214,14 @@ def bwd_merge(plan, sinks: np.ndarray, shards, seqlen_q: int, out_dtype):
     """
     first = shards[0]
     nb, nheads_kv, d_head, seqlen_k = first.dk.shape
+    d_v = first.dv.shape[2]
     n_units, n_rep = first.neg_lse.shape[:2]
     nheads = nheads_kv * n_rep
     stats = BwdStats(place_rows([s.neg_lse for s in shards], plan.tiling, seqlen_q),
                      place_rows([s.d_sum for s in shards], plan.tiling, seqlen_q))
     dq = place_rows([s.dq for s in shards], plan.tiling, seqlen_q)
     parts = [np.stack([s.dk.reshape(n_units, d_head, seqlen_k) for s in shards[1:]], axis=1),
-             np.stack([s.dv.reshape(n_units, d_head, seqlen_k) for s in shards[1:]], axis=1)]
+             np.stack([s.dv.reshape(n_units, d_v, seqlen_k) for s in shards[1:]], axis=1)]
     kernel_dtype = np.float32 if np.dtype(out_dtype) == np.float32 else np.uint16
     dummy_q = np.empty((nb, nheads, 0, 0), dtype=kernel_dtype)
     dummy_kv = np.empty((nb, nheads_kv, 0, 0), dtype=kernel_dtype)

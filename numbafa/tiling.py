@@ -66,10 +66,12 @@ class TileConfig:
     q_tile_group : int
         Q tiles per group (4).
     d_tile : int
-        Head-dim tile, ``ceil(d_head / d_n_tiles)`` for ``d_n_tiles = ceil(d_head / 128)``
-        head-dim tiles.
+        Head-dim tile of the value head dim (the one ``D = rowsum(dO * O)`` runs over),
+        ``ceil(d_head_v / d_n_tiles)`` for ``d_n_tiles = ceil(d_head_v / 128)`` head-dim tiles.
     section_len : int
-        Keys per KV section, ``8192 // power_of_2(d_n_tiles)``.
+        Keys per KV section, ``8192 // power_of_2(d_n_tiles)``, with ``d_n_tiles`` counted for
+        the larger of the two head dims (a section holds K and dK, ``d_head`` wide, and V and
+        dV, ``d_head_v`` wide; upstream has one head dim, and both rules are its rule then).
     """
 
     q_tile: int
@@ -80,19 +82,23 @@ class TileConfig:
     section_len: int
 
 
-def setup_config(seqlen_q: int, seqlen_k: int, d_head: int) -> TileConfig:
+def setup_config(seqlen_q: int, seqlen_k: int, d_head: int, d_head_v: int | None = None) -> TileConfig:
     """Derive the tiling of one call (the upstream kernel's ``setup_config``).
 
     Unlike the hardware kernel, any positive sizes are accepted: the last Q, K
-    and section tiles are simply shorter.
+    and section tiles are simply shorter. ``d_head`` is the query/key head dim,
+    ``d_head_v`` the value head dim (default: ``d_head``, the upstream kernel's
+    only case).
     """
-    for name, value in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k), ("d_head", d_head)):
+    d_head_v = d_head if d_head_v is None else d_head_v
+    for name, value in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k), ("d_head", d_head),
+                        ("d_head_v", d_head_v)):
         if value < 1:
             raise ValueError(f"{name} should be >= 1, got {value}")
-    d_n_tiles = math.ceil(d_head / D_TILE_MAX)
-    d_tile = math.ceil(d_head / d_n_tiles)
+    d_n_tiles = math.ceil(d_head_v / D_TILE_MAX)
+    d_tile = math.ceil(d_head_v / d_n_tiles)
     k_tile = min(K_TILE, seqlen_k)
-    section_len = SECTION_BUDGET // power_of_2(d_n_tiles)
+    section_len = SECTION_BUDGET // power_of_2(math.ceil(max(d_head, d_head_v) / D_TILE_MAX))
     # A section always holds whole K tiles.
     section_len = max(K_TILE, (section_len // K_TILE) * K_TILE)
     return TileConfig(

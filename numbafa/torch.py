@@ -74,7 +74,7 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Opt
                    bound_min: Optional[torch.Tensor], bound_max: Optional[torch.Tensor], causal: bool,
                    window: int, softmax_scale: float, layout: str, dropout_p: float, seed: Optional[int],
                    seed_offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """o ``[b, h, d, s]`` (q's dtype) and lse ``[b, h, s]`` (float32); ``layout`` only names shapes in errors."""
+    """o ``[b, h, d_v, s]`` (q's dtype, v's head dim) and lse ``[b, h, s]`` (float32); ``layout`` only names shapes in errors."""
     return _host_fwd((q, k, v, sinks, bound_min, bound_max),
                      (causal, window, softmax_scale, layout, dropout_p, seed, seed_offset))
 
@@ -104,7 +104,7 @@ def _host_options(option_arrays: tuple, scalars: tuple):
 def _attention_fwd_fake(q, k, v, sinks, bound_min, bound_max, causal, window, softmax_scale, layout,
                         dropout_p, seed, seed_offset):
     b, h, _, s = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
+    return q.new_empty((b, h, v.shape[2], s)), q.new_empty((b, h, s), dtype=torch.float32)
 
 
 @torch.library.custom_op("numbafa::attention_bwd", mutates_args=(), device_types="cpu")
@@ -317,7 +317,8 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
     ----------
     q : Tensor ``[batch, heads, seq_q, head_dim]`` for ``layout="bhsd"`` (as SDPA),
         ``[batch, seq_q, heads, head_dim]`` for ``"bshd"`` (as flash-attn); float32 or bfloat16, CPU
-    k, v : Tensor, likewise with ``heads_kv`` (``heads % heads_kv == 0``: GQA, MQA) and ``seq_k``
+    k, v : Tensor, likewise with ``heads_kv`` (``heads % heads_kv == 0``: GQA, MQA) and ``seq_k``;
+        ``v``'s head dim (``head_dim_v``) may differ from ``head_dim`` (as DeepSeek's MLA: 192 and 128)
     causal : bool
         Key ``j`` is visible to query ``i`` only if ``j <= i`` (needs ``seq_q == seq_k``).
     window : int, optional
@@ -346,8 +347,8 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
 
     Returns
     -------
-    Tensor in ``layout``, the shape and dtype of ``q``
-        A view of a Neuron-layout ``[batch, heads, head_dim, seq]`` tensor.
+    Tensor in ``layout``, the shape of ``q`` with the head dim of ``v`` (``head_dim_v``), the dtype of ``q``
+        A view of a Neuron-layout ``[batch, heads, head_dim_v, seq]`` tensor.
 
     Notes
     -----

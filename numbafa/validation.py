@@ -36,8 +36,12 @@ Conventions shared with the upstream NKI kernel:
 Empty problems
     ``bs = 0`` and ``seqlen_q = seqlen_k = 0`` are valid, as empty arrays
     are in NumPy: the outputs are empty arrays of the right shapes.
-    ``nheads``, ``nheads_kv`` and ``d_head`` describe the model and must be
-    ``>= 1`` (with ``d_head = 0`` the default scale would be ``1 / 0``).
+    ``nheads``, ``nheads_kv``, ``d_head`` and ``d_head_v`` describe the model
+    and must be ``>= 1`` (with ``d_head = 0`` the default scale would be ``1 / 0``).
+Head dims
+    ``q`` and ``k`` share ``d_head``; ``v``, ``o`` and ``dy`` carry the value
+    head dim ``d_head_v`` (``v.shape`` at the head-dim axis), which may differ
+    (DeepSeek's MLA: 192 and 128). The default scale is ``1 / sqrt(d_head)``.
 """
 
 from __future__ import annotations
@@ -328,10 +332,12 @@ def check_options(options: AttentionOptions, caller: Caller = KERNEL_CALLER) -> 
 # --- shapes and dtypes ---------------------------------------------------------------------
 
 #: The sizes of one call, from the tensors' shapes.
-Dims = namedtuple("Dims", ["bs", "nheads", "nheads_kv", "d_head", "seqlen_q", "seqlen_k"])
+#: ``d_head`` is the head dim of q and k, ``d_head_v`` that of v, o and dy.
+Dims = namedtuple("Dims", ["bs", "nheads", "nheads_kv", "d_head", "seqlen_q", "seqlen_k", "d_head_v"])
 
-_Q_DIMS = ("bs", "nheads", "d_head", "seqlen_q")
-_KV_DIMS = ("bs", "nheads_kv", "d_head", "seqlen_k")
+_DIMS_OF = {"q_ref": ("bs", "nheads", "d_head", "seqlen_q"), "k_ref": ("bs", "nheads_kv", "d_head", "seqlen_k"),
+            "v_ref": ("bs", "nheads_kv", "d_head_v", "seqlen_k"), "o_ref": ("bs", "nheads", "d_head_v", "seqlen_q"),
+            "dy_ref": ("bs", "nheads", "d_head_v", "seqlen_q")}
 
 
 def _check_ranks(c: Caller, tensors: dict) -> None:
@@ -339,7 +345,7 @@ def _check_ranks(c: Caller, tensors: dict) -> None:
         if key == "lse_ref":
             continue
         if len(x.shape) != 4:
-            dims = c.dims(tuple(map(c, _KV_DIMS if key in ("k_ref", "v_ref") else _Q_DIMS)))
+            dims = c.dims(tuple(map(c, _DIMS_OF[key])))
             where = "" if c.layout == "neuron" else f" for layout={c.layout!r}"
             raise ValueError(f"{c(key)} must be 4-D {dims}{where}, got shape {tuple(x.shape)}")
 
@@ -356,7 +362,7 @@ def _check_dtypes(c: Caller, tensors: dict) -> None:
 
 def _check_dims(c: Caller, tensors: dict, causal: bool) -> Dims:
     q, k, v = tensors["q_ref"], tensors["k_ref"], tensors["v_ref"]
-    qn, kn = c.names.get("q_ref", "q_ref"), c.names.get("k_ref", "k_ref")
+    qn, kn, vn = (c.names.get(key, key) for key in ("q_ref", "k_ref", "v_ref"))
     bs, nheads, d_head, seqlen_q = q.shape
     if d_head < 1:
         raise ValueError(f"{c('d_head')} ({qn}.shape[{c.axis(2)}]) must be >= 1, got {d_head}")
@@ -369,15 +375,21 @@ def _check_dims(c: Caller, tensors: dict, causal: bool) -> Dims:
     if nheads_kv < 1 or nheads % nheads_kv:
         raise ValueError(f"{c('nheads')} ({nheads}) must be a multiple of {c('nheads_kv')} ({kn}.shape"
                          f"[{c.axis(1)}]), got {c('nheads_kv')}={nheads_kv}")
-    if tuple(v.shape) != tuple(k.shape):
-        _require_shape(c("v_ref"), c.shape(v), c.shape(k), f"same as {kn}")
+    d_head_v = v.shape[2]
+    if (v.shape[0], v.shape[1], v.shape[3]) != (bs, nheads_kv, seqlen_k):
+        expected = ", ".join(c.order((str(bs), str(nheads_kv), c("d_head_v"), str(seqlen_k))))
+        raise ValueError(f"{vn} must have shape ({expected}) to match {kn}, got {c.shape(v)}")
+    if d_head_v < 1:
+        raise ValueError(f"{c('d_head_v')} ({vn}.shape[{c.axis(2)}]) must be >= 1, got {d_head_v}")
+    out_shape = c.order((bs, nheads, d_head_v, seqlen_q))
     for key in ("o_ref", "dy_ref"):
-        if key in tensors and tuple(tensors[key].shape) != tuple(q.shape):
-            _require_shape(c(key), c.shape(tensors[key]), c.shape(q), f"same as {qn}")
+        if key in tensors and tuple(tensors[key].shape) != (bs, nheads, d_head_v, seqlen_q):
+            _require_shape(c(key), c.shape(tensors[key]), out_shape,
+                           f"{qn}'s with the head dim of {vn}, {c('d_head_v')}={d_head_v}")
     if causal and seqlen_q != seqlen_k:
         sq, sk = c("seqlen_q"), c("seqlen_k")
         raise ValueError(f"{c('use_causal_mask')}=True requires {sq} == {sk}, got {sq}={seqlen_q}, {sk}={seqlen_k}")
-    return Dims(bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k)
+    return Dims(bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_head_v)
 
 
 def _check_lse_shape(c: Caller, lse, dims: Dims) -> None:

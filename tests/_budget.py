@@ -115,7 +115,7 @@ def _rowsum_spread(prod, d_tile, round_partial, round_total):
 def _score_tile_spreads(tiles, d_spread, setup):
     """How far another implementation's P and dS tiles can be from the golden's, per element.
 
-    ``S = Q_s K^T`` and ``dP = dO V^T`` are float32 sums of ``d_head`` exact products: the two
+    ``S = Q_s K^T`` and ``dP = dO V^T`` are float32 sums of ``d_head`` (``d_head_v``) exact products: the two
     sides' values are within :func:`_order_spread` of each other. That moves
     ``t = fl(S + (-LSE))`` (another float32 rounding each side), ``P = exp(t)`` by the factor
     ``e^|dt|`` and by both exps' last-bit errors, and ``dS = fl(fl(dP - D) * P)`` by the spreads
@@ -136,7 +136,7 @@ def _score_tile_spreads(tiles, d_spread, setup):
     r_p = p64 * (np.expm1(r_t) * (1.0 + _EXP_ULPS_KERNEL * u32) + _EXP_ULPS * u32) \
         / (1.0 - _EXP_ULPS_NUMPY * u32) + _EXP_ULPS * 2.0 ** -149
     dev_p = _rounding_spread(tiles.p_pre, np.where(allowed, r_p, 0.0), rounds("p"))
-    r_dp = _order_spread(_abs_matmul(dyt, vt.T), d - 1, 1.0 + _max_abs(dyt, vt))
+    r_dp = _order_spread(_abs_matmul(dyt, vt.T), dyt.shape[1] - 1, 1.0 + _max_abs(dyt, vt))   # over d_head_v
     m64 = m.astype(np.float64)
     if tiles.mult is not None:
         r_dp = (1.0 + _U) * r_dp * tiles.mult.astype(np.float64) + 2.0 * _U * np.abs(tiles.dp.astype(np.float64))
@@ -296,7 +296,8 @@ def rounded_with_budget(**kwargs):
     sinks = kwargs.get("sinks_ref")
     num_sinks = 0 if sinks is None else np.size(sinks) // (bs * nheads)
     observer = _BudgetObserver([(bs, nheads, d_head, seqlen_q), (bs, nheads_kv, d_head, seqlen_k),
-                                (bs, nheads_kv, d_head, seqlen_k), (bs, nheads, num_sinks)])
+                                np.shape(kwargs["v_ref"])[:2] + (np.shape(kwargs["v_ref"])[2], seqlen_k),
+                                (bs, nheads, num_sinks)])
     results = golden.attention_bwd_rounded(**kwargs, observer=observer)
     budgets = observer.finish()
     if sinks is None:

@@ -28,6 +28,7 @@ class Case:
     nheads: int = 2
     nheads_kv: int = 2
     d_head: int = 64
+    d_head_v: int | None = None        # the value head dim; None: d_head
     seqlen_q: int = 256
     seqlen_k: int = 256
     causal: bool = False
@@ -55,12 +56,11 @@ def make_inputs(case: Case, dtype=np.float32):
     lse to float32 (natural layout).
     """
     rng = np.random.default_rng(case.seed)
-    q_shape = (case.bs, case.nheads, case.d_head, case.seqlen_q)
-    kv_shape = (case.bs, case.nheads_kv, case.d_head, case.seqlen_k)
-    q = rng.standard_normal(q_shape).astype(dtype)
-    k = rng.standard_normal(kv_shape).astype(dtype)
-    v = rng.standard_normal(kv_shape).astype(dtype)
-    dy = rng.standard_normal(q_shape).astype(dtype)
+    d_v = case.d_head if case.d_head_v is None else case.d_head_v
+    q = rng.standard_normal((case.bs, case.nheads, case.d_head, case.seqlen_q)).astype(dtype)
+    k = rng.standard_normal((case.bs, case.nheads_kv, case.d_head, case.seqlen_k)).astype(dtype)
+    v = rng.standard_normal((case.bs, case.nheads_kv, d_v, case.seqlen_k)).astype(dtype)
+    dy = rng.standard_normal((case.bs, case.nheads, d_v, case.seqlen_q)).astype(dtype)
     kw = case.kwargs()
     if case.num_sinks:
         shape = (case.bs, case.nheads) + ((case.num_sinks,) if case.num_sinks > 1 else ())
@@ -130,6 +130,13 @@ CASES = [
     ("d256", Case(d_head=256, causal=True)),
     ("d512", Case(d_head=512, nheads=1, nheads_kv=1)),
     ("d40-odd", Case(d_head=40, causal=True)),
+    # --- a value head dim of its own (o, dy, dv carry it; DeepSeek's MLA: 192 / 128) ---
+    ("dv-narrower-gqa-sinks", Case(nheads=4, nheads_kv=2, d_head=96, d_head_v=64, causal=True, num_sinks=1)),
+    ("dv-wider-packing", Case(d_head=32, d_head_v=160, packing=(127, 129))),    # D: two 80-wide tiles
+    ("mla-192-128-window", Case(nheads=2, nheads_kv=1, d_head=192, d_head_v=128, causal=True, window=200,
+                                seqlen_q=640, seqlen_k=640)),
+    # sections follow the wider head dim: d_head_v 256 -> 4096-key sections -> two here
+    ("dv-2-sections", Case(nheads=1, nheads_kv=1, d_head=64, d_head_v=256, seqlen_q=200, seqlen_k=5120)),
     # --- lengths --------------------------------------------------------------
     ("sq<sk", Case(seqlen_q=200, seqlen_k=700)),
     ("sq>sk", Case(seqlen_q=700, seqlen_k=200)),

@@ -30,6 +30,16 @@ def test_table_and_exit_code_zero(capsys):
     assert out.rstrip().splitlines()[-1] == "all 5 checks passed"
 
 
+def test_a_value_head_dim_of_its_own(capsys):
+    """--head-dim-v: v, o and dv take it; checked against the golden like any shape."""
+    argv = ["--heads", "2", "--kv-heads", "1", "--seqlen", "256", "--head-dim", "48", "--head-dim-v", "24",
+            "--repeats", "1", "--dtype", "float32", "--json"]
+    assert cli.main(argv) == 0
+    records = json.loads(capsys.readouterr().out)["results"]
+    assert {r["shape"]["head_dim_v"] for r in records} == {24} and all(r["ok"] for r in records)
+    assert records[1]["pass"] == "backward" and set(records[1]["max_abs_err"]) == {"dq", "dk", "dv"}
+
+
 def test_json_output(capsys):
     assert cli.main(SMALL + ["--json", "--dtype", "bf16", "--sinks", "2", "--packing", "100,156",
                              "--window", "64"]) == 0

@@ -45,6 +45,9 @@ CASES = [
                                 causal=True, num_sinks=1), np.float32, False),
     ("blocks-of-batches", Case(bs=9, nheads=2, nheads_kv=1, d_head=16, seqlen_q=128, seqlen_k=128),
      np.float32, False),
+    # v, o, dy with a head dim of their own (48) next to q and k's (32)
+    ("head-dims-split-sinks", Case(bs=1, nheads=2, nheads_kv=1, d_head=32, d_head_v=48, seqlen_q=640,
+                                   seqlen_k=640, causal=True, num_sinks=1), np.float32, False),
 ]
 
 
@@ -99,7 +102,8 @@ def test_numpy_inputs_give_the_single_process_bits(client, name, case, dtype, mi
     ("mqa-batch1-split", CASES[2][1], np.float32, False, 4),
     ("sinks-3-units-split", CASES[4][1], np.float32, False, 2),
     ("bf16-not-mixed-sinks", CASES[7][1], BF16, False, 4),
-], ids=["gqa-causal", "mqa-batch1-split", "sinks-3-units-split", "bf16-not-mixed-sinks"])
+    ("head-dims-split-sinks", CASES[10][1], np.float32, False, 2),
+], ids=["gqa-causal", "mqa-batch1-split", "sinks-3-units-split", "bf16-not-mixed-sinks", "head-dims-split-sinks"])
 def test_dask_inputs_give_lazy_dask_arrays_with_the_single_process_bits(client, name, case, dtype,
                                                                         mixed, head_chunk):
     inputs = make_inputs(case, dtype)
@@ -108,6 +112,7 @@ def test_dask_inputs_give_lazy_dask_arrays_with_the_single_process_bits(client, 
     lazy = nd.attention_bwd(client, **lazy_in, mixed_precision=mixed)
     assert all(isinstance(x, da.Array) for x in lazy)
     assert lazy[0].chunks == lazy_in["q_ref"].chunks and lazy[1].chunks == lazy_in["k_ref"].chunks
+    assert lazy[2].chunks == lazy_in["v_ref"].chunks
     assert_bitwise(client.compute(list(lazy), sync=True), expected)
 
     fwd = _fwd_kwargs(inputs, mixed)

@@ -191,6 +191,7 @@ DROPOUT_CASES = [
                             window=100)),
     ("ragged", Case(seqlen_q=97, seqlen_k=203, d_head=40)),
     ("2-sections", Case(nheads=1, nheads_kv=1, d_head=256, seqlen_q=130, seqlen_k=4200)),
+    ("mqa-split-dv", Case(nheads=3, nheads_kv=1, d_head=48, d_head_v=80, seqlen_q=640, seqlen_k=640, causal=True)),
 ]
 
 

@@ -24,13 +24,14 @@ def load_example():
     return module
 
 
+@pytest.mark.parametrize("d_v", [32, 20], ids=["one-head-dim", "head-dim-v"])
 @pytest.mark.parametrize("name", ["bshd", "bhsd", "neuron"])
-def test_attention_and_backward_match_golden(name):
+def test_attention_and_backward_match_golden(name, d_v):
     rng = np.random.default_rng(0)
     b, h, hkv, s, d = 2, 4, 2, 200, 32
     qn = rng.standard_normal((b, h, d, s)).astype(np.float32)
-    kn, vn = (rng.standard_normal((b, hkv, d, s)).astype(np.float32) for _ in range(2))
-    don = rng.standard_normal((b, h, d, s)).astype(np.float32)
+    kn, vn = (rng.standard_normal((b, hkv, dim, s)).astype(np.float32) for dim in (d, d_v))
+    don = rng.standard_normal((b, h, d_v, s)).astype(np.float32)
     sinks = rng.standard_normal((b, h)).astype(np.float32)
     q, k, v, do = (np.ascontiguousarray(layout.from_neuron(x, name)) for x in (qn, kn, vn, don))
     o, ctx = numbafa.attention(q, k, v, sinks=sinks, use_causal_mask=True, layout=name)
@@ -38,8 +39,9 @@ def test_attention_and_backward_match_golden(name):
     assert_close(layout.to_neuron(o, name), o_exp, FLOAT32, "o")
     dq, dk, dv, dsinks = ctx.backward(do)
     expected = golden.attention_bwd(qn, kn, vn, None, don, None, sinks_ref=sinks, use_causal_mask=True)
-    for got, exp, nm in zip((dq, dk, dv), expected, ("dq", "dk", "dv")):
-        assert got.shape == (q if nm == "dq" else k).shape
+    assert o.shape == do.shape
+    for got, exp, x, nm in zip((dq, dk, dv), expected, (q, k, v), ("dq", "dk", "dv")):
+        assert got.shape == x.shape
         assert_close(layout.to_neuron(got, name), exp, FLOAT32, nm)
     assert_close(dsinks, expected[3], FLOAT32, "dsinks")
 
@@ -112,7 +114,7 @@ NAMED_ERRORS = [
     (dict(q=Q.astype(np.float64)), TypeError, "q must be float32 or bfloat16 (ml_dtypes.bfloat16), got float64"),
     (dict(v=V.astype(np.float64)), TypeError, "v must have the dtype of q (float32), got float64"),
     (dict(k=K[..., :4]), ValueError, "k must have shape (1, seqlen_k, nheads_kv, 8) to match q, got (1, 64, 2, 4)"),
-    (dict(v=V[:, :32]), ValueError, "v must have shape (1, 64, 2, 8) (same as k), got (1, 32, 2, 8)"),
+    (dict(v=V[:, :32]), ValueError, "v must have shape (1, 64, 2, d_head_v) to match k, got (1, 32, 2, 8)"),
     (dict(k=np.zeros((1, 64, 3, 8), np.float32), v=np.zeros((1, 64, 3, 8), np.float32)), ValueError,
      "nheads (4) must be a multiple of nheads_kv (k.shape[2]), got nheads_kv=3"),
     (dict(q=Q[..., :0], k=K[..., :0], v=V[..., :0]), ValueError, "d_head (q.shape[3]) must be >= 1, got 0"),

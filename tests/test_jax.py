@@ -34,15 +34,15 @@ def x64():
     return enable_x64()
 
 
-def make(layout="bshd", dtype=np.float32, hkv=HKV, seed=0):
-    """q, k, v, do (NumPy, ``dtype``) in ``layout``."""
+def make(layout="bshd", dtype=np.float32, hkv=HKV, seed=0, dv=D):
+    """q, k, v, do (NumPy, ``dtype``) in ``layout``; v and do with head dim ``dv``."""
     rng = np.random.default_rng(seed)
 
-    def a(heads):
-        shape = (B, S, heads, D) if layout == "bshd" else (B, heads, S, D)
+    def a(heads, dim=D):
+        shape = (B, S, heads, dim) if layout == "bshd" else (B, heads, S, dim)
         return rng.standard_normal(shape).astype(dtype)
 
-    return a(H), a(hkv), a(hkv), a(H)
+    return a(H), a(hkv), a(hkv, dv), a(H, dv)
 
 
 def vjp(f, *args):
@@ -134,6 +134,21 @@ def test_matches_golden(case, layout):
         e = expected[3].sum(axis=0) if sinks.ndim == 1 else expected[3]
         assert got[3].shape == sinks.shape and got[3].dtype == sinks.dtype
         assert_close(got[3], e, FLOAT32, "dsinks")
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_a_value_head_dim_of_its_own_matches_the_golden(layout):
+    """v and do with head_dim_v = 24 != head_dim = 32: o's shape (traced), values and gradients."""
+    q, k, v, do = make(layout, seed=5, dv=24)
+    sinks = np.random.default_rng(6).standard_normal((B, H)).astype(np.float32)
+    f = jax.jit(lambda q, k, v, s: nj.attention(q, k, v, sinks=s, causal=True, layout=layout))
+    assert jax.eval_shape(f, q, k, v, sinks).shape == do.shape
+    o, got = vjp(f, q, k, v, sinks, do)
+    o_exp, expected = golden_of(q, k, v, do, layout, sinks=sinks, use_causal_mask=True)
+    assert_close(neuron(o, layout), o_exp, FLOAT32, "o")
+    for name, g, e, x in zip(("dq", "dk", "dv", "dsinks"), got, expected, (q, k, v, sinks)):
+        assert g.shape == x.shape
+        assert_close(neuron(g, layout) if g.ndim == 4 else g, e, FLOAT32, name)
 
 
 def test_grad_of_a_loss_gives_the_sinks_gradient():

@@ -27,14 +27,18 @@ CASES = [
      dict(bound_min=np.repeat(np.float32([0, 64]), 64), bound_max=np.repeat(np.float32([64, 128]), 64),
           softmax_scale=0.3)),
     ("dropout", 1, 2, 1, 16, 256, dict(use_causal_mask=True, dropout_p=0.2, seed=7, seed_offset=3)),
+    # d_head (40) for q and k, d_head_v (24) for v, o, dy: one unit, split in two Q chunks
+    ("head-dims-split-sinks", 1, 3, 1, (40, 24), 640, dict(use_causal_mask=True, with_sinks=True)),
 ]
 _API_ONLY = ("with_sinks",)
 
 
 def _inputs(bs, nheads, nheads_kv, d_head, seqlen, dtype, seed=0):
+    """q, k, v, dy, sinks; ``d_head`` an int, or ``(d_head, d_head_v)``."""
     rng = np.random.default_rng(seed)
-    q, dy = (rng.standard_normal((bs, nheads, d_head, seqlen)).astype(dtype) for _ in range(2))
-    k, v = (rng.standard_normal((bs, nheads_kv, d_head, seqlen)).astype(dtype) for _ in range(2))
+    d_head, d_v = (d_head, d_head) if isinstance(d_head, int) else d_head
+    q, dy = (rng.standard_normal((bs, nheads, d, seqlen)).astype(dtype) for d in (d_head, d_v))
+    k, v = (rng.standard_normal((bs, nheads_kv, d, seqlen)).astype(dtype) for d in (d_head, d_v))
     sinks = rng.standard_normal((bs, nheads)).astype(np.float32)
     return q, k, v, dy, sinks
 
@@ -53,7 +57,7 @@ def _api(q, k, v, dy, sinks, options):
 def _nb(plan, q, k, v, dy, sinks, call_fwd=nb.attention_fwd, call_bwd=nb.attention_bwd):
     q, k, v, dy = (_bits(x) for x in (q, k, v, dy))
     bs, nheads, _, seqlen = q.shape
-    o, lse = np.empty_like(q), np.empty((bs, nheads, 128, seqlen // 128), np.float32)
+    o, lse = np.empty_like(dy), np.empty((bs, nheads, 128, seqlen // 128), np.float32)
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     if plan.with_sinks:
         dsinks = np.empty_like(sinks)
@@ -126,12 +130,13 @@ def _filled(shape, dtype=np.float32):
     return np.full(shape, 7, dtype)
 
 
-@pytest.mark.parametrize("bad", ["dq-shape", "k-shape", "lse-shape", "dtype", "no-sinks", "stray-sinks"])
+@pytest.mark.parametrize("bad", ["dq-shape", "k-shape", "lse-shape", "dtype", "no-sinks", "stray-sinks",
+                                 "dv-head-dim", "dy-head-dim"])
 def test_arrays_that_do_not_match_the_plan_raise_before_writing(bad):
-    q, k, v, dy, sinks = _inputs(1, 2, 1, 16, 128, np.float32)
+    q, k, v, dy, sinks = _inputs(1, 2, 1, (16, 8), 128, np.float32)
     plan = nb.plan(q, k, v, with_sinks=bad == "stray-sinks")
-    o, lse = _filled(q.shape), _filled((1, 2, 128, 1))
-    dq, dk, dv = _filled(q.shape), _filled(k.shape), _filled(k.shape)
+    o, lse = _filled(dy.shape), _filled((1, 2, 128, 1))
+    dq, dk, dv = _filled(q.shape), _filled(k.shape), _filled(v.shape)
     args = [plan, q, k, v, o, dy, lse, dq, dk, dv]
     if bad == "dq-shape":
         args[7] = dq = _filled((1, 2, 16, 256))
@@ -144,6 +149,10 @@ def test_arrays_that_do_not_match_the_plan_raise_before_writing(bad):
         args[7:] = [x.astype(np.uint16) for x in (dq, dk, dv)]
     elif bad == "no-sinks":
         plan = args[0] = nb.plan(q, k, v, with_sinks=True)
+    elif bad == "dv-head-dim":   # k's shape: the value head dim differs
+        args[9] = dv = _filled(k.shape)
+    elif bad == "dy-head-dim":
+        args[5] = _filled(q.shape)
     with pytest.raises(ValueError, match="numbafa.nb"):
         nb.attention_bwd(*args)
     for x in args[7:]:

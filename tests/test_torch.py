@@ -29,16 +29,18 @@ from _tolerances import BF16_MIXED, FLOAT32, assert_close  # noqa: E402
 B, H, HKV, S, D = 2, 4, 2, 160, 32   # S: not a multiple of the 128-row Q tile
 
 
-def make(layout="bhsd", dtype=torch.float32, b=B, h=H, hkv=HKV, s=S, d=D, seed=0, grad=True):
-    """q, k, v, do in ``layout`` (leaves that require grad) from one seed."""
+def make(layout="bhsd", dtype=torch.float32, b=B, h=H, hkv=HKV, s=S, d=D, seed=0, grad=True, dv=None):
+    """q, k, v, do in ``layout`` (leaves that require grad) from one seed; v and do with head dim
+    ``dv`` (default ``d``)."""
     g = torch.Generator().manual_seed(seed)
 
-    def t(heads):
-        shape = (b, heads, s, d) if layout == "bhsd" else (b, s, heads, d)
+    def t(heads, dim=d):
+        shape = (b, heads, s, dim) if layout == "bhsd" else (b, s, heads, dim)
         return torch.randn(shape, generator=g).to(dtype).requires_grad_(grad)
 
-    q, k, v = t(h), t(hkv), t(hkv)
-    return q, k, v, t(h).detach()
+    dv = d if dv is None else dv
+    q, k, v = t(h), t(hkv), t(hkv, dv)
+    return q, k, v, t(h, dv).detach()
 
 
 def neuron(t, layout):
@@ -83,8 +85,8 @@ def test_import_numbafa_imports_no_framework():
 # The operators
 # ---------------------------------------------------------------------------
 
-def _op_args(dtype, sinks, window, packing, dropout=(0.0, None, 0)):
-    q, k, v, do = make(dtype=dtype, s=96)
+def _op_args(dtype, sinks, window, packing, dropout=(0.0, None, 0), dv=None):
+    q, k, v, do = make(dtype=dtype, s=96, dv=dv)
     perm = (0, 1, 3, 2)
     qn, kn, vn = (x.detach().permute(perm).requires_grad_() for x in (q, k, v))
     s = torch.randn(B, H, dtype=torch.float32, requires_grad=True) if sinks else None
@@ -111,6 +113,14 @@ def test_opcheck(dtype, sinks, window, packing, dropout):
     torch.library.opcheck(torch.ops.numbafa.attention_bwd.default, bwd)
 
 
+def test_opcheck_with_a_value_head_dim_of_its_own():
+    """The fake (meta) functions give o v's head dim, as the kernels do."""
+    fwd, bwd = _op_args(torch.float32, True, 0, False, dv=20)
+    assert fwd[2].shape[2] == 20 and fwd[0].shape[2] == D
+    torch.library.opcheck(torch.ops.numbafa.attention_fwd.default, fwd)
+    torch.library.opcheck(torch.ops.numbafa.attention_bwd.default, bwd)
+
+
 # ---------------------------------------------------------------------------
 # Against SDPA (float64 math backend)
 # ---------------------------------------------------------------------------
@@ -133,6 +143,28 @@ def test_matches_sdpa(layout, causal, hkv):
     assert_close(bhsd(o).detach(), ref.detach(), FLOAT32, "o")
     for name, g, e in zip(("dq", "dk", "dv"), got, expected):
         assert g.shape == e.shape if layout == "bhsd" else g.shape == e.transpose(1, 2).shape
+        assert_close(bhsd(g), e, FLOAT32, name)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_a_value_head_dim_of_its_own_matches_sdpa(layout):
+    """v, o, do with head_dim_v != head_dim (SDPA's math backend takes them too); GQA, causal."""
+    q, k, v, do = make(layout, d=48, dv=24, seed=4)
+    o = nt.attention(q, k, v, causal=True, layout=layout)
+    assert o.shape == q.shape[:-1] + (24,)
+    got = grads(o, do, q, k, v)
+    with torch.no_grad():   # the no-grad path gives the same o
+        torch.testing.assert_close(nt.attention(q, k, v, causal=True, layout=layout), o.detach(), rtol=0, atol=0)
+
+    def bhsd(x):
+        return x if layout == "bhsd" else x.transpose(1, 2)
+
+    qs, ks, vs = (bhsd(x.detach()).double().requires_grad_() for x in (q, k, v))
+    ref = sdpa64(qs, ks, vs, True)
+    expected = grads(ref, bhsd(do).double(), qs, ks, vs)
+    assert_close(bhsd(o).detach(), ref.detach(), FLOAT32, "o")
+    for name, g, e, x in zip(("dq", "dk", "dv"), got, expected, (q, k, v)):
+        assert g.shape == x.shape
         assert_close(bhsd(g), e, FLOAT32, name)
 
 
@@ -445,7 +477,7 @@ def _bad_calls():
         ("k heads", dict(k=k[:, :1].expand(B, 3, S, D), v=v[:, :1].expand(B, 3, S, D)), ValueError,
          r"^heads \(4\) must be a multiple of heads_kv \(k\.shape\[1\]\), got heads_kv=3$"),
         ("v shape", dict(v=v[:, :, :100]), ValueError,
-         r"^v must have shape \(2, 2, 160, 32\) \(same as k\), got \(2, 2, 100, 32\)$"),
+         r"^v must have shape \(2, 2, 160, head_dim_v\) to match k, got \(2, 2, 100, 32\)$"),
         ("causal seq", dict(k=k[:, :, :100], v=v[:, :, :100], causal=True), ValueError,
          r"^causal=True requires seq == seq_k, got seq=160, seq_k=100$"),
         ("causal type", dict(causal=1), TypeError, r"^causal must be a bool, got int 1$"),

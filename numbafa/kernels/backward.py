@@ -270,12 +270,14 @@ def update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum, cut, scratch):
         matmul(k_cols, ds_t, qg.dq[:, blk.r0:blk.r1], False, False, plan.softmax_scale, _ONE,
                plan.gemm)
     if prec.bf16_accumulators:
+        d_v = dy_cols.shape[0]
+        dv_psum = scratch.kd_psum[:blk.n_k * d_v].reshape(blk.n_k, d_v)
+        matmul(p_t, dy_cols, dv_psum, False, True, _ONE, _ZERO, plan.gemm)
+        accumulate(sec.dv_acc[keys], dv_psum, _ONE, True)
         d_head = k_cols.shape[0]
-        kd_psum = scratch.kd_psum[:blk.n_k * d_head].reshape(blk.n_k, d_head)
-        matmul(p_t, dy_cols, kd_psum, False, True, _ONE, _ZERO, plan.gemm)
-        accumulate(sec.dv_acc[keys], kd_psum, _ONE, True)
-        matmul(ds_t, q_cols, kd_psum, False, True, _ONE, _ZERO, plan.gemm)
-        accumulate(sec.dk_acc[keys], kd_psum, _ONE, True)
+        dk_psum = scratch.kd_psum[:blk.n_k * d_head].reshape(blk.n_k, d_head)
+        matmul(ds_t, q_cols, dk_psum, False, True, _ONE, _ZERO, plan.gemm)
+        accumulate(sec.dk_acc[keys], dk_psum, _ONE, True)
     else:
         matmul(p_t, dy_cols, sec.dv_acc[keys], False, True, _ONE, _ONE, plan.gemm)
         matmul(ds_t, q_cols, sec.dk_acc[keys], False, True, _ONE, _ONE, plan.gemm)
@@ -387,9 +389,9 @@ def store_kv_section(outs, plan, sec, unit, chunk, batch, kv_head):
 
 
 @jit()
-def make_scratch(d_head, seqlen_q, seqlen_k, plan):
+def make_scratch(d_head, d_v, seqlen_q, seqlen_k, plan):
     """Per-item scratch buffers (:data:`Scratch`), sized for the largest tiles (Q groups of at
-    most ``seqlen_q`` rows); the bf16 operand copies (``q_op``, ``p_op``, ``ds_op``) only on the
+    most ``seqlen_q`` rows; head dims ``d_head`` of Q/K and ``d_v`` of V/dO); the bf16 operand copies (``q_op``, ``p_op``, ``ds_op``) only on the
     oneDNN path, the dropout multipliers (``mult``) only with dropout."""
     tiling = plan.tiling
     q_rows = max(1, min(tiling.q_tile * tiling.q_tile_group, seqlen_q))
@@ -400,10 +402,10 @@ def make_scratch(d_head, seqlen_q, seqlen_k, plan):
                    np.empty((d_head, q_rows), dtype=np.float32),
                    np.empty(tiling.k_tile * q_rows, dtype=np.float32),
                    np.empty(tiling.k_tile * q_rows, dtype=np.float32),
-                   np.empty(tiling.k_tile * d_head, dtype=np.float32),
+                   np.empty(tiling.k_tile * max(d_head, d_v), dtype=np.float32),
                    np.empty(q_rows * d_head, dtype=np.float32),
                    np.empty((sec_cap, d_head), dtype=np.float32),
-                   np.empty((sec_cap, d_head), dtype=np.float32),
+                   np.empty((sec_cap, d_v), dtype=np.float32),
                    np.empty(bits * d_head * q_rows, dtype=np.uint16),
                    np.empty(bits * tiling.k_tile * q_rows, dtype=np.uint16),
                    np.empty(bits * tiling.k_tile * q_rows, dtype=np.uint16),
@@ -423,7 +425,7 @@ def bwd_work_item(args, item):
     nheads_kv, seqlen_k = ins.k.shape[1], ins.k.shape[3]
     n_rep = nheads // nheads_kv
     unit, chunk, batch, kv_head = decode_item(item, tiling.q_chunks, nheads_kv)
-    scratch = make_scratch(d_head, seqlen_q, seqlen_k, plan)
+    scratch = make_scratch(d_head, ins.v.shape[2], seqlen_q, seqlen_k, plan)
     n_groups = n_q_groups(seqlen_q, tiling)
     # A zero-length key sequence still runs one (empty) section, so that D,
     # dQ = 0 and dsinks come from the same code path.
@@ -528,15 +530,17 @@ def flash_attn_bwd(ins, outs, stats, plan, entries, items, units):
     Parameters
     ----------
     ins : :data:`~numbafa.kernels.bundles.BwdInputs`
-        ``q, o, dy``: float32 or uint16 (bf16 bits) ``[bs, nheads, d_head, seqlen_q]``;
-        ``k, v``: same dtype ``[bs, nheads_kv, d_head, seqlen_k]``;
+        ``q``: float32 or uint16 (bf16 bits) ``[bs, nheads, d_head, seqlen_q]``;
+        ``o, dy``: same dtype ``[bs, nheads, d_head_v, seqlen_q]``;
+        ``k``: same dtype ``[bs, nheads_kv, d_head, seqlen_k]``;
+        ``v``: same dtype ``[bs, nheads_kv, d_head_v, seqlen_k]``;
         ``lse``: float32 ``[bs, nheads, seqlen_q]`` (natural layout);
         ``sinks``: float32 ``[bs, nheads, num_sinks]`` (``num_sinks`` may be 0).
     outs : :data:`~numbafa.kernels.bundles.BwdOutputs`
-        ``dq`` float32 ``[bs, nheads, d_head, seqlen_q]``; ``dk, dv`` float32
-        ``[bs, nheads_kv, d_head, seqlen_k]``; ``dsinks`` float32 ``[bs,
-        nheads, num_sinks]``, all written in full; ``part_dk, part_dv``
-        float32 ``[bs * nheads_kv, q_chunks - 1, d_head, seqlen_k]``, scratch
+        ``dq`` float32 ``[bs, nheads, d_head, seqlen_q]``; ``dk`` (``dv``) float32
+        ``[bs, nheads_kv, d_head (d_head_v), seqlen_k]``; ``dsinks`` float32 ``[bs,
+        nheads, num_sinks]``, all written in full; ``part_dk`` (``part_dv``)
+        float32 ``[bs * nheads_kv, q_chunks - 1, d_head (d_head_v), seqlen_k]``, scratch
         for the partials of chunks 1.. of split units (used when
         ``plan.tiling.q_chunks > 1``, which ``plan.precision.bf16_accumulators``
         excludes: bf16 accumulators cannot be split without changing their

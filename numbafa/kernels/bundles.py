@@ -86,7 +86,7 @@ def make_plan(prob, backward: bool) -> Plan:
         raise ValueError(f"sequence lengths must be below 2**31, got seqlen_q={seqlen_q}, "
                          f"seqlen_k={seqlen_k}")
     # Zero-length sequences run the same kernels with empty loops.
-    cfg = setup_config(max(seqlen_q, 1), max(seqlen_k, 1), d_head)
+    cfg = setup_config(max(seqlen_q, 1), max(seqlen_k, 1), d_head, prob.v.shape[2])
     round_kernel = bool(prob.is_bf16)
     bf16_accumulators = round_kernel and not prob.mixed_precision
     chunks = q_chunks(bs * nheads_kv, seqlen_q, bf16_accumulators if backward else False)
@@ -120,7 +120,7 @@ def shared_plan(prob, backward: bool) -> Plan:
     """
     if prob.use_packing:
         return make_plan(prob, backward)
-    key = (prob.q.shape, prob.k.shape, prob.dtype, prob.mixed_precision, prob.use_causal_mask, prob.window,
+    key = (prob.q.shape, prob.k.shape, prob.v.shape[2], prob.dtype, prob.mixed_precision, prob.use_causal_mask, prob.window,
            prob.softmax_scale, prob.dropout_p > 0.0, backward)
     plan = _PLANS.get(key)
     if plan is None:

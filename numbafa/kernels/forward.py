@@ -139,22 +139,22 @@ def online_softmax_block(plan, head, q_cols, k_cols, v_cols, q_abs0, k_abs0, sta
     """One online-softmax update of the queries ``q_cols`` by the keys ``k_cols`` / ``v_cols``.
 
     All three are in the Neuron layout, ``[d, rows]`` / ``[d, keys]`` (views
-    with unit inner stride); BLAS reads them transposed where needed, so no
+    with unit inner stride; V's ``d`` is the value head dim); BLAS reads them transposed where needed, so no
     transposed copy is made. ``S = Q_s^T K``, the masked exp of
     :func:`online_softmax_update`, ``rowsum(P)`` as written (a
     matrix-vector product), with dropout ``P~ = P * Z * scale`` (written in
     kernel_dtype; the row sum, the softmax normaliser, keeps every P), ``P V``
     and :func:`rescale_accumulate` into ``stats`` (rows ``[rows, d]``).
     """
-    d_head, n_q = q_cols.shape
-    n_k = k_cols.shape[1]
+    n_q = q_cols.shape[1]
+    d_v, n_k = v_cols.shape
     s = scratch.s[:n_q * n_k].reshape(n_q, n_k)
     matmul(q_cols, k_cols, s, True, False, _ONE, _ZERO, plan.gemm)
     online_softmax_update(s, q_abs0, k_abs0, stats, plan)
     tile_sum = scratch.tile_sum[:n_q]
     matmul(s, scratch.ones[:n_k], tile_sum, False, False, _ONE, _ZERO, plan.gemm)  # rowsum(P)
     drop_forward(s, k_abs0, q_abs0, head.q_head, head.batch, plan.dropout, plan.precision.round_kernel)
-    pv = scratch.pv[:n_q * d_head].reshape(n_q, d_head)
+    pv = scratch.pv[:n_q * d_v].reshape(n_q, d_v)
     # P as written (bf16 values for bf16 inputs): its bits are the operand on the oneDNN path.
     p_op = narrowed(s, scratch.p_op, plan.operand)
     matmul(p_op, v_cols, pv, False, True, _ONE, _ZERO, plan.gemm)
@@ -248,20 +248,20 @@ def sink_statistics(sinks_h):
 
 
 @jit()
-def make_fwd_scratch(d_head, seqlen_q, plan):
-    """Per-item scratch buffers (:data:`FwdScratch`), for Q groups of at most ``seqlen_q`` rows; the
-    bf16 operand copies only on the oneDNN path."""
+def make_fwd_scratch(d_head, d_v, seqlen_q, plan):
+    """Per-item scratch buffers (:data:`FwdScratch`), for Q groups of at most ``seqlen_q`` rows, head
+    dims ``d_head`` (Q) and ``d_v`` (V, O); the bf16 operand copies only on the oneDNN path."""
     tiling = plan.tiling
     q_rows = max(1, min(tiling.q_tile * tiling.q_tile_group, seqlen_q))
     k_cap = max(tiling.k_tile, 1)
     bits = 1 if plan.operand.itemsize == 2 else 0
     return FwdScratch(np.empty((d_head, q_rows), dtype=np.float32),
-                      np.empty((q_rows, d_head), dtype=np.float32),
+                      np.empty((q_rows, d_v), dtype=np.float32),
                       np.empty(q_rows, dtype=np.float32),
                       np.empty(q_rows, dtype=np.float32),
                       np.empty(q_rows, dtype=np.float32),
                       np.empty(q_rows * k_cap, dtype=np.float32),
-                      np.empty(q_rows * d_head, dtype=np.float32),
+                      np.empty(q_rows * d_v, dtype=np.float32),
                       np.empty(q_rows, dtype=np.float32),
                       np.ones(k_cap, dtype=np.float32),
                       np.empty(bits * d_head * q_rows, dtype=np.uint16),
@@ -282,7 +282,7 @@ def fwd_work_item(args, item):
     # place, bf16 ones widened once on the BLAS path.
     k_n = as_operand(ins.k[batch, kv_head], plan.operand)
     v_n = as_operand(ins.v[batch, kv_head], plan.operand)
-    scratch = make_fwd_scratch(d_head, seqlen_q, plan)
+    scratch = make_fwd_scratch(d_head, ins.v.shape[2], seqlen_q, plan)
     n_groups = n_q_groups(seqlen_q, tiling)
     for r in range(n_rep):
         h = kv_head * n_rep + r
@@ -303,10 +303,11 @@ def flash_attn_fwd(ins, outs, plan, item, items):
     ----------
     ins : :data:`~numbafa.kernels.bundles.FwdInputs`
         ``q``: float32 or uint16 (bf16 bits) ``[bs, nheads, d_head, seqlen_q]``;
-        ``k, v``: same dtype ``[bs, nheads_kv, d_head, seqlen_k]``;
+        ``k``: same dtype ``[bs, nheads_kv, d_head, seqlen_k]``; ``v``: same dtype
+        ``[bs, nheads_kv, d_head_v, seqlen_k]``;
         ``sinks``: float32 ``[bs, nheads, num_sinks]`` (``num_sinks`` may be 0).
     outs : :data:`~numbafa.kernels.bundles.FwdOutputs`
-        ``o`` float32 ``[bs, nheads, d_head, seqlen_q]`` (values of the output
+        ``o`` float32 ``[bs, nheads, d_head_v, seqlen_q]`` (values of the output
         dtype), ``lse`` float32 ``[bs, nheads, seqlen_q]``.
     plan : :data:`~numbafa.kernels.bundles.Plan`
         Rows are independent, so the Q-chunk split changes no result.
