@@ -124,7 +124,8 @@ def host_options(arrays: tuple, causal: bool, window: int, softmax_scale: float,
 
 
 def host_forward(qn, kn, vn, options: AttentionOptions, layout: str):
-    """numbafa's forward on Neuron-layout arrays: ``o`` ``[b, h, d, s]``, lse ``[b, h, s]`` (float32);
+    """numbafa's forward on Neuron-layout arrays: ``o`` ``[b, h, d_v, s]``, lse ``[b, h, s]`` (float32,
+    float64 for float64 inputs);
     errors name the user's arguments, shapes given in ``layout``."""
     return core.attention_fwd(qn, kn, vn, options, Caller(NAMES, layout))
 

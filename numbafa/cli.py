@@ -40,11 +40,13 @@ from .layout import MAX_BOUND, cu_seqlens_to_bounds
 from .onednn import gemm_path
 from .version import __version__
 
-#: Acceptance rule: max|a - e| <= ATOL + rtol * max|e|, rtol per (dtype, output); the
-#: values of tests/_tolerances.py. Shown as max|a - e| / max|e| <= rtol + ATOL / max|e|.
-ATOL = 1e-5
-RTOL = {"float32": 1e-4, "bf16": 2e-2}
-RTOL_LSE = {"float32": 1e-5, "bf16": 2e-2}
+#: Acceptance rule: max|a - e| <= atol + rtol * max|e|, atol per dtype, rtol per (dtype, output);
+#: the values of tests/_tolerances.py. Shown as max|a - e| / max|e| <= rtol + atol / max|e|.
+ATOL = {"float32": 1e-5, "bf16": 1e-5, "float64": 1e-13}
+RTOL = {"float32": 1e-4, "bf16": 2e-2, "float64": 1e-10}
+RTOL_LSE = {"float32": 1e-5, "bf16": 2e-2, "float64": 1e-10}
+#: The NumPy dtype of each --dtype name (bf16 is ml_dtypes', imported when used).
+_DTYPES = {"float32": np.float32, "float64": np.float64}
 
 #: Score entries (query rows x keys) the golden check materialises at once: a float64
 #: block of 32 MiB, a few of them alive at a time.
@@ -68,15 +70,16 @@ def _rule(dtype: str, output: str, err: float, scale: float) -> dict:
     """The acceptance rule for one output, and its relative form for display.
 
     ``max_rel_err = max|a - e| / max|e|`` passes when ``<= rel_bound = rtol +
-    ATOL / max|e|``, which is the rule itself. When ``max|e| = 0`` there is no
-    relative error (both are None) and the rule is ``max|a - e| <= ATOL``. (dq, dk and dv
+    atol / max|e|``, which is the rule itself. When ``max|e| = 0`` there is no
+    relative error (both are None) and the rule is ``max|a - e| <= atol``. (dq, dk and dv
     whose exact value is 0 come with the pass's largest gradient element as ``scale``:
     :func:`_check`.)
     """
     rtol = RTOL_LSE[dtype] if output == "lse" else RTOL[dtype]
-    ok = bool(err <= ATOL + rtol * scale)
+    atol = ATOL[dtype]
+    ok = bool(err <= atol + rtol * scale)
     if scale > 0:
-        return dict(max_abs_err=err, max_rel_err=err / scale, rel_bound=rtol + ATOL / scale, ok=ok)
+        return dict(max_abs_err=err, max_rel_err=err / scale, rel_bound=rtol + atol / scale, ok=ok)
     return dict(max_abs_err=err, max_rel_err=None, rel_bound=None, ok=ok)
 
 
@@ -133,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim-v", type=_positive_int, default=None,
                    help="head dimension of v, o and their gradients, e.g. 128 with --head-dim 192 as "
                         "DeepSeek's MLA (default: --head-dim)")
-    p.add_argument("--dtype", choices=("float32", "bf16", "both"), default="both",
-                   help="input dtype; bf16 runs with mixed_precision=True (default: %(default)s)")
+    p.add_argument("--dtype", choices=("float32", "bf16", "float64", "both"), default="both",
+                   help="input dtype; bf16 runs with mixed_precision=True; both: float32 and bf16 "
+                        "(default: %(default)s)")
     p.add_argument("--mask", choices=("causal", "full"), default="causal",
                    help="causal or full attention (default: %(default)s)")
     p.add_argument("--window", type=_positive_int, default=None,
@@ -348,8 +352,7 @@ def run(args, progress: Progress) -> list:
     if args.dropout:
         opts.update(dropout_p=args.dropout, seed=args.seed)
     rng = np.random.default_rng(0)
-    if args.sinks:
-        opts["sinks_ref"] = rng.standard_normal((b, h, args.sinks)).astype(np.float32)
+    sinks = rng.standard_normal((b, h, args.sinks)) if args.sinks else None
     if args.packing:
         opts["bound_min"], opts["bound_max"] = cu_seqlens_to_bounds(np.cumsum((0,) + args.packing))
     visible = 0.5 if causal else 1.0  # share of the score matrix computed (flash-attn convention)
@@ -358,7 +361,9 @@ def run(args, progress: Progress) -> list:
     records = []
     dtypes = ("float32", "bf16") if args.dtype == "both" else (args.dtype,)
     for name in dtypes:
-        dtype = bf16_dtype() if name == "bf16" else np.dtype(np.float32)
+        dtype = bf16_dtype() if name == "bf16" else np.dtype(_DTYPES[name])
+        if sinks is not None:   # float32 sinks (float64 with float64 inputs: a float64 gradient)
+            opts["sinks_ref"] = sinks.astype(np.float64 if name == "float64" else np.float32)
         q = rng.standard_normal((b, h, d, s)).astype(dtype)
         k = rng.standard_normal((b, hkv, d, s)).astype(dtype)
         v = rng.standard_normal((b, hkv, dv, s)).astype(dtype)
@@ -509,7 +514,7 @@ def _verdict(records) -> str:
 def _format_error(r: dict, out: str) -> str:
     rel, bound = r["max_rel_err"][out], r["rel_bound"][out]
     if rel is None:  # max|e| = 0: the absolute rule
-        return f"{out}={r['max_abs_err'][out]:.1e} abs (<={ATOL:.1e})"
+        return f"{out}={r['max_abs_err'][out]:.1e} abs (<={ATOL[r['dtype']]:.1e})"
     return f"{out}={rel:.1e} (<={bound:.1e})"
 
 

@@ -52,15 +52,21 @@ def lse_out(lse: np.ndarray, lse_layout: str) -> np.ndarray:
 
 
 def to_dtype(x: np.ndarray, dtype) -> np.ndarray:
-    """Kernel float32 output -> ``dtype`` (float32 or bf16; bf16 values are already rounded: exact)."""
-    return x if np.dtype(dtype) == np.float32 else to_bf16_array(x)
+    """Kernel output (float32, or float64 for float64 inputs) -> ``dtype``: itself, bf16 (the values
+    of a bf16 output are already rounded: exact), or another float dtype (a float64 call's float32
+    sinks' gradient: rounded once)."""
+    dtype = np.dtype(dtype)
+    if dtype == x.dtype:
+        return x
+    return x.astype(dtype) if dtype.kind == "f" else to_bf16_array(x)
 
 
 def user_dsinks(dsinks: np.ndarray, shape: tuple, dtype) -> np.ndarray:
-    """The kernels' float32 dsinks ``[bs, nheads, num_sinks]`` in the sinks' ``shape`` and ``dtype``;
-    sinks ``[nheads]`` (shared by the batch) get the float32 sum over the batch, rounded once."""
+    """The kernels' dsinks ``[bs, nheads, num_sinks]`` (float32, or float64) in the sinks' ``shape``
+    and ``dtype``; sinks ``[nheads]`` (shared by the batch) get the sum over the batch in the kernels'
+    dtype, rounded once."""
     if len(shape) == 1:
-        dsinks = dsinks.reshape(dsinks.shape[0], -1).sum(axis=0, dtype=np.float32)
+        dsinks = dsinks.reshape(dsinks.shape[0], -1).sum(axis=0, dtype=dsinks.dtype)
     return to_dtype(np.ascontiguousarray(dsinks), dtype).reshape(shape)
 
 
@@ -70,7 +76,7 @@ def _kernel_name(pass_name: str, plan) -> str:
 
 
 def _dtype_name(ins) -> str:
-    return "float32" if ins.q.dtype == np.float32 else "bfloat16"
+    return "bfloat16" if ins.q.dtype == np.uint16 else ins.q.dtype.name
 
 
 @contextlib.contextmanager
@@ -95,14 +101,16 @@ def bwd_outputs(ins: BwdInputs, q_chunks: int) -> BwdOutputs:
     nb, nheads, d_head, seqlen_q = ins.q.shape
     nheads_kv, d_v, seqlen_k = ins.v.shape[1:]
 
+    acc = ins.lse.dtype   # float32, or float64 for float64 inputs
+
     def parts(d):
         return np.empty((nb * nheads_kv, q_chunks - 1, d, seqlen_k) if q_chunks > 1 else (1, 1, d, 0),
-                        dtype=np.float32)
+                        dtype=acc)
 
-    return BwdOutputs(np.empty((nb, nheads, d_head, seqlen_q), dtype=np.float32),
-                      np.empty((nb, nheads_kv, d_head, seqlen_k), dtype=np.float32),
-                      np.empty((nb, nheads_kv, d_v, seqlen_k), dtype=np.float32),
-                      np.empty(ins.sinks.shape, dtype=np.float32), parts(d_head), parts(d_v))
+    return BwdOutputs(np.empty((nb, nheads, d_head, seqlen_q), dtype=acc),
+                      np.empty((nb, nheads_kv, d_head, seqlen_k), dtype=acc),
+                      np.empty((nb, nheads_kv, d_v, seqlen_k), dtype=acc),
+                      np.empty(ins.sinks.shape, dtype=acc), parts(d_head), parts(d_v))
 
 
 def run_fwd(ins: FwdInputs, plan, items=None, n_threads=None, signature=None) -> FwdOutputs:
@@ -111,8 +119,9 @@ def run_fwd(ins: FwdInputs, plan, items=None, n_threads=None, signature=None) ->
     ``signature``: see :func:`~numbafa.kernels.launch.work_item_address` (None: Numba's
     fingerprint of the bundles)."""
     nb, nheads, _, seqlen_q = ins.q.shape
-    outs = FwdOutputs(np.empty((nb, nheads, ins.v.shape[2], seqlen_q), dtype=np.float32),
-                      np.empty((nb, nheads, seqlen_q), dtype=np.float32))
+    acc = plan.acc.dtype   # float32, or float64 for float64 inputs
+    outs = FwdOutputs(np.empty((nb, nheads, ins.v.shape[2], seqlen_q), dtype=acc),
+                      np.empty((nb, nheads, seqlen_q), dtype=acc))
     with kernel_call(_kernel_name("forward", plan), _dtype_name(ins)), _on_threads(n_threads):
         run_forward(ins, outs, plan, items, signature)
     return outs

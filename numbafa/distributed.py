@@ -296,7 +296,7 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     n_chunks = plan.tiling.q_chunks
     rows = [shards.owned_rows(seqlen_q, plan.tiling, c) for c in range(n_chunks)]
     o = np.empty((bs, nheads, prob.v.shape[2], seqlen_q), dtype=prob.dtype)
-    lse = np.empty((bs, nheads, seqlen_q), dtype=np.float32)
+    lse = np.empty((bs, nheads, seqlen_q), dtype=plan.acc.dtype)
     units = _units(bs, nheads_kv, nheads // nheads_kv, _units_per_task(plan, prob, n_slots))
     shares = [(FwdInputs(shards.pack_rows(prob.q[b, heads], rows[c]), prob.k[b, kv], prob.v[b, kv],
                          prob.sinks[b, heads]),)
@@ -382,7 +382,7 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     dq = np.empty((bs, nheads, d_head, seqlen_q), dtype=prob.dtype)
     dk = np.empty((bs, nheads_kv, d_head, seqlen_k), dtype=prob.dtype)
     dv = np.empty((bs, nheads_kv, prob.v.shape[2], seqlen_k), dtype=prob.dtype)
-    dsinks = np.empty(prob.sinks.shape, dtype=np.float32)
+    dsinks = np.empty(prob.sinks.shape, dtype=prob.sinks.dtype)
     units = _units(bs, nheads_kv, nheads // nheads_kv,
                    _units_per_task(plan, prob, sum(client.nthreads().values())))
 
@@ -437,13 +437,14 @@ def _shape_only(shape: tuple, dtype) -> np.ndarray:
 
 def _dask_sinks(sinks, q):
     """The sinks as a Dask array chunked as ``q_ref`` along batch and heads; NumPy ``[nheads]``
-    sinks (shared by the batch) as float32 ``[bs, nheads]`` (their gradient is summed back in
-    :func:`_batch_sum`, as the single-process call sums it)."""
+    sinks (shared by the batch) as float32 ``[bs, nheads]`` (float64 for float64 inputs; their
+    gradient is summed back in :func:`_batch_sum`, as the single-process call sums it)."""
     da, _ = _dask()
     if sinks is None or _is_dask(sinks):
         return sinks
     if sinks.ndim == 1:
-        sinks = np.broadcast_to(sinks.astype(np.float32), (q.shape[0], sinks.shape[0]))
+        acc = np.float64 if q.dtype == np.float64 else np.float32
+        sinks = np.broadcast_to(sinks.astype(acc), (q.shape[0], sinks.shape[0]))
     return da.from_array(sinks, chunks=q.chunks[:2] + tuple((n,) for n in sinks.shape[2:]))
 
 
@@ -591,7 +592,7 @@ def _fwd_dask(client, named, options, lse_layout):
     results = _per_block(q, (q, named["k_ref"], named["v_ref"], sinks), block)
     lse_rest = ((Q_TILE,), (seqlen_q // Q_TILE,)) if lse_layout == "neuron" else ((seqlen_q,),)
     return (_assemble(results, 0, q.chunks[:2] + ((d_v,), (seqlen_q,)), q.dtype, "o"),
-            _assemble(results, 1, q.chunks[:2] + lse_rest, np.float32, "lse"))
+            _assemble(results, 1, q.chunks[:2] + lse_rest, plan.acc.dtype, "lse"))
 
 
 def _bwd_dask(client, named, options):

@@ -99,7 +99,7 @@ def round_to_bf16_inplace(buf):
 
 
 def widen(x):  # pragma: no cover - replaced by the overload inside njit code
-    """Element as float32: identity for float32, bf16 widening for uint16 bits."""
+    """Element as a float: identity for float32 and float64, bf16 widening (to float32) for uint16 bits."""
     raise NotImplementedError("widen is only callable from @njit code")
 
 
@@ -109,13 +109,14 @@ def _widen_overload(x):
 
     if x == types.uint16:
         return lambda x: bf16_bits_to_f32(x)
-    if x == types.float32:
+    if x in (types.float32, types.float64):
         return lambda x: x
     return None
 
 
 def widened(x):  # pragma: no cover - replaced by the overload inside njit code
-    """A 2-D array as float32: ``x`` itself if float32, a widened copy of uint16 bf16 bits."""
+    """A 2-D array as a float array: ``x`` itself if float32 or float64, a widened float32 copy of
+    uint16 bf16 bits."""
     raise NotImplementedError("widened is only callable from @njit code")
 
 
@@ -125,7 +126,7 @@ def _widened_overload(x):
 
     if not isinstance(x, types.Array) or x.ndim != 2:
         return None
-    if x.dtype == types.float32:
+    if x.dtype in (types.float32, types.float64):
         return lambda x: x
 
     if x.dtype == types.uint16:
@@ -181,7 +182,7 @@ def to_bf16_array(x: np.ndarray) -> np.ndarray:
 
 def as_operand(x, operand):  # pragma: no cover - replaced by the overload inside njit code
     """An input tile as a GEMM operand of the path ``operand`` marks (its dtype):
-    float32 -> :func:`widened`; uint16 (bf16 bits, the oneDNN path) -> ``x`` itself."""
+    float32 -> :func:`widened`; uint16 (bf16 bits, the oneDNN path) and float64 -> ``x`` itself."""
     raise NotImplementedError("as_operand is only callable from @njit code")
 
 
@@ -193,14 +194,14 @@ def _as_operand_overload(x, operand):
         return None
     if operand.dtype == types.float32:
         return lambda x, operand: widened(x)
-    if operand.dtype == types.uint16 and x.dtype == types.uint16:
+    if operand.dtype in (types.uint16, types.float64) and x.dtype == operand.dtype:
         return lambda x, operand: x
     return None
 
 
 def narrowed(t, buf, operand):  # pragma: no cover - replaced by the overload inside njit code
     """A bf16-valued float32 2-D tile as a GEMM operand of the path ``operand`` marks:
-    float32 -> ``t`` itself; uint16 -> its bf16 bits written into the flat uint16 scratch
+    float32 and float64 -> ``t`` itself; uint16 -> its bf16 bits written into the flat uint16 scratch
     ``buf`` (exact: every value is a bf16 value), returned as a ``t``-shaped view of it."""
     raise NotImplementedError("narrowed is only callable from @njit code")
 
@@ -211,7 +212,7 @@ def _narrowed_overload(t, buf, operand):
 
     if not isinstance(operand, types.Array) or not isinstance(t, types.Array) or t.ndim != 2:
         return None
-    if operand.dtype == types.float32:
+    if operand.dtype in (types.float32, types.float64):
         return lambda t, buf, operand: t
     if operand.dtype == types.uint16:
         def impl(t, buf, operand):

@@ -10,8 +10,8 @@ saves q, k, v, o and the log-sum-exp, never anything quadratic in the
 sequence length. It works under ``jax.jit``, ``jax.grad`` and
 ``jax.vmap`` (a vmapped call is one host call: the mapped axis is folded
 into the batch, or looped over when the packing bounds differ along it).
-float32 and bfloat16 (``jnp.bfloat16`` *is* ``ml_dtypes.bfloat16``: the
-arrays cross without conversion).
+float32, bfloat16 (``jnp.bfloat16`` *is* ``ml_dtypes.bfloat16``: the
+arrays cross without conversion) and, under ``jax_enable_x64``, float64.
 
 Arguments are checked from their shapes and dtypes when the function is
 traced, so a bad call raises ``TypeError``/``ValueError`` at once, naming
@@ -115,7 +115,7 @@ def _host_bwd(static, q, k, v, o, do, lse, sinks, bound_min, bound_max):
 
 def _lse_shape(q, layout):
     b, h, s = (q.shape[0], q.shape[1], q.shape[2]) if layout == "bhsd" else (q.shape[0], q.shape[2], q.shape[1])
-    return jax.ShapeDtypeStruct((b, h, s), jnp.float32)
+    return jax.ShapeDtypeStruct((b, h, s), jnp.float64 if q.dtype == jnp.float64 else jnp.float32)
 
 
 def _forward_call(static, q, k, v, sinks, bound_min, bound_max):
@@ -160,7 +160,8 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
     ----------
     q : array ``[batch, heads, seq_q, head_dim]`` for ``layout="bhsd"``,
         ``[batch, seq_q, heads, head_dim]`` for ``"bshd"`` (as
-        ``jax.nn.dot_product_attention``); float32 or bfloat16
+        ``jax.nn.dot_product_attention``); float32, bfloat16, or float64 under
+        ``jax_enable_x64`` (computed in float64: ``jax.test_util.check_grads`` works)
     k, v : arrays, likewise with ``heads_kv`` (``heads % heads_kv == 0``) and ``seq_k``; ``v``'s
         head dim (``head_dim_v``) may differ from ``head_dim`` (as DeepSeek's MLA: 192 and 128)
     causal : bool
@@ -206,8 +207,9 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
     if sinks is not None:
         sinks = jnp.asarray(sinks)
-        if sinks.ndim == 1:  # [heads]: one float32 sum over the batch in the transpose of this broadcast
-            sinks = jnp.broadcast_to(sinks.astype(jnp.float32), (q.shape[0], sinks.shape[0]))
+        if sinks.ndim == 1:  # [heads]: one float32 (float64) sum over the batch in the transpose of this broadcast
+            acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+            sinks = jnp.broadcast_to(sinks.astype(acc), (q.shape[0], sinks.shape[0]))
     if bound_min is not None:
         bound_min, bound_max = jnp.asarray(bound_min), jnp.asarray(bound_max)
     static = (options.use_causal_mask, options.sliding_window, options.softmax_scale or 0.0, layout)

@@ -119,7 +119,7 @@ def plan(q, k, v, *, use_causal_mask=False, sliding_window=None, bound_min=None,
     ------
     TypeError, ValueError
         As :func:`numbafa.attention_bwd`, naming ``q``, ``k``, ``v``; ``seqlen_q`` not a
-        multiple of 128; ``with_sinks`` not a bool.
+        multiple of 128; ``with_sinks`` not a bool; float64 arrays (the Python API takes them).
     """
     if not isinstance(with_sinks, (bool, np.bool_)):
         raise TypeError(f"with_sinks must be a bool, got {type(with_sinks).__name__}")
@@ -127,6 +127,9 @@ def plan(q, k, v, *, use_causal_mask=False, sliding_window=None, bound_min=None,
     options = AttentionOptions(None, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
                                sliding_window, dropout_p, seed, seed_offset)
     prob = validate_fwd_inputs(q, k, v, options, _CALLER)
+    if prob.dtype == np.float64:
+        raise TypeError("numbafa.nb takes float32 or bf16 arrays, got q of float64; float64 runs through "
+                        "numbafa.attention_fwd / attention_bwd")
     bs, nheads, d_head, seqlen_q = prob.q.shape
     nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
     if seqlen_q % Q_TILE:
@@ -250,7 +253,7 @@ def _canonical_overload(kernel_plan):
     def impl(kernel_plan):
         p = kernel_plan
         return Plan(p.tiling, p.mask, p.precision, np.float32(p.softmax_scale), p.gemm, p.operand,
-                    _canonical_dropout(p.dropout))
+                    _canonical_dropout(p.dropout), p.acc)
     return impl
 
 
@@ -462,5 +465,5 @@ def _with_offset_overload(kernel_plan, seed, seed_offset):
         d = kernel_plan.dropout
         dropout = Dropout(d.threshold, d.scale, np.int64(words[0]), np.int64(words[1]), d.batch0, d.head0)
         return Plan(kernel_plan.tiling, kernel_plan.mask, kernel_plan.precision, kernel_plan.softmax_scale,
-                    kernel_plan.gemm, kernel_plan.operand, dropout)
+                    kernel_plan.gemm, kernel_plan.operand, dropout, kernel_plan.acc)
     return impl

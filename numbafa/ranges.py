@@ -1,7 +1,8 @@
 """float32's range: what may overflow in a pass, and the exact rescale that avoids it.
 
 The kernels compute in float32 (bf16 values are float32 values with fewer
-mantissa bits: the same exponent range). Finite inputs can still overflow:
+mantissa bits: the same exponent range), or in float64 for float64 inputs,
+where everything below holds with float64's range. Finite inputs can still overflow:
 
 * **the scores** ``S = softmax_scale * q^T k``: when ``|S|`` may exceed
   float32's largest value the pass raises ``FloatingPointError``: the row's
@@ -35,6 +36,7 @@ from .dtypes import from_bf16_array, to_bf16_array
 __all__ = ["F32_MAX", "check_scores", "in_range", "rescale_exponent", "scaled_input", "unscaled_output"]
 
 F32_MAX = float(np.finfo(np.float32).max)
+F64_MAX = float(np.finfo(np.float64).max)
 
 #: Slack on the bounds of accumulated sums (float32 and bf16 roundings; see the module docstring).
 _SLACK = 1.25
@@ -43,8 +45,13 @@ _ROWS = 256
 
 
 def _as_f32(x: np.ndarray) -> np.ndarray:
-    """A kernel array (float32, or bf16 as uint16 bits) as float32 values."""
+    """A kernel array (float32, or bf16 as uint16 bits) as float32 values; float64 as it is."""
     return from_bf16_array(x) if x.dtype == np.uint16 else x
+
+
+def _limit(dtype) -> tuple:
+    """``(largest finite value, name)`` of the arithmetic of a pass on inputs of ``dtype``."""
+    return (F64_MAX, "float64") if dtype == np.float64 else (F32_MAX, "float32")
 
 
 def _largest_abs_score(prob) -> float:
@@ -62,22 +69,24 @@ def _largest_abs_score(prob) -> float:
 
 
 def check_scores(prob, caller) -> None:
-    """Raise ``FloatingPointError`` if the scores may leave float32's range.
+    """Raise ``FloatingPointError`` if the scores may leave the range of the pass's arithmetic.
 
     First a bound from the largest elements (free); only when it does not fit,
     the exact largest absolute score product (a float64 pass over the pairs).
     """
     m = prob.max_abs
     d_head = prob.q.shape[2]
+    limit, name = _limit(prob.dtype)
     margin = (1.0 + 2.0 ** -7) * (1.0 + d_head * 2.0 ** -23)    # q * scale rounded (bf16), the sums
-    if abs(prob.softmax_scale) * m["q_ref"] * m["k_ref"] * d_head * margin < F32_MAX:
-        return
-    largest = _largest_abs_score(prob) * margin
-    if largest >= F32_MAX:
+    with np.errstate(over="ignore"):
+        if abs(prob.softmax_scale) * m["q_ref"] * m["k_ref"] * d_head * margin < limit:
+            return
+        largest = _largest_abs_score(prob) * margin
+    if largest >= limit:
         q, k, scale = caller("q_ref"), caller("k_ref"), caller("softmax_scale")
         raise FloatingPointError(
-            f"the attention scores {scale} * {q}^T {k} overflow float32: their products reach "
-            f"{largest:.4g} > {F32_MAX:.4g} (float32's largest value), and the log-sum-exp is at least "
+            f"the attention scores {scale} * {q}^T {k} overflow {name}: their products reach "
+            f"{largest:.4g} > {limit:.4g} ({name}'s largest value), and the log-sum-exp is at least "
             f"the largest score; scale {q} or {k} down, or pass a smaller {scale}")
 
 
@@ -103,9 +112,14 @@ def rescale_exponent(prob, backward: bool) -> int:
     else:
         bound = prob.k.shape[3] * prob.max_abs["v_ref"] / (1.0 - prob.dropout_p)
     bound *= _SLACK
-    if bound < F32_MAX:
+    limit, name = _limit(prob.dtype)
+    if bound < limit:
         return 0
-    return int(math.ceil(math.log2(bound / F32_MAX))) + 1
+    if not math.isfinite(bound):   # float64 inputs near float64's largest value
+        what = "dy" if backward else "v"
+        raise FloatingPointError(f"the sums of the {'backward' if backward else 'forward'} overflow {name} "
+                                 f"beyond an exact rescale of {what}: scale the inputs down")
+    return int(math.ceil(math.log2(bound / limit))) + 1
 
 
 def scaled_input(prob, e: int, backward: bool):
@@ -119,15 +133,17 @@ def scaled_input(prob, e: int, backward: bool):
 
 
 def unscaled_output(x: np.ndarray, e: int, name: str) -> np.ndarray:
-    """An output (float32 or bf16) of a pass run on inputs scaled by ``2**-e``, times ``2**e`` (exact);
-    raise ``FloatingPointError`` if it leaves float32's range (the exact output is not representable)."""
+    """An output (float32, float64 or bf16) of a pass run on inputs scaled by ``2**-e``, times
+    ``2**e`` (exact); raise ``FloatingPointError`` if it leaves the range of float32 (float64 for a
+    float64 output: the exact output is not representable)."""
     if e == 0:
         return x
+    limit, kind = _limit(x.dtype)
     with np.errstate(over="ignore"):
-        out = np.ldexp(x.astype(np.float32), e).astype(np.float32)
+        out = np.ldexp(x.astype(kind), e).astype(kind)
     if not np.isfinite(out).all():
-        raise FloatingPointError(f"{name} overflows float32: some of its exact values exceed {F32_MAX:.4g} "
-                                 f"(float32's largest value)")
+        raise FloatingPointError(f"{name} overflows {kind}: some of its exact values exceed {limit:.4g} "
+                                 f"({kind}'s largest value)")
     return out.astype(x.dtype)
 
 

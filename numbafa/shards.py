@@ -42,7 +42,7 @@ import numpy as np
 
 from .api import attention_bwd, attention_fwd
 from .core import lse_out, run_bwd, run_fwd, to_dtype, user_dsinks
-from .dtypes import bf16_dtype
+from .dtypes import bf16_dtype, is_bf16
 from .jit import source_hash
 from .kernels.backward import BwdStats
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs
@@ -207,7 +207,7 @@ def bwd_merge(plan, sinks: np.ndarray, shards, seqlen_q: int, out_dtype):
     Parameters
     ----------
     plan : Plan of the whole problem.
-    sinks : float32 ``[nb, nheads, num_sinks]`` of the block (kernel form).
+    sinks : ``[nb, nheads, num_sinks]`` of the block (kernel form: float32, float64 for float64 inputs).
     shards : sequence of :data:`BwdShard`, in chunk order.
     seqlen_q : int
     out_dtype : the dtype of dq, dk, dv.
@@ -222,14 +222,15 @@ def bwd_merge(plan, sinks: np.ndarray, shards, seqlen_q: int, out_dtype):
     dq = place_rows([s.dq for s in shards], plan.tiling, seqlen_q)
     parts = [np.stack([s.dk.reshape(n_units, d_head, seqlen_k) for s in shards[1:]], axis=1),
              np.stack([s.dv.reshape(n_units, d_v, seqlen_k) for s in shards[1:]], axis=1)]
-    kernel_dtype = np.float32 if np.dtype(out_dtype) == np.float32 else np.uint16
+    acc = plan.acc.dtype   # float32, or float64 for float64 inputs
+    kernel_dtype = np.uint16 if is_bf16(out_dtype) else acc
     dummy_q = np.empty((nb, nheads, 0, 0), dtype=kernel_dtype)
     dummy_kv = np.empty((nb, nheads_kv, 0, 0), dtype=kernel_dtype)
     sinks = kernel_view(sinks)
     ins = BwdInputs(dummy_q, dummy_kv, dummy_kv, dummy_q, dummy_q,
-                    np.empty((nb, nheads, 0), dtype=np.float32), sinks)
-    outs = BwdOutputs(np.empty((nb, nheads, 0, 0), dtype=np.float32), np.array(first.dk, order="C"),
-                      np.array(first.dv, order="C"), np.empty(sinks.shape, dtype=np.float32),
+                    np.empty((nb, nheads, 0), dtype=acc), sinks)
+    outs = BwdOutputs(np.empty((nb, nheads, 0, 0), dtype=acc), np.array(first.dk, order="C"),
+                      np.array(first.dv, order="C"), np.empty(sinks.shape, dtype=acc),
                       np.ascontiguousarray(parts[0]), np.ascontiguousarray(parts[1]))
     run_bwd(ins, plan, np.empty(0, dtype=np.int64), np.arange(n_units, dtype=np.int64), state=(outs, stats))
     return dq, to_dtype(outs.dk, out_dtype), to_dtype(outs.dv, out_dtype), outs.dsinks
@@ -296,8 +297,9 @@ def bwd_block_merge(plan, parts, sinks, seqlen_q: int, out_dtype):
     :func:`bwd_merge`; ``sinks``: the block of the user's sinks (or None)."""
     nb, nheads_kv = parts[0].dk.shape[:2]
     nheads = nheads_kv * parts[0].neg_lse.shape[1]
-    kernel_sinks = (np.zeros((nb, nheads, 0), dtype=np.float32) if sinks is None
-                    else np.ascontiguousarray(np.asarray(sinks).astype(np.float32)).reshape(nb, nheads, -1))
+    acc = plan.acc.dtype
+    kernel_sinks = (np.zeros((nb, nheads, 0), dtype=acc) if sinks is None
+                    else np.ascontiguousarray(np.asarray(sinks).astype(acc)).reshape(nb, nheads, -1))
     merged = bwd_merge(plan, kernel_sinks, parts, seqlen_q, out_dtype)
     dq, dk, dv, dsinks = (unscaled_output(x, parts[0].scale_exp, name)
                           for x, name in zip(merged, ("dq", "dk", "dv", "dsinks")))
@@ -321,7 +323,7 @@ def warm(kernel: str, dtype_name: str, dropout: bool = False) -> tuple:
     included; with ``dropout``, the kernels with dropout, which are compiled apart); return
     :func:`fingerprint`. Run on every worker by ``client.run``."""
     if (kernel, dtype_name, dropout) not in _WARM:
-        dtype = np.float32 if dtype_name == "float32" else bf16_dtype()
+        dtype = bf16_dtype() if dtype_name == "bfloat16" else np.dtype(dtype_name)
         rng = np.random.default_rng(0)
         q, k, v = (rng.standard_normal((1, 1, 8, 640)).astype(dtype) for _ in range(3))
         sinks = np.zeros((1, 1), dtype=np.float32)

@@ -20,7 +20,7 @@ Neuron layout ``[batch, heads, head_dim, seq]``; :func:`attention` permutes
 the caller's tensors to it and back (views, no copies), so autograd sees the
 permutes and returns gradients in the caller's layout.
 
-Tensors cross to NumPy without copies: float32 as ``tensor.numpy()``,
+Tensors cross to NumPy without copies: float32 and float64 as ``tensor.numpy()``,
 bfloat16 as a view of its bits (``tensor.view(torch.int16).numpy()`` viewed
 as ``ml_dtypes.bfloat16``), and back the same way. CPU tensors only.
 
@@ -43,7 +43,7 @@ from .options import AttentionOptions
 
 __all__ = ["attention", "cu_seqlens_to_bounds", "to_numpy", "from_numpy"]
 
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -104,7 +104,8 @@ def _host_options(option_arrays: tuple, scalars: tuple):
 def _attention_fwd_fake(q, k, v, sinks, bound_min, bound_max, causal, window, softmax_scale, layout,
                         dropout_p, seed, seed_offset):
     b, h, _, s = q.shape
-    return q.new_empty((b, h, v.shape[2], s)), q.new_empty((b, h, s), dtype=torch.float32)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty((b, h, v.shape[2], s)), q.new_empty((b, h, s), dtype=lse_dtype)
 
 
 @torch.library.custom_op("numbafa::attention_bwd", mutates_args=(), device_types="cpu")
@@ -316,7 +317,8 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
     Parameters
     ----------
     q : Tensor ``[batch, heads, seq_q, head_dim]`` for ``layout="bhsd"`` (as SDPA),
-        ``[batch, seq_q, heads, head_dim]`` for ``"bshd"`` (as flash-attn); float32 or bfloat16, CPU
+        ``[batch, seq_q, heads, head_dim]`` for ``"bshd"`` (as flash-attn); float32, bfloat16 or
+        float64 (computed in float64 throughout: ``torch.autograd.gradcheck`` works), CPU
     k, v : Tensor, likewise with ``heads_kv`` (``heads % heads_kv == 0``: GQA, MQA) and ``seq_k``;
         ``v``'s head dim (``head_dim_v``) may differ from ``head_dim`` (as DeepSeek's MLA: 192 and 128)
     causal : bool
@@ -327,7 +329,7 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         window. flash-attn's ``window_size=(left, 0)`` is ``window=left + 1``.
     sinks : Tensor ``[heads]``, ``[batch, heads]`` or ``[batch, heads, num_sinks]``, optional
         Attention-sink logits: extra softmax columns with no value
-        (gpt-oss). float32 or bfloat16; gets a gradient (a
+        (gpt-oss). float32 or bfloat16 (float64 or float32 with float64 inputs); gets a gradient (a
         ``torch.nn.Parameter`` of sinks trains).
     bound_min, bound_max : float32 Tensor ``[seq_q]``, optional (both or neither)
         Sequence packing: query ``i`` attends keys ``bound_min[i] <= j < bound_max[i]``
@@ -389,9 +391,10 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         return from_numpy(o.transpose(from_neuron_perm(layout)))
     qn, kn, vn = (x.permute(perm) for x in (q, k, v))
     if sinks is not None and sinks.dim() == 1:
-        # [heads] -> [batch, heads], a view; float32, so that the gradient is summed over the batch
-        # in float32 and rounded once to the sinks' dtype.
-        sinks = sinks.float().expand(q.shape[0], sinks.shape[0])
+        # [heads] -> [batch, heads], a view; float32 (float64 for float64 inputs), so that the
+        # gradient is summed over the batch in that dtype and rounded once to the sinks' dtype.
+        sinks = sinks.to(torch.float64 if q.dtype == torch.float64 else torch.float32).expand(
+            q.shape[0], sinks.shape[0])
     tensors = (qn, kn, vn, sinks, bound_min, bound_max)
     if direct:   # (the permuted views are plain tensors as their bases are)
         o, _ = _EagerAttention.apply(*tensors, scalars)

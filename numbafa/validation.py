@@ -70,7 +70,13 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _allowed_dtype(dtype) -> bool:
-    return dtype == np.float32 or is_bf16(dtype)
+    return dtype == np.float32 or dtype == np.float64 or is_bf16(dtype)
+
+
+def _acc_dtype(dtype) -> np.dtype:
+    """The dtype of lse and of the kernels' arithmetic for inputs of ``dtype``: float64 for
+    float64, else float32."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -86,8 +92,8 @@ class Problem:
     v: np.ndarray
     o: Optional[np.ndarray]    # backward only
     dy: Optional[np.ndarray]   # backward only
-    lse: Optional[np.ndarray]  # backward only: float32 [bs, nheads, seqlen_q]
-    sinks: np.ndarray          # float32 [bs, nheads, num_sinks]; num_sinks may be 0
+    lse: Optional[np.ndarray]  # backward only: float32 [bs, nheads, seqlen_q] (float64 for float64 inputs)
+    sinks: np.ndarray          # [bs, nheads, num_sinks], lse's dtype; num_sinks may be 0
     sinks_shape: Optional[tuple]
     sinks_dtype: Optional[np.dtype]
     bound_min: np.ndarray      # float32 [seqlen_q] or [0]
@@ -187,7 +193,7 @@ def kernel_view(x: np.ndarray) -> np.ndarray:
 
 
 def _as_kernel_array(x: np.ndarray) -> np.ndarray:
-    """:func:`kernel_view`; bf16 as uint16 bits, float32 as is."""
+    """:func:`kernel_view`; bf16 as uint16 bits, float32 and float64 as they are."""
     x = kernel_view(x)
     return x.view(np.uint16) if is_bf16(x.dtype) else x
 
@@ -219,6 +225,8 @@ def _require_shape(name: str, shape: tuple, expected: tuple, why: str = "") -> N
 def _require_all_finite(c: Caller, arrays: dict) -> dict:
     """:func:`_require_finite` of every array of ``arrays`` (kernel arrays of one type, by kernel
     name) in one jitted call; the largest |element| of each, by name."""
+    if next(iter(arrays.values())).dtype == np.float64:   # the reference path: NumPy's reductions
+        return {key: _require_finite(c(key), x) for key, x in arrays.items()}
     flats = tuple(x.reshape(-1).view(np.uint32) if x.dtype == np.float32 else x.reshape(-1)
                   for x in arrays.values())
     largest = _largest_bits(flats)
@@ -230,7 +238,11 @@ def _require_all_finite(c: Caller, arrays: dict) -> dict:
 
 def _require_finite(name: str, arr: np.ndarray) -> float:
     """Raise unless every element is finite; return the largest |element|."""
-    bad, big = _count_nonfinite(arr.reshape(-1))
+    if arr.dtype == np.float64:
+        bad = arr.size - int(np.count_nonzero(np.isfinite(arr)))
+        big = 0.0 if bad else float(np.abs(arr).max(initial=0.0))
+    else:
+        bad, big = _count_nonfinite(arr.reshape(-1))
     if bad:
         raise ValueError(f"{name} must be finite, got {bad} NaN/inf element(s) of {arr.size}")
     return float(big)
@@ -354,7 +366,7 @@ def _check_dtypes(c: Caller, tensors: dict) -> None:
     dtype = tensors["q_ref"].dtype
     if not _allowed_dtype(dtype):
         bf16 = c.names.get("bfloat16", "bfloat16 (ml_dtypes.bfloat16)")
-        raise TypeError(f"{c('q_ref')} must be float32 or {bf16}, got {dtype}")
+        raise TypeError(f"{c('q_ref')} must be float32, float64 or {bf16}, got {dtype}")
     for key, x in tensors.items():
         if key != "lse_ref" and x.dtype != dtype:
             raise TypeError(f"{c(key)} must have the dtype of {c('q_ref')} ({dtype}), got {x.dtype}")
@@ -392,10 +404,12 @@ def _check_dims(c: Caller, tensors: dict, causal: bool) -> Dims:
     return Dims(bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_head_v)
 
 
-def _check_lse_shape(c: Caller, lse, dims: Dims) -> None:
+def _check_lse_shape(c: Caller, lse, dims: Dims, dtype) -> None:
     name, (bs, nheads, seqlen_q) = c.names.get("lse_ref", "lse_ref"), (dims.bs, dims.nheads, dims.seqlen_q)
-    if lse.dtype != np.float32:
-        raise TypeError(f"{name} must be float32, got {lse.dtype}")
+    expected = _acc_dtype(dtype)
+    if lse.dtype != expected:
+        inputs = f" for {dtype} inputs" if expected == np.float64 else " (float64 only for float64 inputs)"
+        raise TypeError(f"{name} must be {expected}{inputs}, got {lse.dtype}")
     if len(lse.shape) == 3:
         _require_shape(name, lse.shape, (bs, nheads, seqlen_q), "natural layout [bs, nheads, seqlen_q]")
     elif len(lse.shape) == 4:
@@ -422,10 +436,13 @@ def _check_bound_shapes(c: Caller, options: AttentionOptions, seqlen_q: int) -> 
             _require_shape(c(key), b.shape, (seqlen_q,), f"one bound per query row: [{c('seqlen_q')}]")
 
 
-def _check_sinks_shape(c: Caller, sinks, bs: int, nheads: int) -> None:
+def _check_sinks_shape(c: Caller, sinks, bs: int, nheads: int, dtype) -> None:
     name, shape = c("sinks_ref"), tuple(sinks.shape)
-    if not _allowed_dtype(sinks.dtype):
-        raise TypeError(f"{name} must be float32 or bfloat16, got {sinks.dtype}")
+    if dtype == np.float64:
+        if sinks.dtype not in (np.float32, np.float64):
+            raise TypeError(f"{name} must be float64 or float32 for float64 inputs, got {sinks.dtype}")
+    elif not (sinks.dtype == np.float32 or is_bf16(sinks.dtype)):
+        raise TypeError(f"{name} must be float32 or bfloat16 (float64 only for float64 inputs), got {sinks.dtype}")
     if shape in ((nheads,), (bs, nheads)) or (len(shape) == 3 and shape[:2] == (bs, nheads) and shape[2] >= 1):
         return
     b, h = c("bs"), c("nheads")
@@ -452,11 +469,12 @@ def check_tensors(tensors: dict, options: AttentionOptions, caller: Caller = KER
     _check_ranks(c, tensors)
     _check_dtypes(c, tensors)
     dims = _check_dims(c, tensors, options.use_causal_mask)
+    dtype = tensors["q_ref"].dtype
     if "lse_ref" in tensors:
-        _check_lse_shape(c, tensors["lse_ref"], dims)
+        _check_lse_shape(c, tensors["lse_ref"], dims, dtype)
     _check_bound_shapes(c, options, dims.seqlen_q)
     if options.sinks is not None:
-        _check_sinks_shape(c, options.sinks, dims.bs, dims.nheads)
+        _check_sinks_shape(c, options.sinks, dims.bs, dims.nheads, dtype)
     return dims
 
 
@@ -483,13 +501,15 @@ def _kernel_bounds(c: Caller, options: AttentionOptions):
     return kernel_view(options.bound_min), kernel_view(options.bound_max)
 
 
-def _kernel_sinks(c: Caller, sinks, dims: Dims) -> np.ndarray:
-    """float32 ``[bs, nheads, num_sinks]`` (num_sinks 0 without sinks; ``[nheads]`` broadcast)."""
+def _kernel_sinks(c: Caller, sinks, dims: Dims, dtype) -> np.ndarray:
+    """``[bs, nheads, num_sinks]`` in the accumulator dtype of inputs of ``dtype`` (float32, or
+    float64; num_sinks 0 without sinks; ``[nheads]`` broadcast)."""
+    acc = _acc_dtype(dtype)
     if sinks is None:
-        return np.zeros((dims.bs, dims.nheads, 0), dtype=np.float32)
+        return np.zeros((dims.bs, dims.nheads, 0), dtype=acc)
     num_sinks = sinks.shape[2] if sinks.ndim == 3 else 1  # explicit: -1 is ambiguous when bs == 0
     s32 = np.broadcast_to(sinks, (dims.bs, dims.nheads)) if sinks.ndim == 1 else sinks
-    s32 = s32.astype(np.float32, order="C").reshape(dims.bs, dims.nheads, num_sinks)
+    s32 = s32.astype(acc, order="C").reshape(dims.bs, dims.nheads, num_sinks)
     _require_finite(c("sinks_ref"), s32)
     return s32
 
@@ -539,7 +559,7 @@ def _metadata(c: Caller, tensors: dict, options: AttentionOptions):
 def _validate(c: Caller, tensors: dict, options: AttentionOptions) -> Problem:
     opts, dims = _metadata(c, tensors, options)
     bmin, bmax = _kernel_bounds(c, opts)
-    sinks = _kernel_sinks(c, opts.sinks, dims)
+    sinks = _kernel_sinks(c, opts.sinks, dims, tensors["q_ref"].dtype)
     arrays = {key: _as_kernel_array(x) for key, x in tensors.items() if key != "lse_ref"}
     max_abs = _require_all_finite(c, arrays)
     lse = _kernel_lse(c, tensors["lse_ref"], dims) if "lse_ref" in tensors else None

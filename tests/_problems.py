@@ -53,8 +53,9 @@ def make_inputs(case: Case, dtype=np.float32):
 
     q/k/v/dy are standard normal, rounded to ``dtype``; o and lse come from the
     float64 golden forward of the rounded q/k/v, o rounded to ``dtype`` and
-    lse to float32 (natural layout).
+    lse to float32 (natural layout). float64 problems keep lse and the sinks in float64.
     """
+    wide = np.dtype(dtype) == np.float64
     rng = np.random.default_rng(case.seed)
     d_v = case.d_head if case.d_head_v is None else case.d_head_v
     q = rng.standard_normal((case.bs, case.nheads, case.d_head, case.seqlen_q)).astype(dtype)
@@ -64,12 +65,12 @@ def make_inputs(case: Case, dtype=np.float32):
     kw = case.kwargs()
     if case.num_sinks:
         shape = (case.bs, case.nheads) + ((case.num_sinks,) if case.num_sinks > 1 else ())
-        kw["sinks_ref"] = rng.standard_normal(shape).astype(np.float32)
+        kw["sinks_ref"] = rng.standard_normal(shape).astype(np.float64 if wide else np.float32)
     o, lse = golden.attention_fwd(q, k, v, sinks=kw.get("sinks_ref"), bound_min=kw.get("bound_min"),
                                   bound_max=kw.get("bound_max"), use_causal_mask=case.causal,
                                   softmax_scale=case.softmax_scale, sliding_window=case.window)
     return dict(q_ref=q, k_ref=k, v_ref=v, o_ref=o.astype(dtype), dy_ref=dy,
-                lse_ref=lse.astype(np.float32), **kw)
+                lse_ref=lse.astype(np.float64 if wide else np.float32), **kw)
 
 
 #: Keys of ``make_inputs``' dict that ``attention_fwd`` takes too, besides q, k, v.

@@ -19,6 +19,19 @@ import numpy as np
 
 FLOAT32 = {"rtol": 1e-4, "atol": 1e-5}
 
+# * float64 inputs: the kernels compute in float64, the golden too, in another
+#   order. Each output is a chain of a few sums (S or dP over d <= 512, the row
+#   sums and dQ over seqlen_k <= 5120, dK/dV over n_rep * seqlen_q <= 8192), an
+#   exp and a few products; a float64 sum of n terms in any order is within
+#   gamma_n = n * 2**-53 / (1 - n * 2**-53) <= 9.1e-13 of the exact sum,
+#   relative to the sum of the terms' magnitudes, and that sum stays within
+#   ~20x max|expected| for the test inputs (unit normals, softmax weights <= 1).
+#   A few such steps give ~1e-10 relative to max|e|: rtol 1e-10, atol 1e-13
+#   (outputs near 0). Measured: ~5e-16 (1e-15 at most) on every family. The
+#   rule still fails any float32 step (a float32 scratch, scale or dropout
+#   multiplier: errors of 1e-8..1e-7 relative), by 100x or more.
+FLOAT64 = {"rtol": 1e-10, "atol": 1e-13}
+
 
 def max_rel_error(actual, expected) -> float:
     """``max|a - e| / max|e|`` in float64 (0 when both are empty)."""

@@ -40,6 +40,17 @@ def test_a_value_head_dim_of_its_own(capsys):
     assert records[1]["pass"] == "backward" and set(records[1]["max_abs_err"]) == {"dq", "dk", "dv"}
 
 
+def test_float64_is_checked_to_float64_precision(capsys):
+    """--dtype float64 (not in "both"): float64 sinks and outputs, the float64 acceptance rule."""
+    argv = ["--heads", "2", "--kv-heads", "1", "--seqlen", "256", "--head-dim", "16", "--sinks", "1",
+            "--repeats", "1", "--dtype", "float64", "--json"]
+    assert cli.main(argv) == 0
+    records = json.loads(capsys.readouterr().out)["results"]
+    assert [r["dtype"] for r in records] == ["float64", "float64"] and all(r["ok"] for r in records)
+    assert max(r["max_rel_err"][out] for r in records for out in r["max_rel_err"]) < 1e-12
+    assert all(bound < 1e-9 for r in records for bound in r["rel_bound"].values())   # not float32's 1e-4
+
+
 def test_json_output(capsys):
     assert cli.main(SMALL + ["--json", "--dtype", "bf16", "--sinks", "2", "--packing", "100,156",
                              "--window", "64"]) == 0

@@ -48,6 +48,8 @@ CASES = [
     # v, o, dy with a head dim of their own (48) next to q and k's (32)
     ("head-dims-split-sinks", Case(bs=1, nheads=2, nheads_kv=1, d_head=32, d_head_v=48, seqlen_q=640,
                                    seqlen_k=640, causal=True, num_sinks=1), np.float32, False),
+    ("float64-sinks-split", Case(bs=1, nheads=4, nheads_kv=1, d_head=16, seqlen_q=640, seqlen_k=640,
+                                 causal=True, num_sinks=2), np.float64, False),
 ]
 
 
@@ -103,7 +105,9 @@ def test_numpy_inputs_give_the_single_process_bits(client, name, case, dtype, mi
     ("sinks-3-units-split", CASES[4][1], np.float32, False, 2),
     ("bf16-not-mixed-sinks", CASES[7][1], BF16, False, 4),
     ("head-dims-split-sinks", CASES[10][1], np.float32, False, 2),
-], ids=["gqa-causal", "mqa-batch1-split", "sinks-3-units-split", "bf16-not-mixed-sinks", "head-dims-split-sinks"])
+    ("float64-sinks-split", CASES[11][1], np.float64, False, 4),
+], ids=["gqa-causal", "mqa-batch1-split", "sinks-3-units-split", "bf16-not-mixed-sinks", "head-dims-split-sinks",
+        "float64-sinks-split"])
 def test_dask_inputs_give_lazy_dask_arrays_with_the_single_process_bits(client, name, case, dtype,
                                                                         mixed, head_chunk):
     inputs = make_inputs(case, dtype)

@@ -12,7 +12,7 @@ import pytest
 import numbafa
 from numbafa import golden, layout
 
-from _tolerances import FLOAT32, assert_close
+from _tolerances import FLOAT32, FLOAT64, assert_close
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_numpy.py"
 
@@ -44,6 +44,27 @@ def test_attention_and_backward_match_golden(name, d_v):
         assert got.shape == x.shape
         assert_close(layout.to_neuron(got, name), exp, FLOAT32, nm)
     assert_close(dsinks, expected[3], FLOAT32, "dsinks")
+
+
+def test_float64_through_the_context():
+    rng = np.random.default_rng(1)
+    qn, kn, vn, don = (rng.standard_normal(shape) for shape in ((1, 4, 16, 130), (1, 2, 16, 130), (1, 2, 12, 130),
+                                                                 (1, 4, 12, 130)))
+    sinks = rng.standard_normal(4)
+    q, k, v, do = (np.ascontiguousarray(layout.from_neuron(x, "bhsd")) for x in (qn, kn, vn, don))
+    o, ctx = numbafa.attention(q, k, v, sinks=sinks, use_causal_mask=True, sliding_window=50, layout="bhsd")
+    o_exp, _ = golden.attention_fwd(qn, kn, vn, sinks=np.broadcast_to(sinks, (1, 4)), use_causal_mask=True,
+                                    sliding_window=50)
+    assert o.dtype == np.float64
+    assert_close(layout.to_neuron(o, "bhsd"), o_exp, FLOAT64, "o")
+    grads = ctx.backward(do)
+    expected = golden.attention_bwd(qn, kn, vn, None, don, None, sinks_ref=np.broadcast_to(sinks, (1, 4)),
+                                    use_causal_mask=True, sliding_window=50)
+    for got, exp, name in zip(grads[:3], expected, ("dq", "dk", "dv")):
+        assert got.dtype == np.float64
+        assert_close(layout.to_neuron(got, "bhsd"), exp, FLOAT64, name)
+    assert grads[3].dtype == np.float64 and grads[3].shape == (4,)
+    assert_close(grads[3], expected[3].sum(axis=0), FLOAT64, "dsinks")
 
 
 def test_context_holds_nothing_quadratic():
@@ -111,7 +132,7 @@ NAMED_ERRORS = [
     # (arguments of numbafa.attention, exception, the whole message or its start)
     (dict(q=Q.tolist()), TypeError, "q must be a numpy.ndarray, got list"),
     (dict(k=K[0]), ValueError, "k must be 4-D [batch, seq, heads, head_dim] for layout='bshd', got shape (64, 2, 8)"),
-    (dict(q=Q.astype(np.float64)), TypeError, "q must be float32 or bfloat16 (ml_dtypes.bfloat16), got float64"),
+    (dict(q=Q.astype(np.float16)), TypeError, "q must be float32, float64 or bfloat16 (ml_dtypes.bfloat16), got float16"),
     (dict(v=V.astype(np.float64)), TypeError, "v must have the dtype of q (float32), got float64"),
     (dict(k=K[..., :4]), ValueError, "k must have shape (1, seqlen_k, nheads_kv, 8) to match q, got (1, 64, 2, 4)"),
     (dict(v=V[:, :32]), ValueError, "v must have shape (1, 64, 2, d_head_v) to match k, got (1, 32, 2, 8)"),
@@ -124,7 +145,8 @@ NAMED_ERRORS = [
      "q must be finite, got 256 NaN/inf element(s) of 2048"),
     (dict(sinks=np.zeros((1, 3), np.float32)), ValueError,
      "sinks must have shape (4,) [nheads], (1, 4) [bs, nheads] or (1, 4, num_sinks >= 1) [bs, nheads, num_sinks], got (1, 3)"),
-    (dict(sinks=np.zeros((1, 4), np.float64)), TypeError, "sinks must be float32 or bfloat16, got float64"),
+    (dict(sinks=np.zeros((1, 4), np.float64)), TypeError,
+     "sinks must be float32 or bfloat16 (float64 only for float64 inputs), got float64"),
     (dict(bound_min=np.zeros(64, np.float32)), ValueError,
      "bound_min and bound_max must be given together, got only bound_min"),
 ]

@@ -151,6 +151,22 @@ def test_a_value_head_dim_of_its_own_matches_the_golden(layout):
         assert_close(neuron(g, layout) if g.ndim == 4 else g, e, FLOAT32, name)
 
 
+def test_float64_passes_check_grads():
+    """Under jax_enable_x64, float64 arrays run the float64 kernels: check_grads' finite
+    differences agree (reverse mode), with sinks, GQA, causal, a window and two head dims."""
+    from jax.test_util import check_grads
+    rng = np.random.default_rng(9)
+    with x64():
+        q, k, v = (jnp.asarray(rng.standard_normal(shape)) for shape in ((1, 12, 2, 4), (1, 12, 1, 4), (1, 12, 1, 3)))
+        sinks = jnp.asarray(rng.standard_normal(2))
+
+        def f(q, k, v, s):
+            return nj.attention(q, k, v, sinks=s, causal=True, window=5, layout="bshd")
+
+        assert f(q, k, v, sinks).dtype == jnp.float64
+        check_grads(f, (q, k, v, sinks), order=1, modes=("rev",))
+
+
 def test_grad_of_a_loss_gives_the_sinks_gradient():
     q, k, v, do = make(seed=3)
     sinks = np.zeros(H, np.float32)
@@ -256,7 +272,7 @@ def test_bf16_accuracy_against_golden():
 # ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("change, error, message", [
-    (dict(q=np.zeros((B, S, H, D), np.float16)), TypeError, r"^q must be float32 or bfloat16, got float16"),
+    (dict(q=np.zeros((B, S, H, D), np.float16)), TypeError, r"^q must be float32, float64 or bfloat16, got float16"),
     (dict(k=np.zeros((B, S, HKV, 16), np.float32)), ValueError,
      r"^k must have shape \(2, seq_k, heads_kv, 32\) to match q, got \(2, 160, 2, 16\)"),
     (dict(causal=True, window=2.5), TypeError, r"^window must be an int or None, got float 2\.5"),

@@ -323,6 +323,38 @@ def test_bf16_accuracy_against_golden():
 # no_grad, torch.compile
 # ---------------------------------------------------------------------------
 
+@pytest.mark.parametrize("dropout", [{}, dict(dropout_p=0.3, seed=5, seed_offset=2)], ids=["masks", "dropout"])
+def test_float64_passes_gradcheck(dropout):
+    """float64 runs in float64 end to end, so torch.autograd.gradcheck's finite differences agree:
+    causal, window, packing bounds, sinks ([heads], a gradient summed over the batch), GQA, a value
+    head dim of its own, and dropout with a fixed seed (the same mask in every call)."""
+    g = torch.Generator().manual_seed(8)
+
+    def t(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+
+    q, k, v, sinks = t(2, 2, 12, 4), t(2, 1, 12, 4), t(2, 1, 12, 3), t(2)
+    bmin, bmax = nt.cu_seqlens_to_bounds(torch.tensor([0, 5, 12]))
+
+    def f(q, k, v, sinks):
+        return nt.attention(q, k, v, causal=True, window=4, sinks=sinks, bound_min=bmin, bound_max=bmax, **dropout)
+
+    assert f(q, k, v, sinks).dtype == torch.float64
+    assert torch.autograd.gradcheck(f, (q, k, v, sinks))
+
+
+def test_float64_opcheck():
+    q, k, v, do = (x.detach().permute(0, 1, 3, 2).double() for x in make(s=96, dv=24))
+    fwd = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), None, None, None, True, 0, 0.0, "bhsd",
+           0.0, None, 0)
+    o, lse = torch.ops.numbafa.attention_fwd(*fwd)
+    assert o.dtype == lse.dtype == torch.float64
+    torch.library.opcheck(torch.ops.numbafa.attention_fwd.default, fwd)
+    bwd = (q.detach(), k.detach(), v.detach(), o.detach(), do, lse, None, None, None, True, 0, 0.0, "bhsd",
+           0.0, None, 0)
+    torch.library.opcheck(torch.ops.numbafa.attention_bwd.default, bwd)
+
+
 def test_no_grad():
     q, k, v, _ = make()
     with torch.no_grad():
@@ -468,7 +500,8 @@ def _bad_calls():
     q, k, v, _ = make(grad=False)
     return [
         ("q not a tensor", dict(q=q.numpy()), TypeError, r"^q must be a torch\.Tensor, got ndarray$"),
-        ("q float64", dict(q=q.double()), TypeError, r"^q must be float32 or bfloat16, got float64$"),
+        ("q float16", dict(q=q.half()), TypeError, r"^q must be float32, float64 or bfloat16, got float16$"),
+        ("k float64", dict(k=k.double()), TypeError, r"^k must have the dtype of q \(float32\), got float64$"),
         ("v dtype", dict(v=v.bfloat16()), TypeError, r"^v must have the dtype of q \(float32\), got bfloat16$"),
         ("q 3-D", dict(q=q[0]), ValueError,
          r"^q must be 4-D \[batch, heads, seq, head_dim\] for layout='bhsd', got shape \(4, 160, 32\)$"),
@@ -486,7 +519,7 @@ def _bad_calls():
         ("sinks shape", dict(sinks=torch.zeros(3)), ValueError,
          r"^sinks must have shape \(4,\) \[heads\], \(2, 4\) \[batch, heads\] or \(2, 4, num_sinks >= 1\)"),
         ("sinks dtype", dict(sinks=torch.zeros(4, dtype=torch.float64)), TypeError,
-         r"^sinks must be float32 or bfloat16, got float64$"),
+         r"^sinks must be float32 or bfloat16 \(float64 only for float64 inputs\), got float64$"),
         ("bounds alone", dict(bound_min=torch.zeros(S)), ValueError,
          r"^bound_min and bound_max must be given together, got only bound_min$"),
         ("bound shape", dict(bound_min=torch.zeros(S + 1), bound_max=torch.zeros(S + 1)), ValueError,

@@ -67,7 +67,7 @@ from ..linking import call_or_raise, call_status, pack, unpack
 from ..tiling import FLOAT32_MIN
 from .common import load_scaled, round_if, store, store_transposed
 from .dropout import drop_probabilities, drop_scores
-from .fastexp import expf
+from .fastexp import exp_of
 from .loops import decode_item, group_rows, n_q_groups, owns_group, raise_failed
 from .mask import cut_by_mask, queries_seeing_key, required_q_rows
 from .matmul import matmul
@@ -116,8 +116,8 @@ def compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum, precision):
     d_head = o_h.shape[0]
     round_kernel = precision.round_kernel
     bf16_accumulators = precision.bf16_accumulators
-    total = np.zeros(count, dtype=np.float32)
-    partial = np.empty(count, dtype=np.float32)
+    total = np.zeros(count, dtype=d_sum.dtype)
+    partial = np.empty(count, dtype=d_sum.dtype)
     for d0 in range(0, d_head, d_tile):
         partial[:] = _ZERO
         for i_d in range(d0, min(d0 + d_tile, d_head)):
@@ -144,7 +144,7 @@ def _softmax_backward_row(s, dp, neg_lse, d_sum, k_abs, key_lo, key_hi, use_pack
         x = s[i]
         if use_packing:
             x = _F32_MIN if (k_abs < key_lo[i]) | (k_abs >= key_hi[i]) else x
-        s[i] = expf(x + neg_lse[i])
+        s[i] = exp_of(x + neg_lse[i])
     if round_kernel:
         round_to_bf16_inplace(s)
     for i in range(s.size):
@@ -398,18 +398,19 @@ def make_scratch(d_head, d_v, seqlen_q, seqlen_k, plan):
     sec_cap = min(tiling.section_len, seqlen_k)
     bits = 1 if plan.operand.itemsize == 2 else 0
     drop = 0 if plan.dropout is None else 1
-    return Scratch(np.empty((d_head, q_rows), dtype=np.float32),
-                   np.empty((d_head, q_rows), dtype=np.float32),
-                   np.empty(tiling.k_tile * q_rows, dtype=np.float32),
-                   np.empty(tiling.k_tile * q_rows, dtype=np.float32),
-                   np.empty(tiling.k_tile * max(d_head, d_v), dtype=np.float32),
-                   np.empty(q_rows * d_head, dtype=np.float32),
-                   np.empty((sec_cap, d_head), dtype=np.float32),
-                   np.empty((sec_cap, d_v), dtype=np.float32),
+    acc = plan.acc.dtype
+    return Scratch(np.empty((d_head, q_rows), dtype=acc),
+                   np.empty((d_head, q_rows), dtype=acc),
+                   np.empty(tiling.k_tile * q_rows, dtype=acc),
+                   np.empty(tiling.k_tile * q_rows, dtype=acc),
+                   np.empty(tiling.k_tile * max(d_head, d_v), dtype=acc),
+                   np.empty(q_rows * d_head, dtype=acc),
+                   np.empty((sec_cap, d_head), dtype=acc),
+                   np.empty((sec_cap, d_v), dtype=acc),
                    np.empty(bits * d_head * q_rows, dtype=np.uint16),
                    np.empty(bits * tiling.k_tile * q_rows, dtype=np.uint16),
                    np.empty(bits * tiling.k_tile * q_rows, dtype=np.uint16),
-                   np.empty(drop * tiling.k_tile * q_rows, dtype=np.float32))
+                   np.empty(drop * tiling.k_tile * q_rows, dtype=acc))
 
 
 @jit()
@@ -456,7 +457,7 @@ def _reduce_partials(out, parts, round_out):
 def _sink_probability(sink, neg_lse, bf16_accumulators):
     """``p_sink = exp(sink + (-LSE))`` in mixed_dtype, with the kernel's one ``expf`` (compiled
     with the package's flags, as for P, not inside :func:`compute_dsinks`' exact arithmetic)."""
-    return round_if(expf(sink + neg_lse), bf16_accumulators)
+    return round_if(exp_of(sink + neg_lse), bf16_accumulators)
 
 
 @jit(contract=False)
@@ -472,8 +473,8 @@ def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, bf16_accumulators):
     mixed_dtype tile (``tensor_partition_reduce``, upstream 1397-1398).
     """
     seqlen_q = neg_lse.size
-    out = np.zeros(sinks_h.size, dtype=np.float32)
-    acc = np.empty(q_tile, dtype=np.float32)
+    out = np.zeros(sinks_h.size, dtype=neg_lse.dtype)
+    acc = np.empty(q_tile, dtype=neg_lse.dtype)
     for i_sink in range(sinks_h.size):
         sink = round_if(sinks_h[i_sink], bf16_accumulators)
         acc[:] = _ZERO
@@ -569,8 +570,9 @@ def flash_attn_bwd(ins, outs, stats, plan, entries, items, units):
 
 
 def new_bwd_stats(ins):
-    """Uninitialised :data:`BwdStats` for every work unit of ``ins``, ``[n_units, n_rep, seqlen_q]``."""
+    """Uninitialised :data:`BwdStats` for every work unit of ``ins``, ``[n_units, n_rep, seqlen_q]``,
+    in the accumulator dtype (that of ``ins.lse``: float32, or float64 for float64 inputs)."""
     bs, nheads, _, seqlen_q = ins.q.shape
     nheads_kv = ins.k.shape[1]
     shape = (bs * nheads_kv, nheads // nheads_kv, seqlen_q)
-    return BwdStats(np.empty(shape, dtype=np.float32), np.empty(shape, dtype=np.float32))
+    return BwdStats(np.empty(shape, dtype=ins.lse.dtype), np.empty(shape, dtype=ins.lse.dtype))

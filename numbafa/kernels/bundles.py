@@ -39,7 +39,7 @@ from .mask import fill_key_ranges
 from .matmul import ONEDNN
 
 __all__ = ["Tiling", "Mask", "Precision", "Plan", "FwdInputs", "FwdOutputs", "BwdInputs",
-           "BwdOutputs", "BwdEntries", "make_plan", "shared_plan"]
+           "BwdOutputs", "BwdEntries", "acc_dtype", "make_plan", "shared_plan"]
 
 Tiling = namedtuple("Tiling", ["q_tile", "k_tile", "k_sub_tile", "q_tile_group", "d_tile",
                                "section_len", "q_chunks"])
@@ -58,13 +58,17 @@ from a PSUM tile; the forward's output and row sum; the dsinks lanes) and the ot
 tiles (-LSE, D and its partials, the sink logits and p_sink)."""
 
 Plan = namedtuple("Plan", ["tiling", "mask", "precision", "softmax_scale", "gemm", "operand",
-                           "dropout"])
-Plan.__doc__ = """Everything a kernel needs but the arrays; softmax_scale is float32. gemm: the
+                           "dropout", "acc"])
+Plan.__doc__ = """Everything a kernel needs but the arrays; softmax_scale is of the accumulator dtype
+(float32, or float64 for float64 inputs). gemm: the
 GEMM path (numbafa.onednn), None for BLAS or numbafa.kernels.matmul.ONEDNN, a type of its own, so
 each path is a compiled specialisation. operand: an empty array whose dtype is that of the GEMM
-operand tiles: float32 (float32 inputs; bf16 values widened on the BLAS path) or uint16 (bf16
-bits, oneDNN on the bf16 units). dropout: numbafa.kernels.dropout.Dropout, or None for p = 0
-(a type of its own: kernels without dropout compile no dropout code)."""
+operand tiles: float32 (float32 inputs; bf16 values widened on the BLAS path), uint16 (bf16
+bits, oneDNN on the bf16 units) or float64 (float64 inputs, BLAS dgemm on either path).
+dropout: numbafa.kernels.dropout.Dropout, or None for p = 0 (a type of its own: kernels without
+dropout compile no dropout code). acc: an empty array of the accumulator dtype, which every
+scratch tile, statistic and float output of the kernels has: float32, or float64 for float64
+inputs (np.empty(n, dtype=plan.acc.dtype) inside the kernels)."""
 
 #: Addresses of the backward's work item and unit finish (:func:`numbafa.linking.native_address`).
 BwdEntries = namedtuple("BwdEntries", ["item", "finish"])
@@ -89,6 +93,7 @@ def make_plan(prob, backward: bool) -> Plan:
     cfg = setup_config(max(seqlen_q, 1), max(seqlen_k, 1), d_head, prob.v.shape[2])
     round_kernel = bool(prob.is_bf16)
     bf16_accumulators = round_kernel and not prob.mixed_precision
+    acc = acc_dtype(prob.dtype)
     chunks = q_chunks(bs * nheads_kv, seqlen_q, bf16_accumulators if backward else False)
     tiling = Tiling(cfg.q_tile, cfg.k_tile, cfg.k_sub_tile, cfg.q_tile_group, cfg.d_tile,
                     cfg.section_len, chunks)
@@ -99,10 +104,15 @@ def make_plan(prob, backward: bool) -> Plan:
     mask = Mask(bool(prob.use_causal_mask), int(prob.window), bool(prob.use_packing), key_lo, key_hi)
     precision = Precision(round_kernel, bf16_accumulators)
     onednn = gemm_path()[0] == "onednn"   # loads oneDNN before a kernel that calls it is compiled
-    operand = np.empty(0, dtype=np.uint16 if round_kernel and onednn else np.float32)
-    dropout = make_dropout(prob.dropout_p, prob.seed, prob.seed_offset)
-    return Plan(tiling, mask, precision, np.float32(prob.softmax_scale), ONEDNN if onednn else None,
-                operand, dropout)
+    operand = np.empty(0, dtype=np.uint16 if round_kernel and onednn else acc)
+    dropout = make_dropout(prob.dropout_p, prob.seed, prob.seed_offset, acc)
+    return Plan(tiling, mask, precision, acc.type(prob.softmax_scale), ONEDNN if onednn else None,
+                operand, dropout, np.empty(0, dtype=acc))
+
+
+def acc_dtype(dtype) -> np.dtype:
+    """The kernels' accumulator dtype for inputs of ``dtype``: float64 for float64, else float32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
 _PLANS = Memo()
@@ -127,5 +137,5 @@ def shared_plan(prob, backward: bool) -> Plan:
         plan = make_plan(prob, backward)
         _PLANS.put(key, plan)
     elif prob.dropout_p > 0.0:
-        plan = plan._replace(dropout=make_dropout(prob.dropout_p, prob.seed, prob.seed_offset))
+        plan = plan._replace(dropout=make_dropout(prob.dropout_p, prob.seed, prob.seed_offset, plan.acc.dtype))
     return plan

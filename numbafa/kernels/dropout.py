@@ -29,7 +29,7 @@ bundle's ``batch0``/``head0`` to their batch and head indices, so a kernel
 given a slice of the batches and heads (a share of :mod:`numbafa.shards`)
 draws the whole problem's mask for them (:func:`with_origin`).
 
-A kept element is scaled by ``scale = float32(1 / (1 - dropout_p))``:
+A kept element is scaled by ``scale = float32(1 / (1 - dropout_p))`` (float64 for float64 inputs):
 ``P~ = P * Z * scale``. The kernels apply it through a *multiplier* tile
 ``M = Z * scale`` (0 or ``scale``): the backward writes them into a
 ``[keys, queries]`` tile (:func:`fill_multipliers`), used twice; the forward
@@ -146,8 +146,9 @@ def derive_key(seed: int, seed_offset: int) -> tuple:
     return int(words[0]), int(words[1])
 
 
-def make_dropout(dropout_p: float, seed: int, seed_offset: int):
-    """The :data:`Dropout` bundle of validated arguments, or ``None`` for ``dropout_p == 0``.
+def make_dropout(dropout_p: float, seed: int, seed_offset: int, dtype=np.float32):
+    """The :data:`Dropout` bundle of validated arguments, or ``None`` for ``dropout_p == 0``;
+    its ``scale`` in ``dtype``, the kernels' accumulator dtype (float32, or float64).
 
     Its origin ``batch0``/``head0`` is 0, a whole problem's; :func:`with_origin`
     moves it for a share of the batches and heads.
@@ -161,7 +162,7 @@ def make_dropout(dropout_p: float, seed: int, seed_offset: int):
         return None
     threshold = min(int(round(dropout_p * 2.0 ** 32)), 2 ** 32)
     k0, k1 = derive_key(seed, seed_offset)
-    return Dropout(threshold, np.float32(1.0 / (1.0 - dropout_p)), k0, k1, 0, 0)
+    return Dropout(threshold, np.dtype(dtype).type(1.0 / (1.0 - dropout_p)), k0, k1, 0, 0)
 
 
 def with_origin(dropout, batch0: int, head0: int):

@@ -18,11 +18,15 @@ exactly 0; above 88.72, +inf; NaN stays NaN.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+from numba import types
+from numba.extending import overload
 
 from ..jit import jit
 
-__all__ = ["expf"]
+__all__ = ["expf", "exp_of", "log_of"]
 
 _F = np.float32
 _LOG2E = _F(1.4426950408889634)
@@ -52,3 +56,35 @@ def expf(x):
     s1 = np.int32((k1 + 127) << 23).view(np.float32)
     s2 = np.int32((k - k1 + 127) << 23).view(np.float32)
     return _ZERO if underflow else (p * s1) * s2
+
+
+def exp_of(x):  # pragma: no cover - replaced by the overload inside njit code
+    """The kernels' exp of one float: :func:`expf` for float32, libm's ``exp`` for float64 (the
+    float64 kernels are the reference-quality path: correctly rounded to within libm's ulp)."""
+    raise NotImplementedError("exp_of is only callable from @njit code")
+
+
+def log_of(x):  # pragma: no cover - replaced by the overload inside njit code
+    """The kernels' log of one positive float, in its own precision: ``float32(log(x))`` for
+    float32 (libm's double log, rounded), ``log(x)`` for float64."""
+    raise NotImplementedError("log_of is only callable from @njit code")
+
+
+# inline="always": the body goes into the caller's IR, compiled with the caller's flags, so a
+# float32 caller gets exactly the code of a direct expf call (and its loops still vectorise).
+@overload(exp_of, inline="always")
+def _exp_of_overload(x):
+    if x == types.float32:
+        return lambda x: expf(x)
+    if x == types.float64:
+        return lambda x: math.exp(x)
+    return None
+
+
+@overload(log_of, inline="always")
+def _log_of_overload(x):
+    if x == types.float32:
+        return lambda x: np.float32(math.log(x))
+    if x == types.float64:
+        return lambda x: math.log(x)
+    return None

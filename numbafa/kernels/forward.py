@@ -33,18 +33,18 @@ coordinates (:mod:`numbafa.kernels.dropout`), drawn for the block's visible keys
 
 from __future__ import annotations
 
-import math
 from collections import namedtuple
 
 import numpy as np
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
 from ..dtypes import as_operand, narrowed, round_to_bf16_inplace
 from ..jit import jit
 from ..linking import call_status, pack, unpack
 from .common import load_scaled, round_if, store_transposed
 from .dropout import drop_forward
-from .fastexp import expf
+from .fastexp import exp_of, log_of
 from .loops import decode_item, group_rows, n_q_groups, owns_group, raise_failed
 from .mask import cut_by_mask, required_q_rows, static_key_range, visible_keys
 from .matmul import matmul
@@ -63,12 +63,35 @@ FwdHead = namedtuple("FwdHead", ["batch", "q_head", "sink_max", "sink_sum"])
 FwdScratch = namedtuple("FwdScratch", ["q_s", "o_acc", "row_max", "row_sum", "alpha", "s", "pv",
                                        "tile_sum", "ones", "q_op", "p_op"])
 
-# Key of -inf under the order-preserving map of float32 bits to int32 used by _row_max.
+# Key of -inf under the order-preserving map of float32 bits to int32 used by _row_max_f32.
 _NEG_INF_KEY = np.int32(-2139095041)
 
 
+def _row_max(x):  # pragma: no cover - replaced by the overload inside njit code
+    """Max of a contiguous 1-D float32 or float64 array (-inf if empty)."""
+    raise NotImplementedError("_row_max is only callable from @njit code")
+
+
+@overload(_row_max)
+def _row_max_overload(x):
+    if x.dtype == types.float32:
+        return lambda x: _row_max_f32(x)
+    if x.dtype == types.float64:
+        return lambda x: _row_max_f64(x)
+    return None
+
+
 @jit()
-def _row_max(x):
+def _row_max_f64(x):
+    """Max of a contiguous 1-D float64 array (-inf if empty); NaN-free (validated inputs)."""
+    m = -np.inf
+    for j in range(x.size):
+        m = x[j] if x[j] > m else m
+    return m
+
+
+@jit()
+def _row_max_f32(x):
     """Max of a contiguous 1-D float32 array (-inf if empty), by an integer reduction.
 
     A float max reduction does not vectorise here (its NaN semantics keep
@@ -90,7 +113,7 @@ def _row_max(x):
 def _exp_shifted(x, shift):
     """``x <- exp(x - shift)`` in place (a reduction-free loop, so it vectorises)."""
     for j in range(x.size):
-        x[j] = expf(x[j] - shift)
+        x[j] = exp_of(x[j] - shift)
 
 
 @jit()
@@ -116,7 +139,7 @@ def online_softmax_update(s, q_abs0, k_abs0, stats, plan):
             stats.alpha[i] = _ONE
             seen[:] = _ZERO
             continue
-        stats.alpha[i] = expf(m_old - m_new)
+        stats.alpha[i] = exp_of(m_old - m_new)
         _exp_shifted(seen, m_new)
         if plan.precision.round_kernel:
             round_to_bf16_inplace(seen)
@@ -210,7 +233,7 @@ def finalize_rows(o_acc, row_max, row_sum, rows, lse_out):
             inv = _ONE / l
             for x in range(d_head):
                 o_acc[i, x] = o_acc[i, x] * inv
-            lse_out[i] = row_max[i] + np.float32(math.log(l))
+            lse_out[i] = row_max[i] + log_of(l)
         else:
             o_acc[i, :] = _ZERO
             lse_out[i] = np.float32(np.inf)
@@ -243,7 +266,7 @@ def sink_statistics(sinks_h):
         sink_max = max(sink_max, sinks_h[i_sink])
     sink_sum = _ZERO
     for i_sink in range(sinks_h.size):
-        sink_sum += expf(sinks_h[i_sink] - sink_max)
+        sink_sum += exp_of(sinks_h[i_sink] - sink_max)
     return sink_max, sink_sum
 
 
@@ -255,15 +278,16 @@ def make_fwd_scratch(d_head, d_v, seqlen_q, plan):
     q_rows = max(1, min(tiling.q_tile * tiling.q_tile_group, seqlen_q))
     k_cap = max(tiling.k_tile, 1)
     bits = 1 if plan.operand.itemsize == 2 else 0
-    return FwdScratch(np.empty((d_head, q_rows), dtype=np.float32),
-                      np.empty((q_rows, d_v), dtype=np.float32),
-                      np.empty(q_rows, dtype=np.float32),
-                      np.empty(q_rows, dtype=np.float32),
-                      np.empty(q_rows, dtype=np.float32),
-                      np.empty(q_rows * k_cap, dtype=np.float32),
-                      np.empty(q_rows * d_v, dtype=np.float32),
-                      np.empty(q_rows, dtype=np.float32),
-                      np.ones(k_cap, dtype=np.float32),
+    acc = plan.acc.dtype
+    return FwdScratch(np.empty((d_head, q_rows), dtype=acc),
+                      np.empty((q_rows, d_v), dtype=acc),
+                      np.empty(q_rows, dtype=acc),
+                      np.empty(q_rows, dtype=acc),
+                      np.empty(q_rows, dtype=acc),
+                      np.empty(q_rows * k_cap, dtype=acc),
+                      np.empty(q_rows * d_v, dtype=acc),
+                      np.empty(q_rows, dtype=acc),
+                      np.ones(k_cap, dtype=acc),
                       np.empty(bits * d_head * q_rows, dtype=np.uint16),
                       np.empty(bits * q_rows * k_cap, dtype=np.uint16))
 

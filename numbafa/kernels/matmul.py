@@ -12,10 +12,10 @@ is one more branch of :func:`_matmul_impl` and no call site changes:
   float32, so this is "bf16 in, fp32 accumulate"); with ``gemm`` =
   :data:`ONEDNN`, oneDNN's ``dnnl_sgemm`` instead (faster per core than
   OpenBLAS on the CPUs that take that path, docs/performance.md).
-* 2-D float64: BLAS ``dgemm``.
-* 2-D float32 ``a`` and 1-D ``b``, ``c``: a matrix-vector product
-  (``np.dot``, BLAS ``sgemv``), ``alpha = 1``, ``beta = 0`` only, on
-  either path.
+* 2-D float64: BLAS ``dgemm`` (on either path: oneDNN has no float64 GEMM).
+* 2-D ``a`` and 1-D ``b``, ``c``, all float32 or all float64: a matrix-vector
+  product (``np.dot``, BLAS ``sgemv``/``dgemv``), ``alpha = 1``, ``beta = 0`` only,
+  on either path.
 * 2-D uint16 ``a``, ``b`` (bf16 bit patterns) and float32 ``c``, ``gemm`` =
   :data:`ONEDNN`: oneDNN's ``dnnl_gemm_bf16bf16f32`` on the CPU's bf16
   units, float32 accumulation.
@@ -229,7 +229,8 @@ def _matmul_impl(a, b, c, gemm):
     if not onednn and not isinstance(gemm, types.NoneType):
         return None
     dtypes = {a.dtype, b.dtype, c.dtype}
-    if a.ndim == 2 and b.ndim == 1 and c.ndim == 1 and dtypes == {types.float32}:
+    if a.ndim == 2 and b.ndim == 1 and c.ndim == 1 and len(dtypes) == 1 and a.dtype in (types.float32,
+                                                                                     types.float64):
         return _gemv
     if a.ndim != 2 or b.ndim != 2 or c.ndim != 2:
         return None
