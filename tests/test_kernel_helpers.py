@@ -14,7 +14,6 @@ from numbafa.kernels.forward import _row_max as _kernel_row_max
 load_scaled = callable_from_python(common.load_scaled)
 store = callable_from_python(common.store)
 store_transposed = callable_from_python(common.store_transposed)
-_row_max = callable_from_python(_kernel_row_max)
 
 SCALE = np.float32(0.0883883)  # 1/sqrt(128), not a power of two: scaling rounds
 
@@ -99,24 +98,31 @@ def test_widened_is_a_view_for_float32_and_a_widened_copy_for_bf16_bits():
 
 
 @jit(entry=True)
+def _row_max(x):
+    return _kernel_row_max(x)
+
+
+@jit(entry=True)
 def _row_max_of_slice(x, lo, hi):
     return _kernel_row_max(x[lo:hi])
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("values", [
     [3.0, -1.0, 2.5], [-0.5, -3.0], [-np.inf, -3.0], [-np.inf], [-3.4e38, -np.inf],
     [1e-45, -1e-45], [-1e-45, -2e-45], [np.inf, 1.0], [0.0], [-7.0] * 33,
 ])
-def test_row_max_matches_numpy(values):
-    x = np.asarray(values, np.float32)
+def test_row_max_matches_numpy(values, dtype):
+    x = np.asarray(values, dtype)
     assert _row_max(x) == np.max(x)
-    assert _row_max_of_slice(np.concatenate([[9.0], x, [9.0]]).astype(np.float32), 1, x.size + 1) == np.max(x)
+    assert _row_max_of_slice(np.concatenate([[9.0], x, [9.0]]).astype(dtype), 1, x.size + 1) == np.max(x)
 
 
-def test_row_max_of_random_rows_and_empty():
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_row_max_of_random_rows_and_empty(dtype):
     rng = np.random.default_rng(4)
     for n in (1, 7, 8, 9, 512, 1000):
-        x = (rng.standard_normal(n) * 10.0 ** rng.integers(-30, 30)).astype(np.float32)
+        x = (rng.standard_normal(n) * 10.0 ** rng.integers(-30, 30)).astype(dtype)
         assert _row_max(x) == np.max(x)
         assert _row_max(-np.abs(x)) == np.max(-np.abs(x))
-    assert _row_max(np.empty(0, np.float32)) == -np.inf
+    assert _row_max(np.empty(0, dtype)) == -np.inf
