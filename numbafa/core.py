@@ -29,8 +29,8 @@ from .runtime import kernel_call
 from .tiling import Q_TILE
 from .validation import validate_bwd_inputs, validate_fwd_inputs
 
-__all__ = ["LSE_LAYOUTS", "attention_bwd", "attention_fwd", "check_lse_layout", "lse_out", "run_bwd",
-           "run_fwd", "to_dtype", "user_dsinks"]
+__all__ = ["LSE_LAYOUTS", "attention_bwd", "attention_fwd", "check_lse_layout", "finite_output", "lse_out",
+           "run_bwd", "run_fwd", "to_dtype", "user_dsinks"]
 
 #: The layouts of the forward's lse: the Neuron kernel's ``[bs, nheads, 128, seqlen_q // 128]``
 #: and the natural ``[bs, nheads, seqlen_q]``.
@@ -75,8 +75,22 @@ def _kernel_name(pass_name: str, plan) -> str:
     return pass_name if plan.dropout is None else pass_name + " (with dropout)"
 
 
-def _dtype_name(ins) -> str:
+def _dtype_name(ins, plan) -> str:
+    """The input dtype a kernel is compiled for (fp16 inputs reach the kernels widened: their
+    precision flags are uint8, :class:`~numbafa.kernels.bundles.Precision`)."""
+    if isinstance(plan.precision.round_kernel, np.uint8):
+        return "float16"
     return "bfloat16" if ins.q.dtype == np.uint16 else ins.q.dtype.name
+
+
+def finite_output(x: np.ndarray, dtype, name: str) -> np.ndarray:
+    """``x``; for float16 inputs, raise ``FloatingPointError`` unless it is finite (fp16's range ends
+    at 65504: a tile rounded to fp16 beyond it is inf, as on the hardware, docs/numerics.md)."""
+    if np.dtype(dtype) == np.float16 and not np.isfinite(x).all():
+        raise FloatingPointError(f"{name} overflows float16 at one of the kernels' float16 rounding points "
+                                 f"(float16's largest value is 65504): scale the inputs down, or compute in "
+                                 f"float32 or bfloat16")
+    return x
 
 
 @contextlib.contextmanager
@@ -122,7 +136,7 @@ def run_fwd(ins: FwdInputs, plan, items=None, n_threads=None, signature=None) ->
     acc = plan.acc.dtype   # float32, or float64 for float64 inputs
     outs = FwdOutputs(np.empty((nb, nheads, ins.v.shape[2], seqlen_q), dtype=acc),
                       np.empty((nb, nheads, seqlen_q), dtype=acc))
-    with kernel_call(_kernel_name("forward", plan), _dtype_name(ins)), _on_threads(n_threads):
+    with kernel_call(_kernel_name("forward", plan), _dtype_name(ins, plan)), _on_threads(n_threads):
         run_forward(ins, outs, plan, items, signature)
     return outs
 
@@ -136,7 +150,7 @@ def run_bwd(ins: BwdInputs, plan, items=None, units=None, n_threads=None, state=
     ``signature`` as :func:`run_fwd`.
     """
     outs, stats = state if state is not None else (bwd_outputs(ins, plan.tiling.q_chunks), new_bwd_stats(ins))
-    with kernel_call(_kernel_name("backward", plan), _dtype_name(ins)), _on_threads(n_threads):
+    with kernel_call(_kernel_name("backward", plan), _dtype_name(ins, plan)), _on_threads(n_threads):
         run_backward(ins, outs, stats, plan, items, units, signature)
     return outs, stats
 
@@ -162,7 +176,8 @@ def attention_fwd(q, k, v, options: AttentionOptions, caller: Caller, lse_layout
     prob, e = in_range(prob, caller, backward=False)
     plan = shared_plan(prob, backward=False)
     outs = run_fwd(FwdInputs(prob.q, prob.k, prob.v, prob.sinks), plan, signature=_signature(prob, plan))
-    return to_dtype(unscaled_output(outs.o, e, "o"), prob.dtype), lse_out(outs.lse, lse_layout)
+    o = finite_output(unscaled_output(outs.o, e, "o"), prob.dtype, "o")
+    return to_dtype(o, prob.dtype), lse_out(outs.lse, lse_layout)
 
 
 def attention_bwd(q, k, v, o, dy, lse, options: AttentionOptions, caller: Caller) -> tuple:
@@ -173,7 +188,8 @@ def attention_bwd(q, k, v, o, dy, lse, options: AttentionOptions, caller: Caller
     plan = shared_plan(prob, backward=True)
     outs, _ = run_bwd(BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks), plan,
                       signature=_signature(prob, plan))
-    grads = tuple(to_dtype(unscaled_output(getattr(outs, name), e, name), prob.dtype) for name in ("dq", "dk", "dv"))
+    grads = tuple(to_dtype(finite_output(unscaled_output(getattr(outs, name), e, name), prob.dtype, name), prob.dtype)
+                  for name in ("dq", "dk", "dv"))
     if prob.sinks_shape is None:
         return grads
     dsinks = unscaled_output(outs.dsinks, e, "dsinks")

@@ -32,6 +32,10 @@ __all__ = [
     "f32_to_bf16_bits",
     "round_to_bf16",
     "round_to_bf16_inplace",
+    "round_to_fp16",
+    "round_to_fp16_inplace",
+    "round_to_kernel_dtype",
+    "round_inplace_if",
     "widen",
     "widened",
     "to_bf16_array",
@@ -96,6 +100,85 @@ def round_to_bf16_inplace(buf):
     u = buf.view(np.uint32)
     for i in range(u.size):
         u[i] = _rounded_bits(u[i])
+
+
+_F16_SUBNORMAL_SCALE = np.float32(2.0 ** 24)
+_F16_SUBNORMAL_STEP = np.float32(2.0 ** -24)
+_F16_MIN_NORMAL_BITS = np.uint32(0x38800000)   # 2**-14
+_F16_MAX_BITS = np.uint32(0x477FE000)          # 65504
+_F32_INF_BITS = np.uint32(0x7F800000)
+
+
+@jit()
+def round_to_fp16(x):
+    """Round one float32 to the nearest float16 value (ties to even), returned as float32.
+
+    fp16's range and subnormals: below ``2**-14`` the values are multiples of
+    ``2**-24`` (``rint(x * 2**24) * 2**-24``, exact in float32); above, the
+    mantissa is rounded to 10 bits on the bit pattern as for bf16; beyond
+    65504 (from 65520 on) the result is ``+-inf``; inf and NaN stay. The same
+    rule as NumPy's float32 -> float16 cast (``tests/test_float16.py`` checks
+    every rounding boundary). Selects only, no branch, so that loops over it
+    vectorise.
+    """
+    x = np.float32(x)
+    u = x.view(np.uint32)
+    a = u & np.uint32(0x7FFFFFFF)
+    rounded = (a + np.uint32(0x0FFF) + ((a >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+    rounded = _F32_INF_BITS if rounded > _F16_MAX_BITS else rounded
+    normal = (u & np.uint32(0x80000000)) | rounded
+    subnormal = np.float32(np.float32(np.rint(x * _F16_SUBNORMAL_SCALE)) * _F16_SUBNORMAL_STEP).view(np.uint32)
+    bits = subnormal if a < _F16_MIN_NORMAL_BITS else normal
+    bits = u if a >= _F32_INF_BITS else bits
+    return np.uint32(bits).view(np.float32)
+
+
+@jit()
+def round_to_fp16_inplace(buf):
+    """Round every element of a contiguous 1-D float32 array to fp16 (:func:`round_to_fp16`), in place."""
+    for i in range(buf.size):
+        buf[i] = round_to_fp16(buf[i])
+
+
+def round_to_kernel_dtype(x, flag):  # pragma: no cover - replaced by the overload inside njit code
+    """Round one float32 to the kernel dtype that the *type* of the rounding ``flag`` names: a
+    bool flag (bf16 inputs) rounds to bf16, a uint8 flag (fp16 inputs) to fp16
+    (:class:`numbafa.kernels.bundles.Precision`). The flag's value is not read."""
+    raise NotImplementedError("round_to_kernel_dtype is only callable from @njit code")
+
+
+@overload(round_to_kernel_dtype)
+def _round_to_kernel_dtype_overload(x, flag):
+    from numba import types
+
+    if isinstance(flag, types.Boolean):
+        return lambda x, flag: round_to_bf16(x)
+    if isinstance(flag, types.Integer):
+        return lambda x, flag: round_to_fp16(x)
+    return None
+
+
+def round_inplace_if(buf, flag):  # pragma: no cover - replaced by the overload inside njit code
+    """If ``flag``, round a contiguous 1-D float32 array in place to the kernel dtype the flag's
+    type names (as :func:`round_to_kernel_dtype`)."""
+    raise NotImplementedError("round_inplace_if is only callable from @njit code")
+
+
+@overload(round_inplace_if)
+def _round_inplace_if_overload(buf, flag):
+    from numba import types
+
+    if isinstance(flag, types.Boolean):
+        def bf16(buf, flag):
+            if flag:
+                round_to_bf16_inplace(buf)
+        return bf16
+    if isinstance(flag, types.Integer):
+        def fp16(buf, flag):
+            if flag:
+                round_to_fp16_inplace(buf)
+        return fp16
+    return None
 
 
 def widen(x):  # pragma: no cover - replaced by the overload inside njit code

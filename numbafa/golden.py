@@ -301,27 +301,45 @@ def _bf16_round(x):
     return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
+def _fp16_round(x):
+    """float32 -> nearest float16 (ties to even; fp16 subnormals, inf beyond 65504) -> float32, by
+    NumPy's own cast."""
+    with np.errstate(over="ignore"):
+        return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
+
+
 @dataclass(frozen=True)
 class Rounding:
-    """Which tiles :func:`attention_bwd_rounded` rounds to bf16.
+    """Which tiles :func:`attention_bwd_rounded` rounds to the kernel dtype (bf16 or fp16).
 
-    ``bf16``: the inputs are bf16 (kernel_dtype is bf16); ``mixed_precision``:
-    mixed_dtype is float32 (else kernel_dtype); ``disable``: rounding points
-    skipped. Calling it with ``(x, point)`` gives ``x`` as the kernel writes
-    it at ``point``: rounded to bf16, or float32.
+    ``bf16``: the inputs are bf16 (kernel_dtype is bf16); ``fp16``: they are
+    float16 (kernel_dtype is fp16); ``mixed_precision``: mixed_dtype is
+    float32 (else kernel_dtype); ``disable``: rounding points skipped. Calling
+    it with ``(x, point)`` gives ``x`` as the kernel writes it at ``point``:
+    rounded to the kernel dtype, or float32.
     """
 
     bf16: bool
     mixed_precision: bool
     disable: frozenset = frozenset()
+    fp16: bool = False
+
+    @property
+    def narrow(self) -> bool:
+        """Whether kernel_dtype is narrower than float32 (bf16 or fp16 inputs)."""
+        return self.bf16 or self.fp16
 
     def rounds(self, point):
-        """Whether a tile written at ``point`` is rounded to bf16."""
-        in_bf16 = self.bf16 and (point in _KERNEL_DTYPE_POINTS or not self.mixed_precision)
-        return in_bf16 and point not in self.disable
+        """Whether a tile written at ``point`` is rounded to the kernel dtype."""
+        narrow = self.narrow and (point in _KERNEL_DTYPE_POINTS or not self.mixed_precision)
+        return narrow and point not in self.disable
+
+    def round(self, x):
+        """``x`` rounded to the kernel dtype (float32 values)."""
+        return _fp16_round(x) if self.fp16 else _bf16_round(x)
 
     def __call__(self, x, point):
-        return _bf16_round(x) if self.rounds(point) else np.asarray(x, np.float32)
+        return self.round(x) if self.rounds(point) else np.asarray(x, np.float32)
 
 
 #: The constants of one :func:`attention_bwd_rounded` call: ``scale`` (float32), ``d_tile`` and
@@ -466,12 +484,12 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     Unlike :func:`attention_bwd`, this uses ``o_ref`` and ``lse_ref`` (the
     kernel does) and computes in float32, rounding to bf16 exactly where the
     Neuron kernel writes a bf16 tile (docs/numerics.md, "The rounding
-    points"). Tiling appears only where it sets the order of rounded
+    points"); float16 inputs get the same rounding points, to fp16. Tiling appears only where it sets the order of rounded
     additions: dQ is accumulated K tile (512 keys) by K tile and rounded to
     the output dtype at the end of each KV section; dK/dV are accumulated Q
     group (512 rows) by Q group, q-head by q-head; the sink accumulator has
-    one lane per row of a 128-row Q tile. Matmuls are float32 (bf16-valued
-    operands: exact products, float32 accumulation). Full score matrices are
+    one lane per row of a 128-row Q tile. Matmuls are float32 (bf16- or
+    fp16-valued operands: exact products, float32 accumulation). Full score matrices are
     materialised per head.
 
     Parameters
@@ -492,7 +510,7 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     Returns
     -------
     dq, dk, dv[, dsinks] : float32 arrays holding values of the output dtype
-        (bf16 values for bf16 inputs; dsinks in the dtype of ``sinks_ref``).
+        (bf16 or fp16 values for bf16 or float16 inputs; dsinks in the dtype of ``sinks_ref``).
     """
     import ml_dtypes
 
@@ -500,6 +518,7 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     if unknown:
         raise ValueError(f"disable must name rounding points from {ROUNDING_POINTS}, got {sorted(unknown)}")
     is_bf16 = np.asarray(q_ref).dtype == ml_dtypes.bfloat16
+    is_fp16 = np.asarray(q_ref).dtype == np.float16
     f32 = np.float32
     q, k, v, o, dy = (np.asarray(a).astype(f32) for a in (q_ref, k_ref, v_ref, o_ref, dy_ref))
     bs, nheads, d_head, seqlen_q = q.shape
@@ -514,7 +533,7 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     ins = _Inputs(q, k, v, o, dy, lse, sink3, mult)
     setup = Setup(f32(1.0 / np.sqrt(d_head) if not softmax_scale else softmax_scale), *_neuron_tiling(d_head, v.shape[2]),
                   allowed_mask(seqlen_q, seqlen_k, use_causal_mask, sliding_window, bound_min, bound_max),
-                  n_rep, Rounding(bool(is_bf16), bool(mixed_precision), frozenset(disable)))
+                  n_rep, Rounding(bool(is_bf16), bool(mixed_precision), frozenset(disable), bool(is_fp16)))
     observer = Observer() if observer is None else observer
     observer.start(setup)
 
@@ -534,10 +553,12 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
                 dsinks[b, h] = _dsinks_of_head(sink3[b, h], tiles, setup, observer, (b, h))
             dk[b, hk] = dk_acc.T
             dv[b, hk] = dv_acc.T
-    if is_bf16:  # outputs are written in the kernel dtype (not a point one can disable)
-        dq, dk, dv = _bf16_round(dq), _bf16_round(dk), _bf16_round(dv)
+    if setup.rounding.narrow:  # outputs are written in the kernel dtype (not a point one can disable)
+        dq, dk, dv = (setup.rounding.round(x) for x in (dq, dk, dv))
     if sinks_ref is None:
         return dq, dk, dv
     if np.asarray(sinks_ref).dtype == ml_dtypes.bfloat16:
         dsinks = _bf16_round(dsinks)
+    elif np.asarray(sinks_ref).dtype == np.float16:
+        dsinks = _fp16_round(dsinks)
     return dq, dk, dv, dsinks.reshape(np.shape(sinks_ref))

@@ -33,12 +33,14 @@ def backend_info() -> dict:
         CPU's bf16 units, oneDNN installed); ``path`` is None, and ``reason``
         the error the kernels would raise, when ``NUMBAFA_GEMM`` names a path
         that cannot run here.
-    ``float32``, ``bfloat16``
+    ``float32``, ``bfloat16``, ``float16``, ``float64``
         The arithmetic of each input dtype on that path: float32 tiles and
         sgemm, oneDNN's ``dnnl_sgemm`` or BLAS (Numba's ``numba_xxgemm`` ->
         SciPy's ``cython_blas``); bf16 either as bf16 tiles on the bf16
         units (oneDNN) or widened into float32 tiles for BLAS sgemm, float32
-        accumulation either way.
+        accumulation either way; fp16 values widened into float32 tiles (exact
+        products: no fp16 GEMM units are used, on any CPU) and the float32
+        GEMM; float64 tiles and BLAS dgemm.
     ``blas``
         The BLAS libraries threadpoolctl finds (``internal_api``,
         ``version``, ``architecture``, ``filepath``, ``num_threads`` outside
@@ -78,6 +80,9 @@ def backend_info() -> dict:
         "bfloat16": ("bf16 tiles, oneDNN dnnl_gemm_bf16bf16f32 on the bf16 units, float32 accumulation"
                      if path == "onednn" else
                      "bf16 values in float32 tiles, sgemm: exact bf16 products, float32 accumulation"),
+        "float16": ("fp16 values in float32 tiles, " + ("oneDNN dnnl_sgemm" if path == "onednn" else "sgemm")
+                    + ": exact fp16 products, float32 accumulation (no fp16 GEMM units used)"),
+        "float64": "float64 tiles, dgemm (numba_xxgemm -> scipy.linalg.cython_blas), float64 accumulation",
         "blas": blas,
         "threads": numba.get_num_threads(),
         "cpu": cpu,

@@ -119,7 +119,7 @@ def plan(q, k, v, *, use_causal_mask=False, sliding_window=None, bound_min=None,
     ------
     TypeError, ValueError
         As :func:`numbafa.attention_bwd`, naming ``q``, ``k``, ``v``; ``seqlen_q`` not a
-        multiple of 128; ``with_sinks`` not a bool; float64 arrays (the Python API takes them).
+        multiple of 128; ``with_sinks`` not a bool; float64 or float16 arrays (the Python API takes them).
     """
     if not isinstance(with_sinks, (bool, np.bool_)):
         raise TypeError(f"with_sinks must be a bool, got {type(with_sinks).__name__}")
@@ -127,9 +127,9 @@ def plan(q, k, v, *, use_causal_mask=False, sliding_window=None, bound_min=None,
     options = AttentionOptions(None, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
                                sliding_window, dropout_p, seed, seed_offset)
     prob = validate_fwd_inputs(q, k, v, options, _CALLER)
-    if prob.dtype == np.float64:
-        raise TypeError("numbafa.nb takes float32 or bf16 arrays, got q of float64; float64 runs through "
-                        "numbafa.attention_fwd / attention_bwd")
+    if prob.dtype in (np.float64, np.float16):
+        raise TypeError(f"numbafa.nb takes float32 or bf16 arrays, got q of {prob.dtype}; {prob.dtype} runs "
+                        f"through numbafa.attention_fwd / attention_bwd")
     bs, nheads, d_head, seqlen_q = prob.q.shape
     nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
     if seqlen_q % Q_TILE:

@@ -70,7 +70,7 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _allowed_dtype(dtype) -> bool:
-    return dtype == np.float32 or dtype == np.float64 or is_bf16(dtype)
+    return dtype in (np.float32, np.float64, np.float16) or is_bf16(dtype)
 
 
 def _acc_dtype(dtype) -> np.dtype:
@@ -112,6 +112,10 @@ class Problem:
     @property
     def is_bf16(self) -> bool:
         return is_bf16(self.dtype)
+
+    @property
+    def is_fp16(self) -> bool:
+        return self.dtype == np.float16
 
 
 @jit(entry=True)
@@ -193,7 +197,10 @@ def kernel_view(x: np.ndarray) -> np.ndarray:
 
 
 def _as_kernel_array(x: np.ndarray) -> np.ndarray:
-    """:func:`kernel_view`; bf16 as uint16 bits, float32 and float64 as they are."""
+    """:func:`kernel_view`; bf16 as uint16 bits, float32 and float64 as they are, float16 widened to
+    a new float32 array (exact: the kernels take fp16 values in float32, docs/numerics.md)."""
+    if x.dtype == np.float16:
+        return np.array(x, dtype=np.float32, order="C")
     x = kernel_view(x)
     return x.view(np.uint16) if is_bf16(x.dtype) else x
 
@@ -366,7 +373,7 @@ def _check_dtypes(c: Caller, tensors: dict) -> None:
     dtype = tensors["q_ref"].dtype
     if not _allowed_dtype(dtype):
         bf16 = c.names.get("bfloat16", "bfloat16 (ml_dtypes.bfloat16)")
-        raise TypeError(f"{c('q_ref')} must be float32, float64 or {bf16}, got {dtype}")
+        raise TypeError(f"{c('q_ref')} must be float32, float64, float16 or {bf16}, got {dtype}")
     for key, x in tensors.items():
         if key != "lse_ref" and x.dtype != dtype:
             raise TypeError(f"{c(key)} must have the dtype of {c('q_ref')} ({dtype}), got {x.dtype}")
@@ -438,11 +445,12 @@ def _check_bound_shapes(c: Caller, options: AttentionOptions, seqlen_q: int) -> 
 
 def _check_sinks_shape(c: Caller, sinks, bs: int, nheads: int, dtype) -> None:
     name, shape = c("sinks_ref"), tuple(sinks.shape)
-    if dtype == np.float64:
-        if sinks.dtype not in (np.float32, np.float64):
-            raise TypeError(f"{name} must be float64 or float32 for float64 inputs, got {sinks.dtype}")
+    if dtype in (np.float64, np.float16):
+        if sinks.dtype not in (np.float32, dtype):
+            raise TypeError(f"{name} must be {dtype} or float32 for {dtype} inputs, got {sinks.dtype}")
     elif not (sinks.dtype == np.float32 or is_bf16(sinks.dtype)):
-        raise TypeError(f"{name} must be float32 or bfloat16 (float64 only for float64 inputs), got {sinks.dtype}")
+        raise TypeError(f"{name} must be float32 or bfloat16 (float64 or float16 only for inputs of that "
+                        f"dtype), got {sinks.dtype}")
     if shape in ((nheads,), (bs, nheads)) or (len(shape) == 3 and shape[:2] == (bs, nheads) and shape[2] >= 1):
         return
     b, h = c("bs"), c("nheads")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import numpy as np
 
 from numbafa import golden
-from numbafa.golden import _bf16_round
 
 _U = 2.0 ** -24       # float32 unit roundoff
 _TINY = 2.0 ** -126   # smallest normal float32/bf16: oneDNN's bf16 units flush below it (DAZ, FTZ)
@@ -67,7 +66,7 @@ def _order_spread(abs_sum, n, max_abs_operand=0.0):
     return 2.0 * _gamma(n) * abs_sum + (n + 1) * _TINY * max_abs_operand
 
 
-def _rounding_spread(x, radius, rounds):
+def _rounding_spread(x, radius, rounds, rnd=golden._bf16_round):
     """Largest ``|round(y) - round(x)|`` over float32 ``y`` with ``|y - x| <= radius`` (float64).
 
     ``x`` is the golden's float32 value before a rounding point, ``radius`` a bound on how far
@@ -75,7 +74,8 @@ def _rounding_spread(x, radius, rounds):
     is float32) the spread is the radius itself. With one, rounding to bf16 is monotone, so the
     extremes are the roundings of the interval's ends (taken outward to float32): the spread is
     zero unless the interval holds a bf16 rounding boundary, and then it is the bf16 step(s)
-    crossed -- one ulp of the value for a small radius.
+    crossed -- one ulp of the value for a small radius. ``rnd``: the rounding (bf16's, or fp16's
+    for float16 inputs: also monotone).
     """
     radius = np.asarray(radius, np.float64)
     if not rounds:
@@ -86,12 +86,12 @@ def _rounding_spread(x, radius, rounds):
         lo, hi = lo64.astype(np.float32), hi64.astype(np.float32)
     lo = np.where(lo > lo64, np.nextafter(lo, np.float32(-np.inf)), lo)
     hi = np.where(hi < hi64, np.nextafter(hi, np.float32(np.inf)), hi)
-    centre = _bf16_round(x).astype(np.float64)
-    spread = np.maximum(_bf16_round(hi) - centre, centre - _bf16_round(lo))
+    centre = rnd(x).astype(np.float64)
+    spread = np.maximum(rnd(hi) - centre, centre - rnd(lo))
     return np.where(radius > 0, spread, 0.0)
 
 
-def _rowsum_spread(prod, d_tile, round_partial, round_total):
+def _rowsum_spread(prod, d_tile, round_partial, round_total, rnd):
     """How far another order can move ``D = rowsum(O * dO)`` (rounding points 4, 5), per row.
 
     The products are rounded elementwise (the same on both sides); each head-dim tile's
@@ -103,13 +103,13 @@ def _rowsum_spread(prod, d_tile, round_partial, round_total):
         chunk = prod[:, i:i + d_tile]
         pre = chunk.sum(axis=1, dtype=f32)
         radius = _order_spread(np.abs(chunk).sum(axis=1, dtype=np.float64), chunk.shape[1] - 1)
-        parts.append(_bf16_round(pre) if round_partial else pre)
-        part_spreads.append(_rounding_spread(pre, radius, round_partial))
+        parts.append(rnd(pre) if round_partial else pre)
+        part_spreads.append(_rounding_spread(pre, radius, round_partial, rnd))
     pre = np.sum(parts, axis=0, dtype=f32)
     part_spread = np.sum(part_spreads, axis=0)      # the other side's parts: within that of ours
     radius = (1.0 + _U) * part_spread + _order_spread(
         np.abs(np.asarray(parts, np.float64)).sum(axis=0) + part_spread, len(parts) - 1)
-    return _rounding_spread(pre, radius, round_total)
+    return _rounding_spread(pre, radius, round_total, rnd)
 
 
 def _score_tile_spreads(tiles, d_spread, setup):
@@ -135,7 +135,8 @@ def _score_tile_spreads(tiles, d_spread, setup):
     p64 = tiles.p_pre.astype(np.float64)
     r_p = p64 * (np.expm1(r_t) * (1.0 + _EXP_ULPS_KERNEL * u32) + _EXP_ULPS * u32) \
         / (1.0 - _EXP_ULPS_NUMPY * u32) + _EXP_ULPS * 2.0 ** -149
-    dev_p = _rounding_spread(tiles.p_pre, np.where(allowed, r_p, 0.0), rounds("p"))
+    rnd = setup.rounding.round
+    dev_p = _rounding_spread(tiles.p_pre, np.where(allowed, r_p, 0.0), rounds("p"), rnd)
     r_dp = _order_spread(_abs_matmul(dyt, vt.T), dyt.shape[1] - 1, 1.0 + _max_abs(dyt, vt))   # over d_head_v
     m64 = m.astype(np.float64)
     if tiles.mult is not None:
@@ -143,7 +144,7 @@ def _score_tile_spreads(tiles, d_spread, setup):
     r_m = (1.0 + _U) * (r_dp + d_spread[:, None]) + 2.0 * _U * np.abs(m64)
     r_ds = (1.0 + 2.0 * _U) * (r_m * (np.abs(tiles.p.astype(np.float64)) + dev_p) + np.abs(m64) * dev_p) \
         + 2.0 * _U * np.abs(tiles.ds_pre.astype(np.float64))
-    dev_ds = _rounding_spread(tiles.ds_pre, np.where(allowed, r_ds, 0.0), rounds("ds"))
+    dev_ds = _rounding_spread(tiles.ds_pre, np.where(allowed, r_ds, 0.0), rounds("ds"), rnd)
     return dev_p, dev_ds
 
 
@@ -172,7 +173,7 @@ def _output_spreads(dev_p, dev_ds, tiles, setup):
     return dq, dk, dv
 
 
-def _sink_spread(sink, neg_lse, d_sum, d_spread, lanes, round_p):
+def _sink_spread(sink, neg_lse, d_sum, d_spread, lanes, round_p, rnd):
     """How far another implementation's dsinks sum can be from this golden's, before the
     roundings of the lanes (counted one ulp each by the caller) and of the result.
 
@@ -184,8 +185,8 @@ def _sink_spread(sink, neg_lse, d_sum, d_spread, lanes, round_p):
     pre = np.exp(sink + neg_lse)
     p64 = pre.astype(np.float64)
     radius = p64 * _EXP_ULPS * u32 / (1.0 - _EXP_ULPS_NUMPY * u32) + _EXP_ULPS * 2.0 ** -149
-    dev = _rounding_spread(pre, radius, round_p)
-    p_sink = np.abs((_bf16_round(pre) if round_p else pre).astype(np.float64))
+    dev = _rounding_spread(pre, radius, round_p, rnd)
+    p_sink = np.abs((rnd(pre) if round_p else pre).astype(np.float64))
     d_abs = np.abs(d_sum.astype(np.float64))
     per_row = (1.0 + 4.0 * _U) * (dev * (d_abs + d_spread) + p_sink * d_spread)
     return float(per_row.sum() + _order_spread(np.abs(lanes.astype(np.float64)).sum(), lanes.size - 1))
@@ -198,6 +199,18 @@ def bf16_ulp(x):
     return 2.0 ** (np.maximum(exponent, -126) - 7)
 
 
+def fp16_ulp(x):
+    """One fp16 ulp of each element of ``x`` (float64; subnormal spacing 2^-24 at the bottom)."""
+    mag = np.abs(np.asarray(x, np.float64))
+    exponent = np.floor(np.log2(np.maximum(mag, 2.0 ** -24)))
+    return 2.0 ** (np.maximum(exponent, -14) - 10)
+
+
+def kernel_ulp(rounding):
+    """The ulp function of the kernel dtype of a :class:`numbafa.golden.Rounding`."""
+    return fp16_ulp if rounding.fp16 else bf16_ulp
+
+
 class _Flips:
     """Sums one bf16 ulp per rounding of an accumulator, except its latest one.
 
@@ -206,13 +219,14 @@ class _Flips:
     budget holds every rounding but the last (the output's own).
     """
 
-    def __init__(self, shape):
+    def __init__(self, shape, ulp=bf16_ulp):
         self.total = np.zeros(shape)
         self._last = np.zeros(shape)
+        self._ulp = ulp
 
     def rounded(self, x):
         self.total += self._last
-        self._last = bf16_ulp(x)
+        self._last = self._ulp(x)
 
     def budget(self, last_too):
         """The ulps of every rounding but the last, and of the last too if ``last_too``."""
@@ -241,11 +255,12 @@ class _BudgetObserver(golden.Observer):
         b, h = index
         hk = h // self.setup.n_rep
         rounds = self.setup.rounding.rounds
-        d_spread = _rowsum_spread(tiles.prod, self.setup.d_tile, rounds("d_partial"), rounds("d_total"))
+        d_spread = _rowsum_spread(tiles.prod, self.setup.d_tile, rounds("d_partial"), rounds("d_total"),
+                                  self.setup.rounding.round)
         self.rows[index] = (tiles.neg_lse, tiles.d_sum, d_spread)
         dev_p, dev_ds = _score_tile_spreads(tiles, d_spread, self.setup)
         if tiles.mult is not None:  # P~'s own rounding of a P that may differ
-            dev_p = _rounding_spread(tiles.p * tiles.mult, dev_p * tiles.mult, rounds("p"))
+            dev_p = _rounding_spread(tiles.p * tiles.mult, dev_p * tiles.mult, rounds("p"), self.setup.rounding.round)
         head_q, head_k, head_v = _output_spreads(dev_p, dev_ds, tiles, self.setup)
         self.budgets[0][b, h] += head_q.T
         self.budgets[1][b, hk] += head_k.T
@@ -256,17 +271,17 @@ class _BudgetObserver(golden.Observer):
             return
         if output == "dsinks":   # every rounding of a lane precedes the final one (of the sum)
             lane_ulps = self.lane_ulps.setdefault(index, np.zeros(128))
-            lane_ulps[:value.size] += bf16_ulp(value)
+            lane_ulps[:value.size] += kernel_ulp(self.setup.rounding)(value)
             return
         if (output, index) not in self.flips:
-            self.flips[output, index] = _Flips(value.shape)
+            self.flips[output, index] = _Flips(value.shape, kernel_ulp(self.setup.rounding))
         self.flips[output, index].rounded(value)
 
     def sink(self, index, logit, lanes):
         neg_lse, d_sum, d_spread = self.rows[index[:2]]
         lane_ulps = self.lane_ulps.get(index, np.zeros(128))
         self.budgets[3][index] = lane_ulps.sum() + _sink_spread(
-            logit, neg_lse, d_sum, d_spread, lanes, self.setup.rounding.rounds("sinks"))
+            logit, neg_lse, d_sum, d_spread, lanes, self.setup.rounding.rounds("sinks"), self.setup.rounding.round)
 
     def finish(self):
         """Adds the accumulators' flips to the budgets and returns those of dq, dk, dv, dsinks.
@@ -275,7 +290,7 @@ class _BudgetObserver(golden.Observer):
         then its last rounding is an intermediate one too.
         """
         rounding = self.setup.rounding
-        apart = rounding.bf16 and rounding.mixed_precision
+        apart = rounding.narrow and rounding.mixed_precision
         out = {"dq": 0, "dk": 1, "dv": 2}
         for (output, index), flips in self.flips.items():
             self.budgets[out[output]][index] += flips.budget(apart).T

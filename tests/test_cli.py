@@ -88,7 +88,7 @@ def test_failed_check_gives_exit_code_one(capsys, monkeypatch):
 @pytest.mark.parametrize("argv,message", [
     (["--heads", "6", "--kv-heads", "4"], "--heads (6) must be a multiple of --kv-heads (4)"),
     (["--seqlen", "0"], "expected a positive integer, got 0"),
-    (["--dtype", "float16"], "invalid choice: 'float16'"),
+    (["--dtype", "int8"], "invalid choice: 'int8'"),
     (["--mask", "full", "--window", "8"], "--window needs --mask causal"),
     (["--seqlen", "256", "--packing", "100,100"], "--packing lengths sum to 200, expected --seqlen 256"),
     (["--packing", "a,b"], "expected comma-separated lengths"),

@@ -132,7 +132,8 @@ NAMED_ERRORS = [
     # (arguments of numbafa.attention, exception, the whole message or its start)
     (dict(q=Q.tolist()), TypeError, "q must be a numpy.ndarray, got list"),
     (dict(k=K[0]), ValueError, "k must be 4-D [batch, seq, heads, head_dim] for layout='bshd', got shape (64, 2, 8)"),
-    (dict(q=Q.astype(np.float16)), TypeError, "q must be float32, float64 or bfloat16 (ml_dtypes.bfloat16), got float16"),
+    (dict(q=Q.astype(np.int32)), TypeError, "q must be float32, float64, float16 or bfloat16 (ml_dtypes.bfloat16), "
+                                            "got int32"),
     (dict(v=V.astype(np.float64)), TypeError, "v must have the dtype of q (float32), got float64"),
     (dict(k=K[..., :4]), ValueError, "k must have shape (1, seqlen_k, nheads_kv, 8) to match q, got (1, 64, 2, 4)"),
     (dict(v=V[:, :32]), ValueError, "v must have shape (1, 64, 2, d_head_v) to match k, got (1, 32, 2, 8)"),
@@ -146,7 +147,7 @@ NAMED_ERRORS = [
     (dict(sinks=np.zeros((1, 3), np.float32)), ValueError,
      "sinks must have shape (4,) [nheads], (1, 4) [bs, nheads] or (1, 4, num_sinks >= 1) [bs, nheads, num_sinks], got (1, 3)"),
     (dict(sinks=np.zeros((1, 4), np.float64)), TypeError,
-     "sinks must be float32 or bfloat16 (float64 only for float64 inputs), got float64"),
+     "sinks must be float32 or bfloat16 (float64 or float16 only for inputs of that dtype), got float64"),
     (dict(bound_min=np.zeros(64, np.float32)), ValueError,
      "bound_min and bound_max must be given together, got only bound_min"),
 ]

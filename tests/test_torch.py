@@ -260,13 +260,14 @@ def test_bf16_bridge_is_a_view_and_bit_exact():
     np.testing.assert_array_equal(nt.to_numpy(strided).view(np.int16), bits.reshape(256, 256).t().numpy())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_bf16_is_numbafa_bit_for_bit(layout):
-    """The op's bf16 o and gradients are numbafa's on the same bits (mixed_precision=True)."""
-    q, k, v, do = make(layout, dtype=torch.bfloat16, seed=4)
+def test_bf16_and_fp16_are_numbafa_bit_for_bit(layout, dtype):
+    """The op's bf16 (fp16) o and gradients are numbafa's on the same bits (mixed_precision=True)."""
+    q, k, v, do = make(layout, dtype=dtype, seed=4)
     sinks = torch.randn(B, H).requires_grad_()
     o = nt.attention(q, k, v, causal=True, window=64, sinks=sinks, layout=layout)
-    assert o.dtype == torch.bfloat16
+    assert o.dtype == dtype
     got = grads(o, do, q, k, v, sinks)
     kw = dict(sinks=nt.to_numpy(sinks), use_causal_mask=True, sliding_window=64, mixed_precision=True,
               layout=layout)
@@ -274,7 +275,7 @@ def test_bf16_is_numbafa_bit_for_bit(layout):
     expected = ctx.backward(nt.to_numpy(do))
     np.testing.assert_array_equal(nt.to_numpy(o).view(np.uint16), o_np.view(np.uint16))
     for name, g, e in zip(("dq", "dk", "dv", "dsinks"), got, expected):
-        assert g.dtype == (torch.float32 if name == "dsinks" else torch.bfloat16), name
+        assert g.dtype == (torch.float32 if name == "dsinks" else dtype), name
         np.testing.assert_array_equal(nt.to_numpy(g).view(np.uint16 if name != "dsinks" else np.uint32),
                                       e.view(np.uint16 if name != "dsinks" else np.uint32), err_msg=name)
 
@@ -500,7 +501,7 @@ def _bad_calls():
     q, k, v, _ = make(grad=False)
     return [
         ("q not a tensor", dict(q=q.numpy()), TypeError, r"^q must be a torch\.Tensor, got ndarray$"),
-        ("q float16", dict(q=q.half()), TypeError, r"^q must be float32, float64 or bfloat16, got float16$"),
+        ("q int32", dict(q=q.int()), TypeError, r"^q must be float32, float64, float16 or bfloat16, got int32$"),
         ("k float64", dict(k=k.double()), TypeError, r"^k must have the dtype of q \(float32\), got float64$"),
         ("v dtype", dict(v=v.bfloat16()), TypeError, r"^v must have the dtype of q \(float32\), got bfloat16$"),
         ("q 3-D", dict(q=q[0]), ValueError,
@@ -519,7 +520,7 @@ def _bad_calls():
         ("sinks shape", dict(sinks=torch.zeros(3)), ValueError,
          r"^sinks must have shape \(4,\) \[heads\], \(2, 4\) \[batch, heads\] or \(2, 4, num_sinks >= 1\)"),
         ("sinks dtype", dict(sinks=torch.zeros(4, dtype=torch.float64)), TypeError,
-         r"^sinks must be float32 or bfloat16 \(float64 only for float64 inputs\), got float64$"),
+         r"^sinks must be float32 or bfloat16 \(float64 or float16 only for inputs of that dtype\), got float64$"),
         ("bounds alone", dict(bound_min=torch.zeros(S)), ValueError,
          r"^bound_min and bound_max must be given together, got only bound_min$"),
         ("bound shape", dict(bound_min=torch.zeros(S + 1), bound_max=torch.zeros(S + 1)), ValueError,

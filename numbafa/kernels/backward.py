@@ -61,7 +61,7 @@ from collections import namedtuple
 import numpy as np
 from numba import prange
 
-from ..dtypes import as_operand, narrowed, round_to_bf16_inplace, widen
+from ..dtypes import as_operand, narrowed, round_inplace_if, widen
 from ..jit import jit
 from ..linking import call_or_raise, call_status, pack, unpack
 from ..tiling import FLOAT32_MIN
@@ -145,12 +145,10 @@ def _softmax_backward_row(s, dp, neg_lse, d_sum, k_abs, key_lo, key_hi, use_pack
         if use_packing:
             x = _F32_MIN if (k_abs < key_lo[i]) | (k_abs >= key_hi[i]) else x
         s[i] = exp_of(x + neg_lse[i])
-    if round_kernel:
-        round_to_bf16_inplace(s)
+    round_inplace_if(s, round_kernel)
     for i in range(s.size):
         dp[i] = (dp[i] - d_sum[i]) * s[i]
-    if round_kernel:
-        round_to_bf16_inplace(dp)
+    round_inplace_if(dp, round_kernel)
 
 
 @jit()
@@ -273,11 +271,11 @@ def update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum, cut, scratch):
         d_v = dy_cols.shape[0]
         dv_psum = scratch.kd_psum[:blk.n_k * d_v].reshape(blk.n_k, d_v)
         matmul(p_t, dy_cols, dv_psum, False, True, _ONE, _ZERO, plan.gemm)
-        accumulate(sec.dv_acc[keys], dv_psum, _ONE, True)
+        accumulate(sec.dv_acc[keys], dv_psum, _ONE, prec.bf16_accumulators)
         d_head = k_cols.shape[0]
         dk_psum = scratch.kd_psum[:blk.n_k * d_head].reshape(blk.n_k, d_head)
         matmul(ds_t, q_cols, dk_psum, False, True, _ONE, _ZERO, plan.gemm)
-        accumulate(sec.dk_acc[keys], dk_psum, _ONE, True)
+        accumulate(sec.dk_acc[keys], dk_psum, _ONE, prec.bf16_accumulators)
     else:
         matmul(p_t, dy_cols, sec.dv_acc[keys], False, True, _ONE, _ONE, plan.gemm)
         matmul(ds_t, q_cols, sec.dk_acc[keys], False, True, _ONE, _ONE, plan.gemm)

@@ -51,11 +51,14 @@ Mask.__doc__ = """causal (bool), window (int, already <= seqlen_k; 0: none), use
 key_lo/key_hi (int32 [seqlen_q]): query q sees keys key_lo[q] <= k < key_hi[q]."""
 
 Precision = namedtuple("Precision", ["round_kernel", "bf16_accumulators"])
-Precision.__doc__ = """round_kernel: tiles written in kernel_dtype are rounded to bf16 (bf16 inputs).
-bf16_accumulators: mixed_dtype is bf16 (bf16 inputs, mixed_precision=False), so tiles written in
-mixed_dtype are rounded to bf16 too: the accumulators (dQ/dK/dV, each taking one rounded addition
-from a PSUM tile; the forward's output and row sum; the dsinks lanes) and the other mixed_dtype
-tiles (-LSE, D and its partials, the sink logits and p_sink)."""
+Precision.__doc__ = """round_kernel: tiles written in kernel_dtype are rounded to it (bf16 or fp16 inputs).
+bf16_accumulators: mixed_dtype is kernel_dtype (bf16 or fp16 inputs, mixed_precision=False), so
+tiles written in mixed_dtype are rounded too: the accumulators (dQ/dK/dV, each taking one rounded
+addition from a PSUM tile; the forward's output and row sum; the dsinks lanes) and the other
+mixed_dtype tiles (-LSE, D and its partials, the sink logits and p_sink). The flags' *type* names
+the format (numbafa.dtypes.round_to_kernel_dtype): bool for bf16 (and float32/float64 inputs, both
+False), numpy.uint8 for fp16 -- so fp16 kernels are a compiled specialisation of their own and the
+bf16 ones are unchanged."""
 
 Plan = namedtuple("Plan", ["tiling", "mask", "precision", "softmax_scale", "gemm", "operand",
                            "dropout", "acc"])
@@ -91,10 +94,13 @@ def make_plan(prob, backward: bool) -> Plan:
                          f"seqlen_k={seqlen_k}")
     # Zero-length sequences run the same kernels with empty loops.
     cfg = setup_config(max(seqlen_q, 1), max(seqlen_k, 1), d_head, prob.v.shape[2])
-    round_kernel = bool(prob.is_bf16)
-    bf16_accumulators = round_kernel and not prob.mixed_precision
+    # The flags' type names the kernel dtype they round to: bool for bf16, uint8 for fp16 (Precision).
+    flag = np.uint8 if prob.is_fp16 else bool
+    narrow = bool(prob.is_bf16 or prob.is_fp16)
+    round_kernel = flag(narrow)
+    bf16_accumulators = flag(narrow and not prob.mixed_precision)
     acc = acc_dtype(prob.dtype)
-    chunks = q_chunks(bs * nheads_kv, seqlen_q, bf16_accumulators if backward else False)
+    chunks = q_chunks(bs * nheads_kv, seqlen_q, bool(bf16_accumulators) if backward else False)
     tiling = Tiling(cfg.q_tile, cfg.k_tile, cfg.k_sub_tile, cfg.q_tile_group, cfg.d_tile,
                     cfg.section_len, chunks)
     key_lo = np.empty(seqlen_q, dtype=np.int32)
@@ -104,7 +110,7 @@ def make_plan(prob, backward: bool) -> Plan:
     mask = Mask(bool(prob.use_causal_mask), int(prob.window), bool(prob.use_packing), key_lo, key_hi)
     precision = Precision(round_kernel, bf16_accumulators)
     onednn = gemm_path()[0] == "onednn"   # loads oneDNN before a kernel that calls it is compiled
-    operand = np.empty(0, dtype=np.uint16 if round_kernel and onednn else acc)
+    operand = np.empty(0, dtype=np.uint16 if prob.is_bf16 and onednn else acc)
     dropout = make_dropout(prob.dropout_p, prob.seed, prob.seed_offset, acc)
     return Plan(tiling, mask, precision, acc.type(prob.softmax_scale), ONEDNN if onednn else None,
                 operand, dropout, np.empty(0, dtype=acc))

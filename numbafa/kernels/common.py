@@ -13,16 +13,17 @@ from __future__ import annotations
 import numpy as np
 
 from ..jit import jit
-from ..dtypes import round_to_bf16, widen
+from ..dtypes import round_to_kernel_dtype, widen
 
 __all__ = ["round_if", "load_scaled", "store", "store_transposed"]
 
 
 @jit()
 def round_if(x, flag):
-    """Round a float32 to bf16 when ``flag`` (a tile written in bf16)."""
+    """Round a float32 to the kernel dtype when ``flag`` (a tile written in bf16 or fp16: the flag's
+    type says which, :func:`numbafa.dtypes.round_to_kernel_dtype`)."""
     if flag:
-        return round_to_bf16(x)
+        return round_to_kernel_dtype(x, flag)
     return x
 
 

@@ -46,7 +46,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ..dtypes import round_to_bf16_inplace
+from ..dtypes import round_inplace_if
 from ..jit import jit
 
 __all__ = ["Dropout", "make_dropout", "with_origin", "derive_key", "philox4x32_10", "philox_words",
@@ -263,8 +263,7 @@ def drop_rows(s, k0, q0, q_head, batch, dropout, round_kernel):
                 row[base + step + g] *= _multiplier(w1, thr, scale)
                 row[base + 2 * step + g] *= _multiplier(w2, thr, scale)
                 row[base + 3 * step + g] *= _multiplier(w3, thr, scale)
-        if round_kernel:
-            round_to_bf16_inplace(row)
+        round_inplace_if(row, round_kernel)
 
 
 @jit()
@@ -283,8 +282,7 @@ def apply_multipliers(x, mult, round_kernel):
     b = mult.reshape(-1)
     for i in range(a.size):
         a[i] = a[i] * b[i]
-    if round_kernel:
-        round_to_bf16_inplace(a)
+    round_inplace_if(a, round_kernel)
 
 
 @jit()

@@ -39,7 +39,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from ..dtypes import as_operand, narrowed, round_to_bf16_inplace
+from ..dtypes import as_operand, narrowed, round_inplace_if
 from ..jit import jit
 from ..linking import call_status, pack, unpack
 from .common import load_scaled, round_if, store_transposed
@@ -141,8 +141,7 @@ def online_softmax_update(s, q_abs0, k_abs0, stats, plan):
             continue
         stats.alpha[i] = exp_of(m_old - m_new)
         _exp_shifted(seen, m_new)
-        if plan.precision.round_kernel:
-            round_to_bf16_inplace(seen)
+        round_inplace_if(seen, plan.precision.round_kernel)
         stats.row_max[i] = m_new
 
 

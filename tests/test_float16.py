@@ -1,0 +1,149 @@
+"""float16 inputs: the Neuron kernel's dtype logic with fp16 as kernel_dtype.
+
+The same rounding points as bf16 (docs/numerics.md), to fp16 (its range and subnormals);
+float32 accumulation with ``mixed_precision=True``. The kernels take the fp16 values widened to
+float32 (exact), so every GEMM is float32 on fp16-valued operands: exact products.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+import numbafa
+from numbafa import golden
+from numbafa.dtypes import round_to_fp16
+
+from _budget import fp16_ulp, rounded_with_budget
+from _problems import CASES, Case, forward_options, make_inputs
+from _tolerances import FINAL_ULPS, FLOAT32_SUM_ORDER, FP16_MIXED, LSE_FLOAT32, MIN_IDENTICAL_FP16, assert_close
+
+F16 = np.float16
+NAMES = ("dq", "dk", "dv", "dsinks")
+FAMILIES = ["gqa4-causal", "window128-gqa", "packing-causal-window", "sinks2-window", "d256", "ragged97",
+            "2-sections", "scale-causal-sinks", "mla-192-128-window", "mqa-causal"]
+F16_CASES = [(name, case) for name, case in CASES if name in FAMILIES]
+
+
+@numba.njit
+def _rounded(x):
+    out = np.empty_like(x)
+    for i in range(x.size):
+        out[i] = round_to_fp16(x[i])
+    return out
+
+
+def test_rounding_matches_numpys_cast_at_every_boundary():
+    """Every finite fp16 value, every midpoint between neighbours (ties to even) and the float32
+    values either side of it, the overflow edge (65520 rounds to inf), subnormals, and a wide
+    random sample: bit for bit NumPy's float32 -> float16 cast."""
+    values = np.arange(65536, dtype=np.uint16).view(F16)
+    values = np.unique(values[np.isfinite(values)].astype(np.float32))
+    mid = ((values[:-1].astype(np.float64) + values[1:]) / 2).astype(np.float32)
+    rng = np.random.default_rng(0)
+    sample = (rng.standard_normal(200000) * 10.0 ** rng.integers(-10, 6, 200000)).astype(np.float32)
+    x = np.concatenate([values, mid, np.nextafter(mid, np.float32(np.inf)), np.nextafter(mid, np.float32(-np.inf)),
+                        np.float32([65504.0, 65519.996, 65520.0, -65520.0, 1e30, np.inf, -np.inf, 0.0, -0.0]),
+                        sample])
+    with np.errstate(over="ignore"):
+        expected = x.astype(F16).astype(np.float32)
+    np.testing.assert_array_equal(_rounded(x).view(np.uint32), expected.view(np.uint32))
+    assert np.isnan(_rounded(np.float32([np.nan])))[0]
+
+
+@pytest.fixture(scope="module", params=F16_CASES, ids=[n for n, _ in F16_CASES])
+def f16_case(request):
+    _, case = request.param
+    inputs = make_inputs(case, F16)
+    return case, inputs, {mixed: numbafa.attention_bwd(**inputs, mixed_precision=mixed) for mixed in (True, False)}
+
+
+def test_every_family_is_known():
+    assert {name for name, _ in F16_CASES} == set(FAMILIES)
+
+
+def test_accuracy_against_the_float64_golden(f16_case):
+    case, inputs, got = f16_case
+    expected = golden.attention_bwd(**inputs)
+    for name, g, e in zip(NAMES, got[True], expected):
+        assert g.dtype == (F16 if name != "dsinks" else np.float32), name
+        assert_close(g.astype(np.float32), e, FP16_MIXED, name)
+
+
+def faithfulness(actual, expected, budget):
+    """(fraction bit-identical, worst ``|a - e| / allowed``), ``allowed = FINAL_ULPS * ulp + budget``
+    in fp16 ulps (as tests/test_bf16.py's, for bf16)."""
+    a = np.asarray(actual, np.float32)
+    e = np.asarray(expected, np.float32)
+    if e.size == 0:
+        return 1.0, 0.0
+    identical = float(np.mean(a.view(np.uint32) == e.view(np.uint32)))
+    a64, e64 = a.astype(np.float64), e.astype(np.float64)
+    allowed = FINAL_ULPS * fp16_ulp(np.maximum(np.abs(a64), np.abs(e64))) + budget
+    return identical, float((np.abs(a64 - e64) / allowed).max())
+
+
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "not-mixed"])
+def test_faithful_to_the_numerics_golden(f16_case, mixed):
+    _, inputs, got = f16_case
+    *emulated, budgets = rounded_with_budget(**inputs, mixed_precision=mixed)
+    for name, g, e, budget in zip(NAMES, got[mixed], emulated, budgets):
+        if name == "dsinks" and mixed:  # float32 sinks: a float32 sum, compared as such
+            assert_close(g, e, FLOAT32_SUM_ORDER, name)
+            continue
+        identical, excess = faithfulness(g.astype(np.float32), e, budget)
+        if name != "dsinks":
+            assert identical >= MIN_IDENTICAL_FP16, f"{name}: only {identical:.4%} bit-identical"
+        assert excess <= 1.0, f"{name}: {excess:.2f}x the flip bound"
+
+
+@pytest.mark.parametrize("point, case", [
+    ("p", Case(nheads=2, nheads_kv=1, causal=True)), ("ds", Case(nheads=2, nheads_kv=1, causal=True)),
+    ("acc", Case(nheads=2, nheads_kv=1, causal=True)),
+    ("q_load", Case(softmax_scale=0.3)),   # 1/sqrt(64) is a power of two: Q * scale would be exact
+], ids=["p", "ds", "acc", "q_load"])
+def test_the_faithfulness_check_catches_a_missing_rounding_point(point, case):
+    """The golden without one of its fp16 rounding points is not what the kernel computes."""
+    inputs = make_inputs(case, F16)
+    got = numbafa.attention_bwd(**inputs, mixed_precision=False)
+    *emulated, budgets = rounded_with_budget(**inputs, mixed_precision=False, disable=(point,))
+    results = [faithfulness(g.astype(np.float32), e, b) for g, e, b in zip(got, emulated, budgets)]
+    assert any(identical < MIN_IDENTICAL_FP16 or excess > 1.0 for identical, excess in results)
+
+
+@pytest.mark.parametrize("sinks_dtype", [np.float32, F16])
+def test_forward_and_the_sinks_dtype(sinks_dtype):
+    case = Case(nheads=4, nheads_kv=2, d_head=48, d_head_v=32, causal=True, num_sinks=1, seqlen_q=300,
+                seqlen_k=300)
+    inputs = make_inputs(case, F16)
+    inputs["sinks_ref"] = inputs["sinks_ref"].astype(sinks_dtype)
+    o, lse = numbafa.attention_fwd(inputs["q_ref"], inputs["k_ref"], inputs["v_ref"], lse_layout="natural",
+                                   mixed_precision=True, **forward_options(inputs))
+    o_exp, lse_exp = golden.attention_fwd(inputs["q_ref"], inputs["k_ref"], inputs["v_ref"],
+                                          sinks=inputs["sinks_ref"], use_causal_mask=True)
+    assert o.dtype == F16 and lse.dtype == np.float32
+    assert_close(o.astype(np.float32), o_exp, FP16_MIXED, "o")
+    assert_close(lse, lse_exp, LSE_FLOAT32 | {"rtol": FP16_MIXED["rtol"]}, "lse")
+    dsinks = numbafa.attention_bwd(**dict(inputs, o_ref=o, lse_ref=lse), mixed_precision=True)[3]
+    assert dsinks.dtype == sinks_dtype
+
+
+def test_a_rounding_point_beyond_fp16s_range_is_an_error_naming_the_output():
+    """dS = (dP - D) * P rounded to fp16 overflows for large dO and V: inf on the hardware, an
+    error here rather than an inf or NaN gradient."""
+    inputs = make_inputs(Case(nheads=1, nheads_kv=1, seqlen_q=128, seqlen_k=128), F16)
+    inputs["v_ref"] = (inputs["v_ref"].astype(np.float32) * 3000).astype(F16)
+    inputs["dy_ref"] = (inputs["dy_ref"].astype(np.float32) * 3000).astype(F16)
+    with pytest.raises(FloatingPointError, match="^dq overflows float16 at one of the kernels' float16 rounding"):
+        numbafa.attention_bwd(**inputs)
+
+
+def test_the_kernels_are_a_specialisation_of_their_own():
+    """fp16 inputs compile kernels apart from float32's: a float32 call gives float32 bits."""
+    inputs = make_inputs(Case(seqlen_q=128, seqlen_k=128), F16)
+    wide = {k: (v.astype(np.float32) if isinstance(v, np.ndarray) and v.dtype == F16 else v) for k, v in inputs.items()}
+    fp16 = numbafa.attention_bwd(**inputs, mixed_precision=True)
+    fp32 = numbafa.attention_bwd(**wide)
+    assert fp32[0].dtype == np.float32 and fp16[0].dtype == F16
+    assert not np.array_equal(fp32[0].astype(F16), fp16[0])   # P and dS were rounded to fp16
