@@ -28,6 +28,8 @@ import numpy as np
 
 from numbafa import golden
 
+from _tolerances import FINAL_ULPS, FLOAT32_SUM_ORDER, assert_close
+
 _U = 2.0 ** -24       # float32 unit roundoff
 _TINY = 2.0 ** -126   # smallest normal float32/bf16: oneDNN's bf16 units flush below it (DAZ, FTZ)
 #: exp's error on both sides, in float32 ulps of the exact value: the kernel's expf is within
@@ -318,3 +320,38 @@ def rounded_with_budget(**kwargs):
     if sinks is None:
         return results + (budgets[:3],)
     return results + (budgets[:3] + (budgets[3].reshape(np.shape(sinks)),),)
+
+
+def faithfulness(actual, expected, budget, ulp=bf16_ulp):
+    """(fraction bit-identical, worst ``|a - e| / allowed`` over all elements).
+
+    ``allowed = FINAL_ULPS * ulp(max(|a|, |e|)) + budget``: the output's own rounding may flip,
+    and ``budget`` (from :func:`rounded_with_budget`) bounds everything before it: flips
+    of the accumulator's intermediate roundings, of the P, dS and D tiles, and the output GEMMs'
+    own float32 summation order (tests/_tolerances.py). ``ulp``: of the kernel dtype (bf16's,
+    or :func:`fp16_ulp`).
+    """
+    a = np.asarray(actual, np.float32)
+    e = np.asarray(expected, np.float32)
+    if e.size == 0:
+        return 1.0, 0.0
+    identical = float(np.mean(a.view(np.uint32) == e.view(np.uint32)))
+    a64, e64 = a.astype(np.float64), e.astype(np.float64)
+    allowed = FINAL_ULPS * ulp(np.maximum(np.abs(a64), np.abs(e64))) + budget
+    return identical, float((np.abs(a64 - e64) / allowed).max())
+
+
+def assert_faithful(inputs, got, mixed, min_identical, ulp=bf16_ulp):
+    """Assert that the kernel's ``got`` (dq, dk, dv[, dsinks]) for ``inputs`` (keyword arguments of
+    ``attention_bwd``) with ``mixed_precision=mixed`` are faithful to the numerics golden: every
+    element within its bound (:func:`faithfulness`) and at least ``min_identical`` of dq, dk, dv
+    bit-identical. float32 dsinks (``mixed``) are a float32 sum, compared as such."""
+    *emulated, budgets = rounded_with_budget(**inputs, mixed_precision=mixed)
+    for name, g, e, budget in zip(("dq", "dk", "dv", "dsinks"), got, emulated, budgets):
+        if name == "dsinks" and mixed:
+            assert_close(g, e, FLOAT32_SUM_ORDER, name)
+            continue
+        identical, excess = faithfulness(g.astype(np.float32), e, budget, ulp)
+        if name != "dsinks":  # a handful of elements: a fraction says nothing there
+            assert identical >= min_identical, f"{name}: only {identical:.4%} bit-identical"
+        assert excess <= 1.0, f"{name}: {excess:.2f}x the flip bound"

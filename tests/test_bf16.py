@@ -16,9 +16,9 @@ from numbafa.jit import callable_from_python, jit
 from numbafa.kernels.backward import accumulate
 
 import _budget
-from _budget import bf16_ulp, rounded_with_budget
+from _budget import assert_faithful, bf16_ulp, faithfulness, rounded_with_budget
 from _problems import CASES, Case, make_inputs
-from _tolerances import BF16_MIXED, FLOAT32_SUM_ORDER, FINAL_ULPS, MIN_IDENTICAL, assert_close
+from _tolerances import BF16_MIXED, MIN_IDENTICAL, assert_close
 
 BF16 = ml_dtypes.bfloat16
 NAMES = ("dq", "dk", "dv", "dsinks")
@@ -110,36 +110,10 @@ def test_outputs_are_bf16(bf16_case):
 # Faithfulness to the numerics golden
 # --------------------------------------------------------------------------
 
-def faithfulness(actual, expected, budget):
-    """(fraction bit-identical, worst ``|a - e| / allowed`` over all elements).
-
-    ``allowed = FINAL_ULPS * ulp(max(|a|, |e|)) + budget``: the output's own rounding may flip,
-    and ``budget`` (from :func:`_budget.rounded_with_budget`) bounds everything before it: flips
-    of the accumulator's intermediate roundings, of the P, dS and D tiles, and the output GEMMs'
-    own float32 summation order (tests/_tolerances.py).
-    """
-    a = np.asarray(actual, np.float32)
-    e = np.asarray(expected, np.float32)
-    if e.size == 0:
-        return 1.0, 0.0
-    identical = float(np.mean(a.view(np.uint32) == e.view(np.uint32)))
-    a64, e64 = a.astype(np.float64), e.astype(np.float64)
-    allowed = FINAL_ULPS * bf16_ulp(np.maximum(np.abs(a64), np.abs(e64))) + budget
-    return identical, float((np.abs(a64 - e64) / allowed).max())
-
-
 @pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "not-mixed"])
 def test_faithful_to_numerics_golden(bf16_case, mixed):
-    case, inputs, got = bf16_case
-    *emulated, budgets = rounded_with_budget(**inputs, mixed_precision=mixed)
-    for name, g, e, budget in zip(NAMES, got[mixed], emulated, budgets):
-        if name == "dsinks" and mixed:  # float32 sinks: a float32 sum, compared as such
-            assert_close(g, e, FLOAT32_SUM_ORDER, name)
-            continue
-        identical, excess = faithfulness(g.astype(np.float32), e, budget)
-        if name != "dsinks":  # a handful of elements: a fraction says nothing there
-            assert identical >= MIN_IDENTICAL, f"{name}: only {identical:.4%} bit-identical"
-        assert excess <= 1.0, f"{name}: {excess:.2f}x the flip bound"
+    _, inputs, got = bf16_case
+    assert_faithful(inputs, got[mixed], mixed, MIN_IDENTICAL)
 
 
 def test_flip_budget_counts_intermediate_roundings(monkeypatch):

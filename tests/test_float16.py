@@ -15,9 +15,9 @@ import numbafa
 from numbafa import golden
 from numbafa.dtypes import round_to_fp16
 
-from _budget import fp16_ulp, rounded_with_budget
+from _budget import assert_faithful, faithfulness as _faithfulness, fp16_ulp, rounded_with_budget
 from _problems import CASES, Case, forward_options, make_inputs
-from _tolerances import FINAL_ULPS, FLOAT32_SUM_ORDER, FP16_MIXED, LSE_FLOAT32, MIN_IDENTICAL_FP16, assert_close
+from _tolerances import FP16_MIXED, LSE_FLOAT32, MIN_IDENTICAL_FP16, assert_close
 
 F16 = np.float16
 NAMES = ("dq", "dk", "dv", "dsinks")
@@ -72,30 +72,14 @@ def test_accuracy_against_the_float64_golden(f16_case):
 
 
 def faithfulness(actual, expected, budget):
-    """(fraction bit-identical, worst ``|a - e| / allowed``), ``allowed = FINAL_ULPS * ulp + budget``
-    in fp16 ulps (as tests/test_bf16.py's, for bf16)."""
-    a = np.asarray(actual, np.float32)
-    e = np.asarray(expected, np.float32)
-    if e.size == 0:
-        return 1.0, 0.0
-    identical = float(np.mean(a.view(np.uint32) == e.view(np.uint32)))
-    a64, e64 = a.astype(np.float64), e.astype(np.float64)
-    allowed = FINAL_ULPS * fp16_ulp(np.maximum(np.abs(a64), np.abs(e64))) + budget
-    return identical, float((np.abs(a64 - e64) / allowed).max())
+    """:func:`_budget.faithfulness` in fp16 ulps."""
+    return _faithfulness(actual, expected, budget, fp16_ulp)
 
 
 @pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "not-mixed"])
 def test_faithful_to_the_numerics_golden(f16_case, mixed):
     _, inputs, got = f16_case
-    *emulated, budgets = rounded_with_budget(**inputs, mixed_precision=mixed)
-    for name, g, e, budget in zip(NAMES, got[mixed], emulated, budgets):
-        if name == "dsinks" and mixed:  # float32 sinks: a float32 sum, compared as such
-            assert_close(g, e, FLOAT32_SUM_ORDER, name)
-            continue
-        identical, excess = faithfulness(g.astype(np.float32), e, budget)
-        if name != "dsinks":
-            assert identical >= MIN_IDENTICAL_FP16, f"{name}: only {identical:.4%} bit-identical"
-        assert excess <= 1.0, f"{name}: {excess:.2f}x the flip bound"
+    assert_faithful(inputs, got[mixed], mixed, MIN_IDENTICAL_FP16, fp16_ulp)
 
 
 @pytest.mark.parametrize("point, case", [

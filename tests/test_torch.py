@@ -132,17 +132,21 @@ def test_matches_sdpa(layout, causal, hkv):
     q, k, v, do = make(layout, hkv=hkv)
     o = nt.attention(q, k, v, causal=causal, layout=layout)
     assert o.shape == q.shape and o.dtype == q.dtype
-    got = grads(o, do, q, k, v)
+    assert_matches_sdpa(o, grads(o, do, q, k, v), (q, k, v, do), causal, layout)
 
+
+def assert_matches_sdpa(o, got, inputs, causal, layout):
+    """``o`` and the gradients ``got`` of q, k, v (in ``layout``) against SDPA's float64 math backend."""
     def bhsd(x):
         return x if layout == "bhsd" else x.transpose(1, 2)
 
+    q, k, v, do = inputs
     qs, ks, vs = (bhsd(x.detach()).double().requires_grad_() for x in (q, k, v))
     ref = sdpa64(qs, ks, vs, causal)
     expected = grads(ref, bhsd(do).double(), qs, ks, vs)
     assert_close(bhsd(o).detach(), ref.detach(), FLOAT32, "o")
-    for name, g, e in zip(("dq", "dk", "dv"), got, expected):
-        assert g.shape == e.shape if layout == "bhsd" else g.shape == e.transpose(1, 2).shape
+    for name, g, e, x in zip(("dq", "dk", "dv"), got, expected, (q, k, v)):
+        assert g.shape == x.shape, name
         assert_close(bhsd(g), e, FLOAT32, name)
 
 
@@ -152,20 +156,9 @@ def test_a_value_head_dim_of_its_own_matches_sdpa(layout):
     q, k, v, do = make(layout, d=48, dv=24, seed=4)
     o = nt.attention(q, k, v, causal=True, layout=layout)
     assert o.shape == q.shape[:-1] + (24,)
-    got = grads(o, do, q, k, v)
     with torch.no_grad():   # the no-grad path gives the same o
         torch.testing.assert_close(nt.attention(q, k, v, causal=True, layout=layout), o.detach(), rtol=0, atol=0)
-
-    def bhsd(x):
-        return x if layout == "bhsd" else x.transpose(1, 2)
-
-    qs, ks, vs = (bhsd(x.detach()).double().requires_grad_() for x in (q, k, v))
-    ref = sdpa64(qs, ks, vs, True)
-    expected = grads(ref, bhsd(do).double(), qs, ks, vs)
-    assert_close(bhsd(o).detach(), ref.detach(), FLOAT32, "o")
-    for name, g, e, x in zip(("dq", "dk", "dv"), got, expected, (q, k, v)):
-        assert g.shape == x.shape
-        assert_close(bhsd(g), e, FLOAT32, name)
+    assert_matches_sdpa(o, grads(o, do, q, k, v), (q, k, v, do), True, layout)
 
 
 def test_window_matches_sdpa_with_a_dense_mask():
