@@ -12,7 +12,7 @@ in CPU seconds (``time.process_time``), its first ``attention_fwd`` and
   second process loads the kernels from it (the figure is the second's).
 
 for float32, bf16 (``mixed_precision=True``), and float32 with dropout (a
-kernel of its own). Also prints each process's wall time, and Numba's own
+kernel of its own); ``--dtypes`` adds float16 and float64 (kernels of their own). Also prints each process's wall time, and Numba's own
 breakdown of the cold float32 compile (CPU in LLVM, number of compiles).
 """
 
@@ -45,13 +45,13 @@ event.register("numba:llvm_lock", listener)
 event.register("numba:compile", listener)
 import numpy as np, numbafa
 args = json.loads(sys.argv[1])
-dtype = np.float32
+dtype = {"float32": np.float32, "float16": np.float16, "float64": np.float64}.get(args["dtype"])
 if args["dtype"] == "bf16":
     import ml_dtypes
     dtype = ml_dtypes.bfloat16
 rng = np.random.default_rng(0)
 q, k, v, dy = (rng.standard_normal((1, 2, 16, 256)).astype(dtype) for _ in range(4))
-kw = dict(use_causal_mask=True, mixed_precision=args["dtype"] == "bf16")
+kw = dict(use_causal_mask=True, mixed_precision=args["dtype"] in ("bf16", "float16"))
 if args["dropout"]:
     kw.update(dropout_p=0.1, seed=1)
 t0 = time.process_time()
@@ -78,12 +78,14 @@ def _child(variant, env):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--dtypes", nargs="+", default=[], choices=["float16", "float64"],
+                   help="also these input dtypes, without dropout")
     args = p.parse_args(argv)
     import numbafa
     print(f"CPU: {numbafa.backend_info()['cpu_model']}; GEMM path {numbafa.backend_info()['gemm']['path']}; "
           f"numbafa {numbafa.__version__}")
     for round_ in range(args.rounds):
-        for variant in VARIANTS:
+        for variant in VARIANTS + [(dtype, False) for dtype in args.dtypes]:
             name = variant[0] + (" + dropout" if variant[1] else "")
             with tempfile.TemporaryDirectory() as tmp:
                 cold = _child(variant, dict(os.environ, NUMBAFA_CACHE="0", NUMBA_CACHE_DIR=tmp))

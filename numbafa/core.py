@@ -18,7 +18,7 @@ import contextlib
 import numba
 import numpy as np
 
-from .dtypes import to_bf16_array
+from .dtypes import to_bf16_array, to_fp16_array
 from .kernels.backward import new_bwd_stats
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, shared_plan
 from .kernels.launch import run_backward, run_forward
@@ -58,6 +58,8 @@ def to_dtype(x: np.ndarray, dtype) -> np.ndarray:
     dtype = np.dtype(dtype)
     if dtype == x.dtype:
         return x
+    if dtype == np.float16:
+        return to_fp16_array(x)
     return x.astype(dtype) if dtype.kind == "f" else to_bf16_array(x)
 
 

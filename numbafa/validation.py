@@ -57,7 +57,7 @@ import numpy as np
 
 from .jit import jit
 from .tiling import Q_TILE
-from .dtypes import is_bf16, widen
+from .dtypes import from_fp16_array, is_bf16, widen
 from .memo import Memo
 from .options import KERNEL_CALLER, AttentionOptions, Caller
 
@@ -200,7 +200,7 @@ def _as_kernel_array(x: np.ndarray) -> np.ndarray:
     """:func:`kernel_view`; bf16 as uint16 bits, float32 and float64 as they are, float16 widened to
     a new float32 array (exact: the kernels take fp16 values in float32, docs/numerics.md)."""
     if x.dtype == np.float16:
-        return np.array(x, dtype=np.float32, order="C")
+        return from_fp16_array(x)
     x = kernel_view(x)
     return x.view(np.uint16) if is_bf16(x.dtype) else x
 

@@ -13,7 +13,7 @@ import pytest
 
 import numbafa
 from numbafa import golden
-from numbafa.dtypes import round_to_fp16
+from numbafa.dtypes import round_to_fp16, round_to_fp16_bits
 
 from _budget import assert_faithful, faithfulness as _faithfulness, fp16_ulp, rounded_with_budget
 from _problems import CASES, Case, forward_options, make_inputs
@@ -34,7 +34,16 @@ def _rounded(x):
     return out
 
 
-def test_rounding_matches_numpys_cast_at_every_boundary():
+@numba.njit
+def _rounded_on_bits(x):
+    out = np.empty_like(x)
+    for i in range(x.size):
+        out[i] = round_to_fp16_bits(x[i])
+    return out
+
+
+@pytest.mark.parametrize("rounded", [_rounded, _rounded_on_bits], ids=["kernels-rounding", "on-the-bits"])
+def test_rounding_matches_numpys_cast_at_every_boundary(rounded):
     """Every finite fp16 value, every midpoint between neighbours (ties to even) and the float32
     values either side of it, the overflow edge (65520 rounds to inf), subnormals, and a wide
     random sample: bit for bit NumPy's float32 -> float16 cast."""
@@ -42,14 +51,14 @@ def test_rounding_matches_numpys_cast_at_every_boundary():
     values = np.unique(values[np.isfinite(values)].astype(np.float32))
     mid = ((values[:-1].astype(np.float64) + values[1:]) / 2).astype(np.float32)
     rng = np.random.default_rng(0)
-    sample = (rng.standard_normal(200000) * 10.0 ** rng.integers(-10, 6, 200000)).astype(np.float32)
+    sample = (rng.standard_normal(200000) * 10.0 ** rng.integers(-44, 6, 200000)).astype(np.float32)
     x = np.concatenate([values, mid, np.nextafter(mid, np.float32(np.inf)), np.nextafter(mid, np.float32(-np.inf)),
                         np.float32([65504.0, 65519.996, 65520.0, -65520.0, 1e30, np.inf, -np.inf, 0.0, -0.0]),
                         sample])
     with np.errstate(over="ignore"):
         expected = x.astype(F16).astype(np.float32)
-    np.testing.assert_array_equal(_rounded(x).view(np.uint32), expected.view(np.uint32))
-    assert np.isnan(_rounded(np.float32([np.nan])))[0]
+    np.testing.assert_array_equal(rounded(x).view(np.uint32), expected.view(np.uint32))
+    assert np.isnan(rounded(np.float32([np.nan])))[0]
 
 
 @pytest.fixture(scope="module", params=F16_CASES, ids=[n for n, _ in F16_CASES])
@@ -131,3 +140,24 @@ def test_the_kernels_are_a_specialisation_of_their_own():
     fp32 = numbafa.attention_bwd(**wide)
     assert fp32[0].dtype == np.float32 and fp16[0].dtype == F16
     assert not np.array_equal(fp32[0].astype(F16), fp16[0])   # P and dS were rounded to fp16
+
+
+def test_the_array_conversions_are_numpys_casts():
+    """fp16 <-> float32 array conversions (F16C's vector instructions where the CPU has them):
+    every fp16 pattern widens to NumPy's float32 (NaN to a NaN), and float32 values round to
+    NumPy's fp16, views included."""
+    from numbafa.dtypes import from_fp16_array, to_fp16_array
+
+    patterns = np.arange(65536, dtype=np.uint16).view(F16)
+    wide = from_fp16_array(patterns)
+    nan = np.isnan(patterns)
+    np.testing.assert_array_equal(wide[~nan].view(np.uint32), patterns[~nan].astype(np.float32).view(np.uint32))
+    assert np.isnan(wide[nan]).all()
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((2, 3, 40, 50)) * 10.0 ** rng.integers(-9, 6, (2, 3, 40, 50))).astype(np.float32)
+    view = x.transpose(0, 2, 3, 1)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(to_fp16_array(view).view(np.uint16), view.astype(F16).view(np.uint16))
+    with np.errstate(over="ignore"):
+        half = view.astype(F16)
+    np.testing.assert_array_equal(from_fp16_array(half), half.astype(np.float32))
