@@ -55,9 +55,9 @@ def to_dtype(x: np.ndarray, dtype) -> np.ndarray:
     """Kernel output (float32, or float64 for float64 inputs) -> ``dtype``: itself, bf16 (the values
     of a bf16 output are already rounded: exact), or another float dtype (a float64 call's float32
     sinks' gradient: rounded once)."""
-    dtype = np.dtype(dtype)
-    if dtype == x.dtype:
+    if x.dtype == dtype:
         return x
+    dtype = np.dtype(dtype)
     if dtype == np.float16:
         return to_fp16_array(x)
     return x.astype(dtype) if dtype.kind == "f" else to_bf16_array(x)
@@ -77,18 +77,25 @@ def _kernel_name(pass_name: str, plan) -> str:
     return pass_name if plan.dropout is None else pass_name + " (with dropout)"
 
 
+_F16 = np.dtype(np.float16)
+#: The input dtype's name of a kernel input array's dtype (bf16 arrive as uint16 bits).
+_KERNEL_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float64): "float64",
+                       np.dtype(np.uint16): "bfloat16"}
+
+
 def _dtype_name(ins, plan) -> str:
     """The input dtype a kernel is compiled for (fp16 inputs reach the kernels widened: their
     precision flags are uint8, :class:`~numbafa.kernels.bundles.Precision`)."""
     if isinstance(plan.precision.round_kernel, np.uint8):
         return "float16"
-    return "bfloat16" if ins.q.dtype == np.uint16 else ins.q.dtype.name
+    name = _KERNEL_DTYPE_NAMES.get(ins.q.dtype)
+    return str(ins.q.dtype) if name is None else name
 
 
 def finite_output(x: np.ndarray, dtype, name: str) -> np.ndarray:
     """``x``; for float16 inputs, raise ``FloatingPointError`` unless it is finite (fp16's range ends
     at 65504: a tile rounded to fp16 beyond it is inf, as on the hardware, docs/numerics.md)."""
-    if np.dtype(dtype) == np.float16 and not np.isfinite(x).all():
+    if dtype is _F16 and not np.isfinite(x).all():
         raise FloatingPointError(f"{name} overflows float16 at one of the kernels' float16 rounding points "
                                  f"(float16's largest value is 65504): scale the inputs down, or compute in "
                                  f"float32 or bfloat16")
@@ -118,15 +125,12 @@ def bwd_outputs(ins: BwdInputs, q_chunks: int) -> BwdOutputs:
     nheads_kv, d_v, seqlen_k = ins.v.shape[1:]
 
     acc = ins.lse.dtype   # float32, or float64 for float64 inputs
-
-    def parts(d):
-        return np.empty((nb * nheads_kv, q_chunks - 1, d, seqlen_k) if q_chunks > 1 else (1, 1, d, 0),
-                        dtype=acc)
-
+    lead, keys = ((nb * nheads_kv, q_chunks - 1), seqlen_k) if q_chunks > 1 else ((1, 1), 0)
     return BwdOutputs(np.empty((nb, nheads, d_head, seqlen_q), dtype=acc),
                       np.empty((nb, nheads_kv, d_head, seqlen_k), dtype=acc),
                       np.empty((nb, nheads_kv, d_v, seqlen_k), dtype=acc),
-                      np.empty(ins.sinks.shape, dtype=acc), parts(d_head), parts(d_v))
+                      np.empty(ins.sinks.shape, dtype=acc), np.empty(lead + (d_head, keys), dtype=acc),
+                      np.empty(lead + (d_v, keys), dtype=acc))
 
 
 def run_fwd(ins: FwdInputs, plan, items=None, n_threads=None, signature=None) -> FwdOutputs:

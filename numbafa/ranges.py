@@ -37,6 +37,7 @@ __all__ = ["F32_MAX", "check_scores", "in_range", "rescale_exponent", "scaled_in
 
 F32_MAX = float(np.finfo(np.float32).max)
 F64_MAX = float(np.finfo(np.float64).max)
+_F64 = np.dtype(np.float64)
 
 #: Slack on the bounds of accumulated sums (float32 and bf16 roundings; see the module docstring).
 _SLACK = 1.25
@@ -51,7 +52,7 @@ def _as_f32(x: np.ndarray) -> np.ndarray:
 
 def _limit(dtype) -> tuple:
     """``(largest finite value, name)`` of the arithmetic of a pass on inputs of ``dtype``."""
-    return (F64_MAX, "float64") if dtype == np.float64 else (F32_MAX, "float32")
+    return (F64_MAX, "float64") if dtype is _F64 else (F32_MAX, "float32")
 
 
 def _largest_abs_score(prob) -> float:
@@ -78,9 +79,10 @@ def check_scores(prob, caller) -> None:
     d_head = prob.q.shape[2]
     limit, name = _limit(prob.dtype)
     margin = (1.0 + 2.0 ** -7) * (1.0 + d_head * 2.0 ** -23)    # q * scale rounded (bf16), the sums
+    # Python floats: a product beyond float64 is inf, no warning
+    if abs(float(prob.softmax_scale)) * m["q_ref"] * m["k_ref"] * d_head * margin < limit:
+        return
     with np.errstate(over="ignore"):
-        if abs(prob.softmax_scale) * m["q_ref"] * m["k_ref"] * d_head * margin < limit:
-            return
         largest = _largest_abs_score(prob) * margin
     if largest >= limit:
         q, k, scale = caller("q_ref"), caller("k_ref"), caller("softmax_scale")

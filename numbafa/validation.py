@@ -73,10 +73,13 @@ def _allowed_dtype(dtype) -> bool:
     return dtype in (np.float32, np.float64, np.float16) or is_bf16(dtype)
 
 
+_F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+
+
 def _acc_dtype(dtype) -> np.dtype:
-    """The dtype of lse and of the kernels' arithmetic for inputs of ``dtype``: float64 for
-    float64, else float32."""
-    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+    """The dtype of lse and of the kernels' arithmetic for inputs of ``dtype`` (a NumPy dtype):
+    float64 for float64, else float32. (Builtin dtypes are singletons: ``is`` is the cheap test.)"""
+    return _F64 if dtype is _F64 else _F32
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,7 @@ class Problem:
 
     @property
     def is_fp16(self) -> bool:
-        return self.dtype == np.float16
+        return self.dtype is _F16
 
 
 @jit(entry=True)
@@ -199,7 +202,7 @@ def kernel_view(x: np.ndarray) -> np.ndarray:
 def _as_kernel_array(x: np.ndarray) -> np.ndarray:
     """:func:`kernel_view`; bf16 as uint16 bits, float32 and float64 as they are, float16 widened to
     a new float32 array (exact: the kernels take fp16 values in float32, docs/numerics.md)."""
-    if x.dtype == np.float16:
+    if x.dtype is _F16:
         return from_fp16_array(x)
     x = kernel_view(x)
     return x.view(np.uint16) if is_bf16(x.dtype) else x
@@ -232,7 +235,7 @@ def _require_shape(name: str, shape: tuple, expected: tuple, why: str = "") -> N
 def _require_all_finite(c: Caller, arrays: dict) -> dict:
     """:func:`_require_finite` of every array of ``arrays`` (kernel arrays of one type, by kernel
     name) in one jitted call; the largest |element| of each, by name."""
-    if next(iter(arrays.values())).dtype == np.float64:   # the reference path: NumPy's reductions
+    if next(iter(arrays.values())).dtype is _F64:   # the reference path: NumPy's reductions
         return {key: _require_finite(c(key), x) for key, x in arrays.items()}
     flats = tuple(x.reshape(-1).view(np.uint32) if x.dtype == np.float32 else x.reshape(-1)
                   for x in arrays.values())
@@ -245,7 +248,7 @@ def _require_all_finite(c: Caller, arrays: dict) -> dict:
 
 def _require_finite(name: str, arr: np.ndarray) -> float:
     """Raise unless every element is finite; return the largest |element|."""
-    if arr.dtype == np.float64:
+    if arr.dtype is _F64:
         bad = arr.size - int(np.count_nonzero(np.isfinite(arr)))
         big = 0.0 if bad else float(np.abs(arr).max(initial=0.0))
     else:
