@@ -77,7 +77,6 @@ def _kernel_name(pass_name: str, plan) -> str:
     return pass_name if plan.dropout is None else pass_name + " (with dropout)"
 
 
-_F16 = np.dtype(np.float16)
 #: The input dtype's name of a kernel input array's dtype (bf16 arrive as uint16 bits).
 _KERNEL_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float64): "float64",
                        np.dtype(np.uint16): "bfloat16"}
@@ -95,7 +94,7 @@ def _dtype_name(ins, plan) -> str:
 def finite_output(x: np.ndarray, dtype, name: str) -> np.ndarray:
     """``x``; for float16 inputs, raise ``FloatingPointError`` unless it is finite (fp16's range ends
     at 65504: a tile rounded to fp16 beyond it is inf, as on the hardware, docs/numerics.md)."""
-    if dtype is _F16 and not np.isfinite(x).all():
+    if np.dtype(dtype).char == "e" and not np.isfinite(x).all():   # float16
         raise FloatingPointError(f"{name} overflows float16 at one of the kernels' float16 rounding points "
                                  f"(float16's largest value is 65504): scale the inputs down, or compute in "
                                  f"float32 or bfloat16")

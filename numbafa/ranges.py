@@ -37,7 +37,6 @@ __all__ = ["F32_MAX", "check_scores", "in_range", "rescale_exponent", "scaled_in
 
 F32_MAX = float(np.finfo(np.float32).max)
 F64_MAX = float(np.finfo(np.float64).max)
-_F64 = np.dtype(np.float64)
 
 #: Slack on the bounds of accumulated sums (float32 and bf16 roundings; see the module docstring).
 _SLACK = 1.25
@@ -52,7 +51,7 @@ def _as_f32(x: np.ndarray) -> np.ndarray:
 
 def _limit(dtype) -> tuple:
     """``(largest finite value, name)`` of the arithmetic of a pass on inputs of ``dtype``."""
-    return (F64_MAX, "float64") if dtype is _F64 else (F32_MAX, "float32")
+    return (F64_MAX, "float64") if dtype.char == "d" else (F32_MAX, "float32")   # "d": float64
 
 
 def _largest_abs_score(prob) -> float:

@@ -73,13 +73,14 @@ def _allowed_dtype(dtype) -> bool:
     return dtype in (np.float32, np.float64, np.float16) or is_bf16(dtype)
 
 
-_F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 
 
 def _acc_dtype(dtype) -> np.dtype:
     """The dtype of lse and of the kernels' arithmetic for inputs of ``dtype`` (a NumPy dtype):
-    float64 for float64, else float32. (Builtin dtypes are singletons: ``is`` is the cheap test.)"""
-    return _F64 if dtype is _F64 else _F32
+    float64 for float64, else float32. (The dtype's one-letter code is the cheap test, ``==`` with
+    a type costs ~1 us; byte orders other than the native one were refused before.)"""
+    return _F64 if dtype.char == "d" else _F32
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class Problem:
 
     @property
     def is_fp16(self) -> bool:
-        return self.dtype is _F16
+        return self.dtype.char == "e"
 
 
 @jit(entry=True)
@@ -202,7 +203,7 @@ def kernel_view(x: np.ndarray) -> np.ndarray:
 def _as_kernel_array(x: np.ndarray) -> np.ndarray:
     """:func:`kernel_view`; bf16 as uint16 bits, float32 and float64 as they are, float16 widened to
     a new float32 array (exact: the kernels take fp16 values in float32, docs/numerics.md)."""
-    if x.dtype is _F16:
+    if x.dtype.char == "e":   # float16
         return from_fp16_array(x)
     x = kernel_view(x)
     return x.view(np.uint16) if is_bf16(x.dtype) else x
@@ -235,7 +236,7 @@ def _require_shape(name: str, shape: tuple, expected: tuple, why: str = "") -> N
 def _require_all_finite(c: Caller, arrays: dict) -> dict:
     """:func:`_require_finite` of every array of ``arrays`` (kernel arrays of one type, by kernel
     name) in one jitted call; the largest |element| of each, by name."""
-    if next(iter(arrays.values())).dtype is _F64:   # the reference path: NumPy's reductions
+    if next(iter(arrays.values())).dtype.char == "d":   # float64, the reference path: NumPy's reductions
         return {key: _require_finite(c(key), x) for key, x in arrays.items()}
     flats = tuple(x.reshape(-1).view(np.uint32) if x.dtype == np.float32 else x.reshape(-1)
                   for x in arrays.values())
@@ -248,7 +249,7 @@ def _require_all_finite(c: Caller, arrays: dict) -> dict:
 
 def _require_finite(name: str, arr: np.ndarray) -> float:
     """Raise unless every element is finite; return the largest |element|."""
-    if arr.dtype is _F64:
+    if arr.dtype.char == "d":   # float64
         bad = arr.size - int(np.count_nonzero(np.isfinite(arr)))
         big = 0.0 if bad else float(np.abs(arr).max(initial=0.0))
     else:
