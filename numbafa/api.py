@@ -26,7 +26,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
 
     Parameters
     ----------
-    q_ref : ndarray ``[bs, nheads, d_head, seqlen_q]``, float32 or ``ml_dtypes.bfloat16``
+    q_ref : ndarray ``[bs, nheads, d_head, seqlen_q]``, float32, ``ml_dtypes.bfloat16``, float16 or float64
     k_ref : ndarray ``[bs, nheads_kv, d_head, seqlen_k]``, same dtype
     v_ref : ndarray ``[bs, nheads_kv, d_head_v, seqlen_k]``, same dtype (``d_head_v`` may differ
         from ``d_head``)
@@ -46,7 +46,7 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     Returns
     -------
     o : ``[bs, nheads, d_head_v, seqlen_q]`` in the inputs' dtype
-    lse : float32 in ``lse_layout``. A row that attends to nothing (no key
+    lse : float32 (float64 for float64 inputs) in ``lse_layout``. A row that attends to nothing (no key
         and no sink) has ``o = 0`` and ``lse = +inf``.
 
     Notes
@@ -73,8 +73,9 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
 
     Parameters
     ----------
-    q_ref : ndarray ``[bs, nheads, d_head, seqlen_q]``, float32 or ``ml_dtypes.bfloat16``
-        Queries, head_dim before seq (the Neuron layout).
+    q_ref : ndarray ``[bs, nheads, d_head, seqlen_q]``, float32, ``ml_dtypes.bfloat16``, float16 or float64
+        Queries, head_dim before seq (the Neuron layout). bf16 and float16 run with the
+        Neuron kernel's rounding points (docs/numerics.md); float64 in float64 throughout.
     k_ref : ndarray ``[bs, nheads_kv, d_head, seqlen_k]``, same dtype
         Keys; ``nheads % nheads_kv == 0`` (GQA / MQA).
     v_ref : ndarray ``[bs, nheads_kv, d_head_v, seqlen_k]``, same dtype
@@ -84,8 +85,9 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
         Forward output; used for ``D = rowsum(o * dy)``.
     dy_ref : ndarray ``[bs, nheads, d_head_v, seqlen_q]``, same dtype
         Upstream gradient dL/do.
-    lse_ref : float32 ndarray ``[bs, nheads, 128, seqlen_q // 128]`` or ``[bs, nheads, seqlen_q]``
-        Log-sum-exp of each query row, from the forward. The 4-D Neuron
+    lse_ref : ndarray ``[bs, nheads, 128, seqlen_q // 128]`` or ``[bs, nheads, seqlen_q]``
+        Log-sum-exp of each query row, from the forward: float32 (float64 for
+        float64 inputs). The 4-D Neuron
         packing has ``lse[b, h, p, t]`` = LSE of row ``t * 128 + p``; the 3-D
         natural layout works for any seqlen_q. ``+inf`` marks a row that
         attends to nothing (its gradient is zero); NaN and ``-inf`` are errors.
@@ -100,9 +102,9 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
         Key ``j`` is visible to query ``i`` only if ``j <= i``; needs
         ``seqlen_q == seqlen_k``.
     mixed_precision : bool
-        bf16 inputs: accumulate dQ/dK/dV and the softmax statistics in
-        float32 (True) or in bf16 as the hardware does without it (False).
-        No effect on float32 inputs.
+        bf16 (float16) inputs: accumulate dQ/dK/dV and the softmax statistics in
+        float32 (True) or in bf16 (fp16) as the hardware does without it (False).
+        No effect on float32 and float64 inputs.
     softmax_scale : float, optional
         Score scale, default ``1 / sqrt(d_head)``; folded into Q at load. ``None``
         or ``0.0`` selects the default (the upstream NKI convention
@@ -140,7 +142,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     Raises
     ------
     TypeError
-        A non-array input, a dtype other than float32/bf16, mixed dtypes, a
+        A non-array input, a dtype other than float32/bf16/float16/float64, mixed dtypes, a
         non-bool flag, a non-real scale or a non-integer window.
     ValueError
         Inconsistent shapes, causal with ``seqlen_q != seqlen_k``, a window

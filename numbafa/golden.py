@@ -484,7 +484,8 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     Unlike :func:`attention_bwd`, this uses ``o_ref`` and ``lse_ref`` (the
     kernel does) and computes in float32, rounding to bf16 exactly where the
     Neuron kernel writes a bf16 tile (docs/numerics.md, "The rounding
-    points"); float16 inputs get the same rounding points, to fp16. Tiling appears only where it sets the order of rounded
+    points"); float16 inputs get the same rounding points, to fp16. Tiling
+    appears only where it sets the order of rounded
     additions: dQ is accumulated K tile (512 keys) by K tile and rounded to
     the output dtype at the end of each KV section; dK/dV are accumulated Q
     group (512 rows) by Q group, q-head by q-head; the sink accumulator has
@@ -531,7 +532,8 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
         np.asarray(sinks_ref).astype(f32).reshape(bs, nheads, -1)
     mult = _dropout_multipliers((bs, nheads, seqlen_q, seqlen_k), dropout_p, seed, seed_offset, None, f32)
     ins = _Inputs(q, k, v, o, dy, lse, sink3, mult)
-    setup = Setup(f32(1.0 / np.sqrt(d_head) if not softmax_scale else softmax_scale), *_neuron_tiling(d_head, v.shape[2]),
+    setup = Setup(f32(1.0 / np.sqrt(d_head) if not softmax_scale else softmax_scale),
+                  *_neuron_tiling(d_head, v.shape[2]),
                   allowed_mask(seqlen_q, seqlen_k, use_causal_mask, sliding_window, bound_min, bound_max),
                   n_rep, Rounding(bool(is_bf16), bool(mixed_precision), frozenset(disable), bool(is_fp16)))
     observer = Observer() if observer is None else observer

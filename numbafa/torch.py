@@ -74,7 +74,8 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Opt
                    bound_min: Optional[torch.Tensor], bound_max: Optional[torch.Tensor], causal: bool,
                    window: int, softmax_scale: float, layout: str, dropout_p: float, seed: Optional[int],
                    seed_offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """o ``[b, h, d_v, s]`` (q's dtype, v's head dim) and lse ``[b, h, s]`` (float32); ``layout`` only names shapes in errors."""
+    """o ``[b, h, d_v, s]`` (q's dtype, v's head dim) and lse ``[b, h, s]`` (float32; float64 for float64
+    inputs); ``layout`` only names shapes in errors."""
     return _host_fwd((q, k, v, sinks, bound_min, bound_max),
                      (causal, window, softmax_scale, layout, dropout_p, seed, seed_offset))
 

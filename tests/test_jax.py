@@ -272,7 +272,8 @@ def test_bf16_accuracy_against_golden():
 # ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("change, error, message", [
-    (dict(q=np.zeros((B, S, H, D), np.int32)), TypeError, r"^q must be float32, float64, float16 or bfloat16, got int32"),
+    (dict(q=np.zeros((B, S, H, D), np.int32)), TypeError,
+     r"^q must be float32, float64, float16 or bfloat16, got int32"),
     (dict(k=np.zeros((B, S, HKV, 16), np.float32)), ValueError,
      r"^k must have shape \(2, seq_k, heads_kv, 32\) to match q, got \(2, 160, 2, 16\)"),
     (dict(causal=True, window=2.5), TypeError, r"^window must be an int or None, got float 2\.5"),

@@ -136,7 +136,8 @@ def shared_plan(prob, backward: bool) -> Plan:
     """
     if prob.use_packing:
         return make_plan(prob, backward)
-    key = (prob.q.shape, prob.k.shape, prob.v.shape[2], prob.dtype, prob.mixed_precision, prob.use_causal_mask, prob.window,
+    key = (prob.q.shape, prob.k.shape, prob.v.shape[2], prob.dtype, prob.mixed_precision, prob.use_causal_mask,
+           prob.window,
            prob.softmax_scale, prob.dropout_p > 0.0, backward)
     plan = _PLANS.get(key)
     if plan is None:
