@@ -26,20 +26,18 @@ FAMILIES = ["gqa4-causal", "window128-gqa", "packing-causal-window", "sinks2-win
 F16_CASES = [(name, case) for name, case in CASES if name in FAMILIES]
 
 
-@numba.njit
-def _rounded(x):
-    out = np.empty_like(x)
-    for i in range(x.size):
-        out[i] = round_to_fp16(x[i])
-    return out
+def _elementwise(rounding):
+    """An njit function applying the njit scalar ``rounding`` to every element of a 1-D array."""
+    @numba.njit
+    def apply(x):
+        out = np.empty_like(x)
+        for i in range(x.size):
+            out[i] = rounding(x[i])
+        return out
+    return apply
 
 
-@numba.njit
-def _rounded_on_bits(x):
-    out = np.empty_like(x)
-    for i in range(x.size):
-        out[i] = round_to_fp16_bits(x[i])
-    return out
+_rounded, _rounded_on_bits = _elementwise(round_to_fp16), _elementwise(round_to_fp16_bits)
 
 
 @pytest.mark.parametrize("rounded", [_rounded, _rounded_on_bits], ids=["kernels-rounding", "on-the-bits"])
