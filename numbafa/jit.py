@@ -11,7 +11,7 @@ The kernel cache
 ----------------
 A cold first call compiles the kernels of its dtype (15-25 s of CPU for
 float32's forward and backward on a 2-core AMD EPYC Zen 3, release 0.1.0;
-README); with the on-disk cache, a later process loads them in 0.4-0.6 s.
+README); with the on-disk cache, a later process loads them in 0.3-0.6 s.
 Compiled code is kept in::
 
     <cache root>/<source hash>-numba<numba version>-py<python version>/
