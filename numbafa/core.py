@@ -122,7 +122,6 @@ def bwd_outputs(ins: BwdInputs, q_chunks: int) -> BwdOutputs:
     """The backward's float32 outputs, with the dK/dV partials of split units (``q_chunks > 1``)."""
     nb, nheads, d_head, seqlen_q = ins.q.shape
     nheads_kv, d_v, seqlen_k = ins.v.shape[1:]
-
     acc = ins.lse.dtype   # float32, or float64 for float64 inputs
     lead, keys = ((nb * nheads_kv, q_chunks - 1), seqlen_k) if q_chunks > 1 else ((1, 1), 0)
     return BwdOutputs(np.empty((nb, nheads, d_head, seqlen_q), dtype=acc),

@@ -39,6 +39,7 @@ import numpy as np
 
 from . import shards
 from .core import check_lse_layout, lse_out, user_dsinks
+from .dtypes import accumulator_dtype
 from .kernels.bundles import BwdInputs, FwdInputs, make_plan
 from .kernels.loops import n_q_groups
 from .options import KERNEL_CALLER, AttentionOptions
@@ -443,8 +444,7 @@ def _dask_sinks(sinks, q):
     if sinks is None or _is_dask(sinks):
         return sinks
     if sinks.ndim == 1:
-        acc = np.float64 if q.dtype == np.float64 else np.float32
-        sinks = np.broadcast_to(sinks.astype(acc), (q.shape[0], sinks.shape[0]))
+        sinks = np.broadcast_to(sinks.astype(accumulator_dtype(np.dtype(q.dtype))), (q.shape[0], sinks.shape[0]))
     return da.from_array(sinks, chunks=q.chunks[:2] + tuple((n,) for n in sinks.shape[2:]))
 
 

@@ -48,7 +48,19 @@ __all__ = [
     "from_fp16_array",
     "as_operand",
     "narrowed",
+    "accumulator_dtype",
 ]
+
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+
+
+def accumulator_dtype(dtype) -> np.dtype:
+    """The dtype the kernels compute, accumulate and return lse in for inputs of ``dtype`` (a NumPy
+    dtype): float64 for float64, else float32 (bf16, float16 and float32 inputs). The dtype's
+    one-letter code is the cheap test (``==`` with a type costs ~1 us; byte orders other than the
+    native one are refused by the validation)."""
+    return _F64 if dtype.char == "d" else _F32
+
 
 def bf16_dtype() -> np.dtype:
     """The NumPy dtype of bf16 arrays at the API, ``ml_dtypes.bfloat16`` (imported here)."""
@@ -196,8 +208,6 @@ def round_to_kernel_dtype(x, flag):  # pragma: no cover - replaced by the overlo
 
 @overload(round_to_kernel_dtype)
 def _round_to_kernel_dtype_overload(x, flag):
-    from numba import types
-
     if isinstance(flag, types.Boolean):
         return lambda x, flag: round_to_bf16(x)
     if isinstance(flag, types.Integer):
@@ -213,8 +223,6 @@ def round_inplace_if(buf, flag):  # pragma: no cover - replaced by the overload 
 
 @overload(round_inplace_if)
 def _round_inplace_if_overload(buf, flag):
-    from numba import types
-
     if isinstance(flag, types.Boolean):
         def bf16(buf, flag):
             if flag:
@@ -235,8 +243,6 @@ def widen(x):  # pragma: no cover - replaced by the overload inside njit code
 
 @overload(widen)
 def _widen_overload(x):
-    from numba import types
-
     if x == types.uint16:
         return lambda x: bf16_bits_to_f32(x)
     if x in (types.float32, types.float64):
@@ -252,8 +258,6 @@ def widened(x):  # pragma: no cover - replaced by the overload inside njit code
 
 @overload(widened)
 def _widened_overload(x):
-    from numba import types
-
     if not isinstance(x, types.Array) or x.ndim != 2:
         return None
     if x.dtype in (types.float32, types.float64):
@@ -279,8 +283,6 @@ def _converted(x):  # pragma: no cover - replaced by the overload inside njit co
 
 @overload(_converted)
 def _converted_overload(x):
-    from numba import types
-
     convert = {types.float32: f32_to_bf16_bits, types.uint16: bf16_bits_to_f32}.get(x)
     return None if convert is None else (lambda x: convert(x))
 
@@ -376,8 +378,6 @@ def as_operand(x, operand):  # pragma: no cover - replaced by the overload insid
 
 @overload(as_operand)
 def _as_operand_overload(x, operand):
-    from numba import types
-
     if not isinstance(x, types.Array) or not isinstance(operand, types.Array):
         return None
     if operand.dtype == types.float32:
@@ -396,8 +396,6 @@ def narrowed(t, buf, operand):  # pragma: no cover - replaced by the overload in
 
 @overload(narrowed)
 def _narrowed_overload(t, buf, operand):
-    from numba import types
-
     if not isinstance(operand, types.Array) or not isinstance(t, types.Array) or t.ndim != 2:
         return None
     if operand.dtype in (types.float32, types.float64):

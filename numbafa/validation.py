@@ -57,7 +57,7 @@ import numpy as np
 
 from .jit import jit
 from .tiling import Q_TILE
-from .dtypes import from_fp16_array, is_bf16, widen
+from .dtypes import accumulator_dtype, from_fp16_array, is_bf16, widen
 from .memo import Memo
 from .options import KERNEL_CALLER, AttentionOptions, Caller
 
@@ -71,16 +71,6 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 def _allowed_dtype(dtype) -> bool:
     return dtype in (np.float32, np.float64, np.float16) or is_bf16(dtype)
-
-
-_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
-
-
-def _acc_dtype(dtype) -> np.dtype:
-    """The dtype of lse and of the kernels' arithmetic for inputs of ``dtype`` (a NumPy dtype):
-    float64 for float64, else float32. (The dtype's one-letter code is the cheap test, ``==`` with
-    a type costs ~1 us; byte orders other than the native one were refused before.)"""
-    return _F64 if dtype.char == "d" else _F32
 
 
 @dataclass(frozen=True)
@@ -417,7 +407,7 @@ def _check_dims(c: Caller, tensors: dict, causal: bool) -> Dims:
 
 def _check_lse_shape(c: Caller, lse, dims: Dims, dtype) -> None:
     name, (bs, nheads, seqlen_q) = c.names.get("lse_ref", "lse_ref"), (dims.bs, dims.nheads, dims.seqlen_q)
-    expected = _acc_dtype(dtype)
+    expected = accumulator_dtype(dtype)
     if lse.dtype != expected:
         inputs = f" for {dtype} inputs" if expected == np.float64 else " (float64 only for float64 inputs)"
         raise TypeError(f"{name} must be {expected}{inputs}, got {lse.dtype}")
@@ -516,7 +506,7 @@ def _kernel_bounds(c: Caller, options: AttentionOptions):
 def _kernel_sinks(c: Caller, sinks, dims: Dims, dtype) -> np.ndarray:
     """``[bs, nheads, num_sinks]`` in the accumulator dtype of inputs of ``dtype`` (float32, or
     float64; num_sinks 0 without sinks; ``[nheads]`` broadcast)."""
-    acc = _acc_dtype(dtype)
+    acc = accumulator_dtype(dtype)
     if sinks is None:
         return np.zeros((dims.bs, dims.nheads, 0), dtype=acc)
     num_sinks = sinks.shape[2] if sinks.ndim == 3 else 1  # explicit: -1 is ambiguous when bs == 0

@@ -30,6 +30,7 @@ from collections import namedtuple
 
 import numpy as np
 
+from ..dtypes import accumulator_dtype
 from ..memo import Memo
 from ..onednn import gemm_path
 from ..schedule import q_chunks
@@ -39,7 +40,7 @@ from .mask import fill_key_ranges
 from .matmul import ONEDNN
 
 __all__ = ["Tiling", "Mask", "Precision", "Plan", "FwdInputs", "FwdOutputs", "BwdInputs",
-           "BwdOutputs", "BwdEntries", "acc_dtype", "make_plan", "shared_plan"]
+           "BwdOutputs", "BwdEntries", "make_plan", "shared_plan"]
 
 Tiling = namedtuple("Tiling", ["q_tile", "k_tile", "k_sub_tile", "q_tile_group", "d_tile",
                                "section_len", "q_chunks"])
@@ -99,7 +100,7 @@ def make_plan(prob, backward: bool) -> Plan:
     narrow = bool(prob.is_bf16 or prob.is_fp16)
     round_kernel = flag(narrow)
     bf16_accumulators = flag(narrow and not prob.mixed_precision)
-    acc = acc_dtype(prob.dtype)
+    acc = accumulator_dtype(prob.dtype)
     chunks = q_chunks(bs * nheads_kv, seqlen_q, bool(bf16_accumulators) if backward else False)
     tiling = Tiling(cfg.q_tile, cfg.k_tile, cfg.k_sub_tile, cfg.q_tile_group, cfg.d_tile,
                     cfg.section_len, chunks)
@@ -115,10 +116,6 @@ def make_plan(prob, backward: bool) -> Plan:
     return Plan(tiling, mask, precision, acc.type(prob.softmax_scale), ONEDNN if onednn else None,
                 operand, dropout, np.empty(0, dtype=acc))
 
-
-def acc_dtype(dtype) -> np.dtype:
-    """The kernels' accumulator dtype for inputs of ``dtype``: float64 for float64, else float32."""
-    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
 _PLANS = Memo()
