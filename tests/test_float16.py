@@ -7,6 +7,12 @@ float32 (exact), so every GEMM is float32 on fp16-valued operands: exact product
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
 import numba
 import numpy as np
 import pytest
@@ -159,3 +165,38 @@ def test_the_array_conversions_are_numpys_casts():
     with np.errstate(over="ignore"):
         half = view.astype(F16)
     np.testing.assert_array_equal(from_fp16_array(half), half.astype(np.float32))
+
+
+_WITHOUT_F16C = r"""
+import json, sys
+import numpy as np
+import numbafa
+from numbafa import dtypes, golden
+sys.path.insert(0, sys.argv[1])
+from _problems import Case, make_inputs
+from _tolerances import FP16_MIXED
+assert not dtypes._F16C and dtypes.round_to_fp16 is dtypes.round_to_fp16_bits
+x = np.float32(np.random.default_rng(1).standard_normal(100000) * 10.0 ** np.random.default_rng(2).integers(-9, 6, 100000))
+with np.errstate(over="ignore"):
+    narrowed = dtypes.to_fp16_array(x)
+    assert np.array_equal(narrowed.view(np.uint16), x.astype(np.float16).view(np.uint16))
+assert np.array_equal(dtypes.from_fp16_array(narrowed), narrowed.astype(np.float32))
+inputs = make_inputs(Case(nheads=2, nheads_kv=1, causal=True, num_sinks=1, seqlen_q=200, seqlen_k=200), np.float16)
+got = numbafa.attention_bwd(**inputs, mixed_precision=True)
+expected = golden.attention_bwd(**inputs)
+errors = [float(np.abs(g.astype(np.float64) - e).max() / np.abs(e).max()) for g, e in zip(got, expected)]
+print(json.dumps(dict(errors=errors, rtol=FP16_MIXED["rtol"])))
+"""
+
+
+def test_cpus_without_f16c_round_on_the_bits():
+    """Where Numba's target has no F16C (here: NUMBA_CPU_NAME=generic, the baseline x86-64), the
+    kernels round with round_to_fp16_bits and the arrays convert with NumPy: the same casts, and
+    a float16 backward within the float16 rule against the float64 golden."""
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBAFA_CACHE="0")
+    tests = str(pathlib.Path(__file__).resolve().parent)
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_F16C, tests], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert max(result["errors"]) <= result["rtol"], result
