@@ -17,7 +17,8 @@ MAX_MASK_ELEMENTS = 2 ** 30
 
 def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None,
                   use_causal_mask=False, mixed_precision=False, softmax_scale=None,
-                  sliding_window=None, lse_layout="neuron", dropout_p=0.0, seed=None, seed_offset=0):
+                  sliding_window=None, lse_layout="neuron", dropout_p=0.0, seed=None, seed_offset=0,
+                  bias=None, alibi_slopes=None, softcap=None):
     """Flash-attention forward producing ``o`` and the ``lse`` the backward consumes.
 
     An online-softmax kernel over K tiles of 512 keys: the score matrix is
@@ -42,6 +43,8 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
         Attention dropout, as in :func:`attention_bwd`: ``o = (P * Z / (1 -
         dropout_p)) V``; ``lse`` is that of the undropped softmax. Pass the
         same three values to the backward.
+    bias, alibi_slopes, softcap
+        Score variants, as in :func:`attention_bwd` (pass the same to the backward).
 
     Returns
     -------
@@ -57,13 +60,14 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     bf16. See ``docs/numerics.md``.
     """
     options = AttentionOptions(sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
-                               sliding_window, dropout_p, seed, seed_offset)
+                               sliding_window, dropout_p, seed, seed_offset, bias, alibi_slopes, softcap)
     return core.attention_fwd(q_ref, k_ref, v_ref, options, KERNEL_CALLER, lse_layout)
 
 
 def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
                   bound_max=None, use_causal_mask=False, mixed_precision=False, softmax_scale=None,
-                  sliding_window=None, dropout_p=0.0, seed=None, seed_offset=0):
+                  sliding_window=None, dropout_p=0.0, seed=None, seed_offset=0, bias=None,
+                  alibi_slopes=None, softcap=None, return_dbias=False):
     """Flash-attention backward, the CPU twin of Neuron's NKI ``attention_bwd``.
 
     Computes dQ, dK, dV (and dsinks) from the forward's output ``o`` and its
@@ -128,6 +132,23 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
         i, j)`` (Philox-4x32-10, :func:`numbafa.dropout_mask`), so the
         backward draws exactly the forward's mask: pass the forward's values.
         Change ``seed_offset`` per training step for fresh masks.
+    bias : ndarray broadcastable to ``[bs, nheads, seqlen_q, seqlen_k]``, optional
+        An additive score bias (not in the Neuron kernel; docs/numerics.md, "Score
+        variants"), in that layout whatever the tensors' layout: 1 to 4 dims, the last
+        ``seqlen_k``, any of the others 1 (per-head ``[nheads, seqlen_q, seqlen_k]``,
+        key padding ``[bs, 1, 1, seqlen_k]``, ...); float32 or the inputs' dtype. ``-inf``
+        masks a score (a query left with no visible key and no sink gets ``o = 0``,
+        ``lse = +inf`` and zero gradients, as under the other masks); NaN and ``+inf`` are errors.
+        A float32 (float64 for float64 inputs) C-contiguous bias is read in place.
+    alibi_slopes : float32 ndarray ``[nheads]`` or ``[bs, nheads]``, optional
+        ALiBi, flash-attn's convention: score ``(i, j)`` gets ``-slope * |i + seqlen_k -
+        seqlen_q - j|``, computed on the fly (no gradient for the slopes).
+    softcap : float > 0, optional
+        Logit soft cap (Gemma 2): the scaled scores become ``softcap * tanh(s /
+        softcap)`` before the bias, ALiBi and the masks. ``None`` or 0: none.
+    return_dbias : bool
+        Also return the bias's gradient (needs ``bias``). Without it no ``seqlen_q x
+        seqlen_k`` gradient is written.
 
     Returns
     -------
@@ -136,6 +157,9 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
         summed over the q-heads of each KV head
     dsinks : shape and dtype of ``sinks_ref`` (only when sinks are given)
         ``dsinks = -sum_q p_sink * D``.
+    dbias : shape and dtype of ``bias`` (only with ``return_dbias=True``)
+        The gradient of the modified scores, summed over the bias's broadcast dims (in one
+        fixed order: bit-identical for any thread count).
 
     Gradients come back in the inputs' dtype. Inputs are never modified.
 
@@ -148,10 +172,13 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
         Inconsistent shapes, causal with ``seqlen_q != seqlen_k``, a window
         without causal, bounds given alone, non-finite inputs, NaN or
         ``-inf`` in ``lse_ref``, a ``softmax_scale`` that is not finite in float32,
-        ``dropout_p`` outside ``[0, 1)`` (or NaN), a missing or negative ``seed``.
+        ``dropout_p`` outside ``[0, 1)`` (or NaN), a missing or negative ``seed``, a bias not
+        broadcastable (or with NaN / ``+inf``), ALiBi slopes of another shape, a ``softcap``
+        that is negative or NaN, ``return_dbias`` without a bias.
     """
     options = AttentionOptions(sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
-                               sliding_window, dropout_p, seed, seed_offset)
+                               sliding_window, dropout_p, seed, seed_offset, bias, alibi_slopes, softcap,
+                               return_dbias)
     return core.attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, options, KERNEL_CALLER)
 
 

@@ -30,7 +30,7 @@ from .tiling import Q_TILE
 from .validation import validate_bwd_inputs, validate_fwd_inputs
 
 __all__ = ["LSE_LAYOUTS", "attention_bwd", "attention_fwd", "check_lse_layout", "finite_output", "lse_out",
-           "run_bwd", "run_fwd", "to_dtype", "user_dsinks"]
+           "run_bwd", "run_fwd", "to_dtype", "user_dbias", "user_dsinks"]
 
 #: The layouts of the forward's lse: the Neuron kernel's ``[bs, nheads, 128, seqlen_q // 128]``
 #: and the natural ``[bs, nheads, seqlen_q]``.
@@ -73,8 +73,11 @@ def user_dsinks(dsinks: np.ndarray, shape: tuple, dtype) -> np.ndarray:
 
 
 def _kernel_name(pass_name: str, plan) -> str:
-    """The kernel's name in the compile announcement: a kernel with dropout is compiled apart."""
-    return pass_name if plan.dropout is None else pass_name + " (with dropout)"
+    """The kernel's name in the compile announcement: kernels with dropout or score variants are
+    compiled apart."""
+    extras = [what for what, absent in (("dropout", plan.dropout is None), ("score variants", plan.scores is None))
+              if not absent]
+    return pass_name if not extras else f"{pass_name} (with {' and '.join(extras)})"
 
 
 #: The input dtype's name of a kernel input array's dtype (bf16 arrive as uint16 bits).
@@ -163,9 +166,9 @@ def _signature(prob, plan) -> tuple:
     """What decides the Numba types of the bundles :func:`attention_fwd` / :func:`attention_bwd`
     build (:func:`~numbafa.kernels.launch.work_item_address`): their arrays are the
     validated ones (C-contiguous, aligned, of a writable type: :func:`numbafa.validation.kernel_view`)
-    or new float32 ones of fixed ranks, so only the input dtype and the plan's dropout
-    (``None`` or a bundle) vary; the GEMM path is the process's."""
-    return ("core", prob.dtype, plan.dropout is None)
+    or new float32 ones of fixed ranks, so only the input dtype, the plan's dropout and score
+    variants (each ``None`` or a bundle of fixed types) vary; the GEMM path is the process's."""
+    return ("core", prob.dtype, plan.dropout is None, plan.scores is None)
 
 
 def attention_fwd(q, k, v, options: AttentionOptions, caller: Caller, lse_layout: str = "natural"):
@@ -184,9 +187,17 @@ def attention_fwd(q, k, v, options: AttentionOptions, caller: Caller, lse_layout
     return to_dtype(o, prob.dtype), lse_out(outs.lse, lse_layout)
 
 
+def user_dbias(prob, dbias: np.ndarray, e: int) -> np.ndarray:
+    """The kernels' ``dbias`` (accumulator dtype, the bias padded to 4-D) in the bias's shape and
+    dtype, for a pass run on ``dy * 2**-e``."""
+    dbias = finite_output(unscaled_output(dbias, e, "dbias"), prob.bias_dtype, "dbias")
+    return to_dtype(dbias, prob.bias_dtype).reshape(prob.bias_shape)
+
+
 def attention_bwd(q, k, v, o, dy, lse, options: AttentionOptions, caller: Caller) -> tuple:
     """The backward of a whole problem: ``(dq, dk, dv)`` in the inputs' dtype, ``+ (dsinks,)``
-    in the sinks' shape and dtype when there are sinks. Arguments as :func:`attention_fwd`."""
+    in the sinks' shape and dtype when there are sinks, ``+ (dbias,)`` in the bias's shape and
+    dtype when ``options.return_dbias``. Arguments as :func:`attention_fwd`."""
     prob = validate_bwd_inputs(q, k, v, o, dy, lse, options, caller)
     prob, e = in_range(prob, caller, backward=True)
     plan = shared_plan(prob, backward=True)
@@ -194,7 +205,9 @@ def attention_bwd(q, k, v, o, dy, lse, options: AttentionOptions, caller: Caller
                       signature=_signature(prob, plan))
     grads = tuple(to_dtype(finite_output(unscaled_output(getattr(outs, name), e, name), prob.dtype, name), prob.dtype)
                   for name in ("dq", "dk", "dv"))
-    if prob.sinks_shape is None:
-        return grads
-    dsinks = unscaled_output(outs.dsinks, e, "dsinks")
-    return grads + (user_dsinks(dsinks, prob.sinks_shape, prob.sinks_dtype),)
+    if prob.sinks_shape is not None:
+        dsinks = unscaled_output(outs.dsinks, e, "dsinks")
+        grads += (user_dsinks(dsinks, prob.sinks_shape, prob.sinks_dtype),)
+    if prob.return_dbias:
+        grads += (user_dbias(prob, plan.scores.dbias, e),)
+    return grads

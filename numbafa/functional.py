@@ -3,6 +3,7 @@
     o, ctx = numbafa.attention(q, k, v, use_causal_mask=True, layout="bshd")
     ...                                   # loss, dL/do
     dq, dk, dv = ctx.backward(do)         # (+ dsinks when sinks were given)
+    dq, dk, dv, dbias = ctx.backward(do, return_dbias=True)   # with a bias
 
 The context keeps what the backward needs -- q, k, v, o, lse and the
 options -- and nothing quadratic in the sequence length (never P). It keeps
@@ -49,7 +50,8 @@ class AttentionContext:
         Neuron-layout views ``[bs, heads, head_dim, seq]`` of the inputs and the output.
     lse : float32 ndarray ``[bs, nheads, seqlen_q]``
     options : AttentionOptions
-        The options shared by forward and backward (sinks, bounds, mask, scale, dropout), as given
+        The options shared by forward and backward (sinks, bounds, mask, scale, dropout, score
+        variants), as given
         (the forward checked them; the backward checks them again with its own inputs).
     layout : str
         Layout of the caller's arrays, used for ``do`` and the gradients.
@@ -89,19 +91,22 @@ class AttentionContext:
                     f"the forward's arrays, so the gradients would mix old and new values; pass a copy to "
                     f"attention() or call it again after the change")
 
-    def backward(self, do):
-        """Gradients of the loss with respect to q, k, v (and sinks).
+    def backward(self, do, return_dbias=False):
+        """Gradients of the loss with respect to q, k, v (and sinks, and the bias).
 
         Parameters
         ----------
         do : ndarray, the shape and dtype of ``o`` in the caller's layout
             dL/do.
+        return_dbias : bool
+            Also return the bias's gradient (the forward must have had a ``bias``).
 
         Returns
         -------
         dq, dk, dv : arrays in the caller's layout and dtype (dk/dv summed over
             the q-heads sharing a KV head)
         dsinks : shape and dtype of the sinks (only when sinks were given)
+        dbias : shape and dtype of the bias (only with ``return_dbias``)
 
         Raises
         ------
@@ -117,14 +122,16 @@ class AttentionContext:
             raise ValueError(f"do must have the shape of o {expected}, got {do.shape}")
         self._check_unchanged()
         don = to_neuron(do, self.layout, name="do")
-        grads = core.attention_bwd(self.q, self.k, self.v, self.o, don, self.lse, self.options,
+        options = self.options if return_dbias is False else \
+            dataclasses.replace(self.options, return_dbias=return_dbias)
+        grads = core.attention_bwd(self.q, self.k, self.v, self.o, don, self.lse, options,
                                    Caller(NAMES, self.layout))
         return tuple(from_neuron(g, self.layout) for g in grads[:3]) + tuple(grads[3:])
 
 
 def attention(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False,
               mixed_precision=False, softmax_scale=None, sliding_window=None, layout="bshd",
-              dropout_p=0.0, seed=None, seed_offset=0):
+              dropout_p=0.0, seed=None, seed_offset=0, bias=None, alibi_slopes=None, softcap=None):
     """Attention forward that returns a context for the backward.
 
     Parameters
@@ -140,13 +147,17 @@ def attention(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_ma
     dropout_p, seed, seed_offset
         Attention dropout, as in :func:`numbafa.attention_bwd`; ``ctx.backward``
         draws the forward's mask again from the same seed and offset.
+    bias, alibi_slopes, softcap
+        Score variants, as in :func:`numbafa.attention_bwd`; the bias is
+        ``[bs, nheads, seqlen_q, seqlen_k]`` (or broadcastable to it) whatever ``layout`` is.
+        ``ctx.backward(do, return_dbias=True)`` adds its gradient.
 
     Returns
     -------
     o : ndarray in ``layout`` (a view of a Neuron-layout array), the inputs' dtype
     ctx : AttentionContext
         ``ctx.backward(do)`` gives the gradients. Do not change q, k, v, o,
-        sinks or the bounds in place before it: it raises ``ValueError``.
+        sinks, the bounds or the bias in place before it: it raises ``ValueError``.
 
     Raises
     ------
@@ -159,7 +170,7 @@ def attention(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_ma
     qn, kn, vn = (to_neuron(x, layout, name=name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     caller = Caller(NAMES, layout)
     options = AttentionOptions(sinks, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
-                               sliding_window, dropout_p, seed, seed_offset)
+                               sliding_window, dropout_p, seed, seed_offset, bias, alibi_slopes, softcap)
     o, lse = core.attention_fwd(qn, kn, vn, options, caller)   # checks the options (and the backward again)
     ctx = AttentionContext(qn, kn, vn, o, lse, options, layout)
     checksums = {name: _crc32(x) for name, x in ctx._watched().items()}

@@ -16,7 +16,12 @@ to be *obviously* right rather than fast:
   that attends to nothing has ``o = 0``, ``lse = +inf`` and zero gradient;
 * attention dropout materialises its keep mask (:func:`keep_mask`) with a
   Philox-4x32-10 of its own, in NumPy, and differentiates the dropped
-  forward ``O = (P * Z / (1 - p)) V`` as written.
+  forward ``O = (P * Z / (1 - p)) V`` as written;
+* the score variants (docs/numerics.md, "Score variants") are the definition written
+  out: ``s = softcap * tanh(s / softcap)``, plus the bias broadcast to the full
+  ``[bs, nheads, seqlen_q, seqlen_k]`` and ALiBi's ``-slope * |i + seqlen_k - seqlen_q - j|``,
+  then the masks; the backward multiplies the softmax's dS by ``1 - tanh^2`` and sums
+  it over the bias's broadcast dims for ``dbias``.
 
 The numerics golden :func:`attention_bwd_rounded` is the same backward
 computed the kernel's way: float32, rounded to bf16 at every point where the
@@ -127,6 +132,46 @@ def _dropout_multipliers(shape, dropout_p, seed, seed_offset, keep, dtype):
     return z * dtype(1.0 / (1.0 - dropout_p))
 
 
+#: The score variants of one golden call, float64 (:func:`_variants`): ``softcap`` (0: none),
+#: ``extra`` (bias plus ALiBi, ``[bs, nheads, seqlen_q, seqlen_k]``, or None), ``bias_shape``.
+Variants = namedtuple("Variants", ["softcap", "extra", "bias_shape"])
+
+
+def _variants(bias, alibi_slopes, softcap, shape, dtype=np.float64):
+    """:data:`Variants` in ``dtype`` for scores of ``shape = [bs, nheads, seqlen_q, seqlen_k]``."""
+    bs, nheads, seqlen_q, seqlen_k = shape
+    extra = None
+    if bias is not None:
+        extra = np.broadcast_to(np.asarray(bias).astype(dtype), shape)
+    if alibi_slopes is not None:
+        slopes = np.broadcast_to(np.asarray(alibi_slopes).astype(dtype), (bs, nheads))
+        i = np.arange(seqlen_q)[:, None]
+        j = np.arange(seqlen_k)[None, :]
+        dist = np.abs(i + seqlen_k - seqlen_q - j).astype(dtype)
+        alibi = -(slopes[:, :, None, None] * dist)
+        extra = alibi if extra is None else extra + alibi
+    return Variants(float(softcap or 0.0), extra, None if bias is None else np.shape(bias))
+
+
+def _modified(scores, variants, b, h):
+    """Scores of head ``(b, h)`` after the soft cap, bias and ALiBi; and ``tanh(s / softcap)`` (None
+    without a soft cap)."""
+    t = None
+    if variants.softcap:
+        t = np.tanh(scores / variants.softcap)
+        scores = variants.softcap * t
+    if variants.extra is not None:
+        scores = scores + variants.extra[b, h]
+    return scores, t
+
+
+def _sum_to_shape(full, shape):
+    """``full`` ``[bs, nheads, seqlen_q, seqlen_k]`` summed over the dims ``shape`` broadcasts."""
+    shape4 = (1,) * (4 - len(shape)) + tuple(shape)
+    axes = tuple(a for a in range(4) if shape4[a] == 1 and full.shape[a] != 1)
+    return full.sum(axis=axes, keepdims=True).reshape(shape)
+
+
 def _sinks3(sinks, bs, nheads):
     """Sinks as float64 ``[bs, nheads, num_sinks]`` (num_sinks may be 0)."""
     if sinks is None:
@@ -154,11 +199,15 @@ def _probabilities(scores, sink_logits):
     return p[:, :nk], p[:, nk:], lse
 
 
-def _head_probabilities(qh, kh, scale, allowed, sink_logits):
-    """Scores ``(q*scale)^T k`` of one head, masked, then softmax."""
+def _head_probabilities(qh, kh, scale, allowed, sink_logits, variants=None, index=(0, 0)):
+    """Scores ``(q*scale)^T k`` of one head, the score variants, masked, then softmax:
+    ``(p_keys, p_sinks, lse, tanh)`` (``tanh`` of the soft cap, or None)."""
     scores = (qh * scale).T @ kh  # [seqlen_q, seqlen_k]
+    t = None
+    if variants is not None:
+        scores, t = _modified(scores, variants, *index)
     scores = np.where(allowed, scores, -np.inf)
-    return _probabilities(scores, sink_logits)
+    return _probabilities(scores, sink_logits) + (t,)
 
 
 def _setup(q, k, sinks, bound_min, bound_max, use_causal_mask, softmax_scale, sliding_window):
@@ -173,7 +222,7 @@ def _setup(q, k, sinks, bound_min, bound_max, use_causal_mask, softmax_scale, sl
 
 def attention_fwd(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False,
                   softmax_scale=None, sliding_window=None, lse_layout="natural", dropout_p=0.0,
-                  seed=None, seed_offset=0, keep=None):
+                  seed=None, seed_offset=0, keep=None, bias=None, alibi_slopes=None, softcap=None):
     """Textbook attention forward in float64.
 
     Parameters
@@ -194,6 +243,8 @@ def attention_fwd(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causa
         :func:`keep_mask`; lse is that of the undropped softmax.
     keep : bool array ``[bs, nheads, seqlen_q, seqlen_k]``, optional
         ``Z`` given explicitly (with ``dropout_p > 0``) instead of drawn from ``seed``.
+    bias, alibi_slopes, softcap
+        The score variants, as :func:`numbafa.attention_bwd` takes them.
 
     Returns
     -------
@@ -208,9 +259,11 @@ def attention_fwd(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causa
     lse = np.zeros((bs, nheads, seqlen_q))
     mult = _dropout_multipliers((bs, nheads, seqlen_q, k64.shape[3]), dropout_p, seed, seed_offset,
                                 keep, np.float64)
+    variants = _variants(bias, alibi_slopes, softcap, (bs, nheads, seqlen_q, k64.shape[3]))
     for b in range(bs):
         for h in range(nheads):
-            p, _, lse[b, h] = _head_probabilities(q64[b, h], k64[b, h // n_rep], scale, allowed, sink3[b, h])
+            p, _, lse[b, h], _ = _head_probabilities(q64[b, h], k64[b, h // n_rep], scale, allowed, sink3[b, h],
+                                                     variants, (b, h))
             o[b, h] = v64[b, h // n_rep] @ (p if mult is None else p * mult[b, h]).T
     if lse_layout == "neuron":
         lse = lse.reshape(bs, nheads, seqlen_q // 128, 128).transpose(0, 1, 3, 2)
@@ -221,7 +274,8 @@ def attention_fwd(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causa
 
 def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
                   bound_max=None, use_causal_mask=False, mixed_precision=False, softmax_scale=None,
-                  sliding_window=None, dropout_p=0.0, seed=None, seed_offset=0, keep=None):
+                  sliding_window=None, dropout_p=0.0, seed=None, seed_offset=0, keep=None, bias=None,
+                  alibi_slopes=None, softcap=None, return_dbias=False):
     """Textbook attention backward in float64, with the kernel's signature.
 
     ``o_ref``, ``lse_ref`` and ``mixed_precision`` are accepted for signature
@@ -229,7 +283,9 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     With dropout the forward is ``O = P~ V``, ``P~ = P * M``, ``M = Z / (1 -
     p)``, so by the chain rule ``dV = P~^T dO`` and ``dP = (dO V^T) * M``,
     then the softmax backward of P as without dropout. ``keep``: as in
-    :func:`attention_fwd`.
+    :func:`attention_fwd`. Score variants: the softmax backward gives dS of the
+    modified scores, which is dbias (summed to the bias's shape); the soft cap multiplies
+    it by ``1 - tanh^2`` for dQ and dK.
 
     Returns
     -------
@@ -237,6 +293,7 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     dk, dv : float64 ``[bs, nheads_kv, d_head, seqlen_k]``, ``[bs, nheads_kv, d_head_v, seqlen_k]``
         (summed over the q-heads sharing each KV head)
     dsinks : float64, shape of ``sinks_ref`` (only when sinks are given)
+    dbias : float64, shape of ``bias`` (only with ``return_dbias``)
     """
     del o_ref, lse_ref, mixed_precision
     q64, k64, scale, allowed, sink3, n_rep = _setup(
@@ -249,10 +306,13 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     dsinks = np.zeros_like(sink3)
     mult = _dropout_multipliers((bs, nheads, seqlen_q, k64.shape[3]), dropout_p, seed, seed_offset,
                                 keep, np.float64)
+    variants = _variants(bias, alibi_slopes, softcap, (bs, nheads, seqlen_q, k64.shape[3]))
+    dbias = np.zeros((bs, nheads, seqlen_q, k64.shape[3])) if return_dbias else None
     for b in range(bs):
         for h in range(nheads):
             hk = h // n_rep
-            p, p_sink, _ = _head_probabilities(q64[b, h], k64[b, hk], scale, allowed, sink3[b, h])
+            p, p_sink, _, t = _head_probabilities(q64[b, h], k64[b, hk], scale, allowed, sink3[b, h],
+                                                  variants, (b, h))
             dp = dy64[b, h].T @ v64[b, hk]                       # [seqlen_q, seqlen_k]
             p_dv = p
             if mult is not None:  # dropout: dP = (dO V^T) * M, and dV takes P~ = P * M
@@ -262,13 +322,22 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
             row_dot = (p * dp).sum(axis=1, keepdims=True)
             ds = p * (dp - row_dot)
             ds_sink = p_sink * (0.0 - row_dot)
+            if dbias is not None:
+                dbias[b, h] = ds
+            if t is not None:   # the soft cap: d(softcap * tanh(s / softcap)) / ds = 1 - tanh^2
+                ds = ds * (1.0 - t * t)
             dq[b, h] = (ds @ k64[b, hk].T).T * scale
             dk[b, hk] += (q64[b, h] * scale) @ ds
             dv[b, hk] += dy64[b, h] @ p_dv
             dsinks[b, h] = ds_sink.sum(axis=0)
-    if sinks_ref is None:
-        return dq, dk, dv
-    return dq, dk, dv, dsinks.reshape(np.shape(sinks_ref))
+    out = (dq, dk, dv)
+    if sinks_ref is not None:
+        out += (dsinks.reshape(np.shape(sinks_ref)),)
+    if return_dbias:
+        if bias is None:
+            raise ValueError("return_dbias=True needs a bias")
+        out += (_sum_to_shape(dbias, np.shape(bias)),)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -344,8 +413,10 @@ class Rounding:
 
 #: The constants of one :func:`attention_bwd_rounded` call: ``scale`` (float32), ``d_tile`` and
 #: ``section_len`` (the Neuron tiling), ``allowed`` (:func:`allowed_mask`), ``n_rep`` (q-heads per
-#: KV head) and ``rounding`` (:class:`Rounding`).
-Setup = namedtuple("Setup", ["scale", "d_tile", "section_len", "allowed", "n_rep", "rounding"])
+#: KV head), ``rounding`` (:class:`Rounding`), ``softcap`` (0: none) and ``bias_shape`` (the bias
+#: as 4-D, or None).
+Setup = namedtuple("Setup", ["scale", "d_tile", "section_len", "allowed", "n_rep", "rounding", "softcap",
+                             "bias_shape"])
 
 #: The tiles of one q-head, float32 as written (queries are rows): ``qs`` Q_s ``[rows, d]``,
 #: ``kt``/``vt`` K, V ``[keys, d]``, ``dyt`` dO ``[rows, d]``, ``neg_lse`` and ``d_sum``
@@ -353,12 +424,40 @@ Setup = namedtuple("Setup", ["scale", "d_tile", "section_len", "allowed", "n_rep
 #: ``p_pre = exp(t)`` and its rounding ``p``, ``mult`` the dropout multipliers M (None without
 #: dropout), ``dp`` (dO V^T, times M with dropout), ``m = dP - D``, ``ds_pre = m * P`` and its
 #: rounding ``ds``, ``p_dv`` the P (P~ = P * M with dropout) that dV takes.
+#: Score variants (docs/numerics.md): ``s`` the float32 scores before them (``Q_s K^T``), ``tanh``
+#: the soft cap's ``fl(tanh(fl(s * (1 / softcap))))`` (None without), ``steps`` the float32 scores
+#: after each later step (the soft cap's product, ``+ bias``, ``- ALiBi``: those present),
+#: ``ds_mod`` the rounded dS of the modified scores (dbias's terms; ``ds`` is it times
+#: ``1 - tanh^2``, rounded, with a soft cap).
 HeadTiles = namedtuple("HeadTiles", ["qs", "kt", "vt", "dyt", "neg_lse", "prod", "d_sum", "t", "p_pre",
-                                     "p", "mult", "dp", "m", "ds_pre", "ds", "p_dv"])
+                                     "p", "mult", "dp", "m", "ds_pre", "ds", "p_dv", "s", "tanh", "steps", "ds_mod"])
 
 #: The float32 inputs of :func:`attention_bwd_rounded`: lse natural, sinks ``[bs, nheads,
-#: num_sinks]``, mult the dropout multipliers ``[bs, nheads, seqlen_q, seqlen_k]`` or None.
-_Inputs = namedtuple("_Inputs", ["q", "k", "v", "o", "dy", "lse", "sinks", "mult"])
+#: num_sinks]``, mult the dropout multipliers ``[bs, nheads, seqlen_q, seqlen_k]`` or None;
+#: the score variants: ``bias`` (float32, 4-D, broadcastable) or None, ``slopes`` (float32
+#: ``[bs, nheads]``) or None, ``softcap`` (0: none).
+_Inputs = namedtuple("_Inputs", ["q", "k", "v", "o", "dy", "lse", "sinks", "mult", "bias", "slopes", "softcap"])
+
+
+def _modified_f32(scores, ins, b, h):
+    """The score variants in float32, each step rounded as the kernel writes it:
+    ``(scores, tanh, steps)`` (:data:`HeadTiles`)."""
+    f32 = np.float32
+    t = None
+    steps = []
+    if ins.softcap:
+        t = np.tanh(scores * f32(1.0 / ins.softcap))
+        scores = f32(ins.softcap) * t
+        steps.append(scores)
+    if ins.bias is not None:
+        scores = scores + ins.bias[b if ins.bias.shape[0] > 1 else 0, h if ins.bias.shape[1] > 1 else 0]
+        steps.append(scores)
+    if ins.slopes is not None:
+        seqlen_q, seqlen_k = scores.shape
+        dist = np.abs(np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q - np.arange(seqlen_k)[None, :])
+        scores = scores - ins.slopes[b, h] * dist.astype(f32)
+        steps.append(scores)
+    return scores.astype(f32), t, steps
 
 
 class Observer:
@@ -409,7 +508,9 @@ def _head_tiles(ins, setup, b, h):
     parts = [rnd(prod[:, i:i + setup.d_tile].sum(axis=1, dtype=f32), "d_partial")
              for i in range(0, prod.shape[1], setup.d_tile)]
     d_sum = rnd(np.sum(parts, axis=0, dtype=f32), "d_total")
-    scores = np.where(setup.allowed, qs @ kt.T, f32(-3.4028234663852886e38))
+    s = qs @ kt.T
+    scores, tanh, steps = _modified_f32(s, ins, b, h)
+    scores = np.where(setup.allowed, scores, f32(-3.4028234663852886e38))
     t = scores + neg_lse[:, None]
     p_pre = np.exp(t)
     p = rnd(p_pre, "p")
@@ -419,9 +520,11 @@ def _head_tiles(ins, setup, b, h):
         dp = dp * mult
     m = dp - d_sum[:, None]
     ds_pre = m * p
-    ds = rnd(ds_pre, "ds")
+    ds_mod = rnd(ds_pre, "ds")
+    ds = ds_mod if tanh is None else rnd(ds_mod * (f32(1.0) - tanh * tanh), "ds")
     p_dv = p if mult is None else rnd(p * mult, "p")
-    return HeadTiles(qs, kt, vt, dyt, neg_lse, prod, d_sum, t, p_pre, p, mult, dp, m, ds_pre, ds, p_dv)
+    return HeadTiles(qs, kt, vt, dyt, neg_lse, prod, d_sum, t, p_pre, p, mult, dp, m, ds_pre, ds, p_dv, s, tanh,
+                     steps, ds_mod)
 
 
 def _dq_of_head(tiles, setup, observer, index):
@@ -478,7 +581,8 @@ def _dsinks_of_head(sinks, tiles, setup, observer, index):
 def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
                           bound_max=None, use_causal_mask=False, mixed_precision=False,
                           softmax_scale=None, sliding_window=None, dropout_p=0.0, seed=None,
-                          seed_offset=0, disable=(), observer=None):
+                          seed_offset=0, bias=None, alibi_slopes=None, softcap=None, return_dbias=False,
+                          disable=(), observer=None):
     """The kernel's numerics in materialising NumPy: the numerics golden.
 
     Unlike :func:`attention_bwd`, this uses ``o_ref`` and ``lse_ref`` (the
@@ -499,7 +603,10 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
         As :func:`numbafa.attention_bwd`; ``lse_ref`` natural or Neuron layout.
         Dropout: ``M = Z * float32(1 / (1 - p))``; ``dS = (dP * M - D) * P``
         (the fp32 product, then the fused op) and ``P~ = P * M`` written in
-        kernel_dtype for dV.
+        kernel_dtype for dV. Score variants: on the float32 score tile, each step rounded to
+        float32 (``s * (1 / softcap)``, its tanh, ``softcap * tanh``, ``+ bias``,
+        ``- slope * distance``); dS of the modified scores rounded to kernel_dtype (dbias's
+        terms, summed in float32), then times ``1 - tanh^2`` and rounded again.
     disable : iterable of str
         Names from :data:`ROUNDING_POINTS` to skip (test-only: proves each
         rounding point changes the result).
@@ -510,8 +617,9 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
 
     Returns
     -------
-    dq, dk, dv[, dsinks] : float32 arrays holding values of the output dtype
-        (bf16 or fp16 values for bf16 or float16 inputs; dsinks in the dtype of ``sinks_ref``).
+    dq, dk, dv[, dsinks][, dbias] : float32 arrays holding values of the output dtype
+        (bf16 or fp16 values for bf16 or float16 inputs; dsinks in the dtype of ``sinks_ref``,
+        dbias in that of ``bias``).
     """
     import ml_dtypes
 
@@ -531,11 +639,16 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     sink3 = np.zeros((bs, nheads, 0), f32) if sinks_ref is None else \
         np.asarray(sinks_ref).astype(f32).reshape(bs, nheads, -1)
     mult = _dropout_multipliers((bs, nheads, seqlen_q, seqlen_k), dropout_p, seed, seed_offset, None, f32)
-    ins = _Inputs(q, k, v, o, dy, lse, sink3, mult)
+    bias32 = None if bias is None else np.asarray(bias).astype(f32).reshape((1,) * (4 - np.ndim(bias))
+                                                                         + np.shape(bias))
+    slopes = None if alibi_slopes is None else \
+        np.broadcast_to(np.asarray(alibi_slopes).astype(f32), (bs, nheads))
+    ins = _Inputs(q, k, v, o, dy, lse, sink3, mult, bias32, slopes, float(softcap or 0.0))
     setup = Setup(f32(1.0 / np.sqrt(d_head) if not softmax_scale else softmax_scale),
                   *_neuron_tiling(d_head, v.shape[2]),
                   allowed_mask(seqlen_q, seqlen_k, use_causal_mask, sliding_window, bound_min, bound_max),
-                  n_rep, Rounding(bool(is_bf16), bool(mixed_precision), frozenset(disable), bool(is_fp16)))
+                  n_rep, Rounding(bool(is_bf16), bool(mixed_precision), frozenset(disable), bool(is_fp16)),
+                  ins.softcap, None if bias32 is None else bias32.shape)
     observer = Observer() if observer is None else observer
     observer.start(setup)
 
@@ -543,6 +656,7 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     dk = np.zeros((bs, nheads_kv, d_head, seqlen_k), f32)
     dv = np.zeros((bs, nheads_kv, v.shape[2], seqlen_k), f32)
     dsinks = np.zeros(sink3.shape, f32)
+    dbias = None if not return_dbias else np.zeros(bias32.shape, f32)
     for b in range(bs):
         for hk in range(nheads_kv):
             dk_acc = np.zeros((seqlen_k, d_head), f32)
@@ -550,6 +664,8 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
             for h in range(hk * n_rep, (hk + 1) * n_rep):
                 tiles = _head_tiles(ins, setup, b, h)
                 observer.head((b, h), tiles)
+                if dbias is not None:
+                    _add_dbias(dbias, tiles.ds_mod, b, h)
                 dq[b, h] = _dq_of_head(tiles, setup, observer, (b, h)).T
                 dk_acc, dv_acc = _add_dk_dv(dk_acc, dv_acc, tiles, setup, observer, (b, hk))
                 dsinks[b, h] = _dsinks_of_head(sink3[b, h], tiles, setup, observer, (b, h))
@@ -557,10 +673,27 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
             dv[b, hk] = dv_acc.T
     if setup.rounding.narrow:  # outputs are written in the kernel dtype (not a point one can disable)
         dq, dk, dv = (setup.rounding.round(x) for x in (dq, dk, dv))
-    if sinks_ref is None:
-        return dq, dk, dv
-    if np.asarray(sinks_ref).dtype == ml_dtypes.bfloat16:
-        dsinks = _bf16_round(dsinks)
-    elif np.asarray(sinks_ref).dtype == np.float16:
-        dsinks = _fp16_round(dsinks)
-    return dq, dk, dv, dsinks.reshape(np.shape(sinks_ref))
+    out = (dq, dk, dv)
+    if sinks_ref is not None:
+        out += (_in_dtype_of(dsinks, sinks_ref).reshape(np.shape(sinks_ref)),)
+    if dbias is not None:
+        out += (_in_dtype_of(dbias, bias).reshape(np.shape(bias)),)
+    return out
+
+
+def _in_dtype_of(x, like):
+    """float32 ``x`` rounded to the dtype of ``like`` (bf16 or fp16; float32 and float64: as is)."""
+    import ml_dtypes
+
+    dtype = np.asarray(like).dtype
+    if dtype == ml_dtypes.bfloat16:
+        return _bf16_round(x)
+    return _fp16_round(x) if dtype == np.float16 else x
+
+
+def _add_dbias(dbias, ds_mod, b, h):
+    """dbias (float32, the bias's 4-D shape) plus q-head ``(b, h)``'s ``ds_mod`` ``[rows, keys]``,
+    summed over the rows when the bias is shared by the queries (float32)."""
+    slab = dbias[b if dbias.shape[0] > 1 else 0, h if dbias.shape[1] > 1 else 0]
+    terms = ds_mod.sum(axis=0, dtype=np.float32, keepdims=True) if slab.shape[0] == 1 else ds_mod
+    slab += terms

@@ -40,6 +40,13 @@ class AttentionOptions:
         0: no window (the user's ``None`` or any value < 1); not yet capped at ``seqlen_k``.
     dropout_p : float in ``[0, 1)``
     seed, seed_offset : int in ``[0, 2**64)`` (seed 0 when there is no dropout)
+    bias : ndarray broadcastable to ``[bs, nheads, seqlen_q, seqlen_k]``, or None
+        An additive score bias (its last dim is ``seqlen_k``; any of the first three may be 1).
+    alibi_slopes : float32 ndarray ``[nheads]`` or ``[bs, nheads]``, or None
+    softcap : float
+        0.0: no soft cap (the user's ``None`` or ``0``); else ``> 0``.
+    return_dbias : bool
+        Backward only: also return the bias's gradient.
     """
 
     sinks: Optional[np.ndarray] = None
@@ -52,6 +59,10 @@ class AttentionOptions:
     dropout_p: float = 0.0
     seed: int = 0
     seed_offset: int = 0
+    bias: Optional[np.ndarray] = None
+    alibi_slopes: Optional[np.ndarray] = None
+    softcap: float = 0.0
+    return_dbias: bool = False
 
     def as_kwargs(self) -> dict:
         """The options as :func:`numbafa.attention_fwd` / ``attention_bwd`` (and the goldens)
@@ -62,7 +73,14 @@ class AttentionOptions:
 
     def arrays(self) -> dict:
         """The options that are arrays, by field name (None when absent)."""
-        return {"sinks": self.sinks, "bound_min": self.bound_min, "bound_max": self.bound_max}
+        return {"sinks": self.sinks, "bound_min": self.bound_min, "bound_max": self.bound_max,
+                "bias": self.bias, "alibi_slopes": self.alibi_slopes}
+
+    @property
+    def has_score_mods(self) -> bool:
+        """Whether a bias, ALiBi or a soft cap changes the scores (docs/numerics.md, "Score
+        variants")."""
+        return self.bias is not None or self.alibi_slopes is not None or bool(self.softcap)
 
     def scalar_key(self):
         """The scalar options as a key for remembering checks that passed (:mod:`numbafa.memo`),
@@ -76,17 +94,19 @@ class AttentionOptions:
             return None
         return ((type(self.use_causal_mask), self.use_causal_mask), (type(self.mixed_precision), self.mixed_precision),
                 (type(self.softmax_scale), self.softmax_scale), (type(self.sliding_window), self.sliding_window),
-                (type(self.dropout_p), self.dropout_p), seed is None)
+                (type(self.dropout_p), self.dropout_p), seed is None, (type(self.softcap), self.softcap),
+                (type(self.return_dbias), self.return_dbias))
 
     def with_call_values(self, call: "AttentionOptions") -> "AttentionOptions":
         """These checked options (remembered for ``call``'s :meth:`scalar_key`) with ``call``'s
         arrays, seed (None: 0) and offset."""
         if not (call.seed or call.seed_offset or call.sinks is not None or call.bound_min is not None
-                or call.bound_max is not None):
+                or call.bound_max is not None or call.bias is not None or call.alibi_slopes is not None):
             return self
         return AttentionOptions(call.sinks, call.bound_min, call.bound_max, self.use_causal_mask,
                                 self.mixed_precision, self.softmax_scale, self.sliding_window, self.dropout_p,
-                                call.seed or 0, call.seed_offset)
+                                call.seed or 0, call.seed_offset, call.bias, call.alibi_slopes, self.softcap,
+                                self.return_dbias)
 
 
 def _plain_uint64(x) -> bool:

@@ -72,23 +72,31 @@ def check_scores(prob, caller) -> None:
     """Raise ``FloatingPointError`` if the scores may leave the range of the pass's arithmetic.
 
     First a bound from the largest elements (free); only when it does not fit,
-    the exact largest absolute score product (a float64 pass over the pairs).
+    the exact largest absolute score product (a float64 pass over the pairs). With score
+    variants, the scores after the soft cap (``|s| <= softcap``) plus the largest bias and
+    ALiBi term must fit too.
     """
     m = prob.max_abs
     d_head = prob.q.shape[2]
     limit, name = _limit(prob.dtype)
     margin = (1.0 + 2.0 ** -7) * (1.0 + d_head * 2.0 ** -23)    # q * scale rounded (bf16), the sums
     # Python floats: a product beyond float64 is inf, no warning
-    if abs(float(prob.softmax_scale)) * m["q_ref"] * m["k_ref"] * d_head * margin < limit:
-        return
-    with np.errstate(over="ignore"):
-        largest = _largest_abs_score(prob) * margin
+    largest = abs(float(prob.softmax_scale)) * m["q_ref"] * m["k_ref"] * d_head * margin
     if largest >= limit:
-        q, k, scale = caller("q_ref"), caller("k_ref"), caller("softmax_scale")
+        with np.errstate(over="ignore"):
+            largest = _largest_abs_score(prob) * margin
+    q, k, scale = caller("q_ref"), caller("k_ref"), caller("softmax_scale")
+    if largest >= limit:
         raise FloatingPointError(
             f"the attention scores {scale} * {q}^T {k} overflow {name}: their products reach "
             f"{largest:.4g} > {limit:.4g} ({name}'s largest value), and the log-sum-exp is at least "
             f"the largest score; scale {q} or {k} down, or pass a smaller {scale}")
+    if prob.max_abs_bias:
+        total = (min(largest, prob.softcap) if prob.softcap else largest) + prob.max_abs_bias * (1.0 + 2.0 ** -23)
+        if total >= limit:
+            raise FloatingPointError(
+                f"the attention scores plus {caller('bias')} and the ALiBi terms overflow {name}: they reach "
+                f"{total:.4g} > {limit:.4g} ({name}'s largest value); scale {caller('bias')} down")
 
 
 def _backward_bound(prob) -> float:
@@ -100,9 +108,10 @@ def _backward_bound(prob) -> float:
     dy, scale = m["dy_ref"], abs(prob.softmax_scale)
     d_sum = d_v * m["o_ref"] * dy
     d_s = d_v * dy * (m["v_ref"] * keep + m["o_ref"])
+    dbias = prob.q.shape[0] * prob.q.shape[1] * seqlen_q * d_s if prob.return_dbias else 0.0
     return max(d_v * dy * m["v_ref"] * keep, d_sum, d_s, n_rep * seqlen_q * dy * keep,
                n_rep * seqlen_q * d_s * m["q_ref"] * scale, scale * seqlen_k * d_s * m["k_ref"],
-               seqlen_q * d_sum)
+               seqlen_q * d_sum, dbias)
 
 
 def rescale_exponent(prob, backward: bool) -> int:

@@ -57,7 +57,7 @@ import numpy as np
 
 from .jit import jit
 from .tiling import Q_TILE
-from .dtypes import accumulator_dtype, from_fp16_array, is_bf16, widen
+from .dtypes import accumulator_dtype, from_bf16_array, from_fp16_array, is_bf16, widen
 from .memo import Memo
 from .options import KERNEL_CALLER, AttentionOptions, Caller
 
@@ -102,6 +102,17 @@ class Problem:
     seed: int = 0              # the dropout mask's seed and offset (numbafa.kernels.dropout)
     seed_offset: int = 0
     max_abs: Optional[dict] = None  # the largest |element| of q, k, v (o, dy), by kernel name: range checks
+    bias: Optional[np.ndarray] = None     # [bs or 1, nheads or 1, seqlen_q or 1, seqlen_k], lse's dtype
+    bias_shape: Optional[tuple] = None    # the caller's bias shape and dtype (dbias is returned in them)
+    bias_dtype: Optional[np.dtype] = None
+    alibi: Optional[np.ndarray] = None    # ALiBi slopes [bs or 1, nheads], lse's dtype
+    softcap: float = 0.0                  # 0: none
+    return_dbias: bool = False
+    max_abs_bias: float = 0.0             # the largest |finite bias|, plus the largest ALiBi term: range checks
+
+    @property
+    def has_score_mods(self) -> bool:
+        return self.bias is not None or self.alibi is not None or self.softcap > 0.0
 
     @property
     def is_bf16(self) -> bool:
@@ -153,6 +164,21 @@ def _count_nan_or_neg_inf(flat):
         if math.isnan(x) or x == -math.inf:
             n += 1
     return n
+
+
+@jit(entry=True)
+def _bias_range(flat):
+    """``(number of NaN/+inf elements, largest finite |element|)`` of a float32 or float64 bias
+    (``-inf`` is allowed: a masked score)."""
+    n = 0
+    largest = 0.0
+    for i in range(flat.size):
+        x = np.float64(flat[i])
+        bad = not (x < math.inf)        # NaN or +inf
+        n += bad
+        a = abs(x)
+        largest = max(largest, a if a < math.inf else 0.0)
+    return n, largest
 
 
 class _WritableView:
@@ -338,8 +364,29 @@ def check_options(options: AttentionOptions, caller: Caller = KERNEL_CALLER) -> 
     window = _check_window(c, options.sliding_window, causal)
     scale = _check_scale(c, options.softmax_scale)
     dropout = validate_dropout(options.dropout_p, options.seed, options.seed_offset, c)
+    softcap = _check_softcap(c, options.softcap)
+    return_dbias = _require_bool(c, "return_dbias", options.return_dbias)
+    if return_dbias and options.bias is None:
+        raise ValueError(f"{c('return_dbias')}=True needs a {c('bias')} to differentiate, got {c('bias')}=None")
     return AttentionOptions(options.sinks, options.bound_min, options.bound_max, causal, mixed, scale, window,
-                            dropout["dropout_p"], dropout["seed"], dropout["seed_offset"])
+                            dropout["dropout_p"], dropout["seed"], dropout["seed_offset"], options.bias,
+                            options.alibi_slopes, softcap, return_dbias)
+
+
+def _check_softcap(c: Caller, softcap) -> float:
+    """The soft cap as a float, 0.0 for none (``None`` or 0)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"{c('softcap')} must be a real number > 0, or None or 0 for none, got "
+                        f"{type(softcap).__name__}")
+    cap = float(softcap)
+    if cap == 0.0:
+        return 0.0
+    if not (0.0 < cap <= FLOAT32_MAX):   # NaN fails too
+        raise ValueError(f"{c('softcap')} must be a finite real number > 0 (finite in float32), or None or 0 "
+                         f"for none, got {_short_repr(softcap)}")
+    return cap
 
 
 # --- shapes and dtypes ---------------------------------------------------------------------
@@ -452,6 +499,31 @@ def _check_sinks_shape(c: Caller, sinks, bs: int, nheads: int, dtype) -> None:
                      f"num_sinks >= 1) [{b}, {h}, num_sinks], got {shape}")
 
 
+def _check_bias_shape(c: Caller, bias, dims: Dims, dtype) -> None:
+    name = c("bias")
+    if not (bias.dtype in (np.float32, dtype)):
+        raise TypeError(f"{name} must be float32 or the inputs' dtype ({dtype}), got {bias.dtype}")
+    full = (dims.bs, dims.nheads, dims.seqlen_q, dims.seqlen_k)
+    shape = tuple(bias.shape)
+    padded = (1,) * (4 - len(shape)) + shape
+    if 1 <= len(shape) <= 4 and padded[3] == full[3] and all(n in (1, m) for n, m in zip(padded[:3], full)):
+        return
+    raise ValueError(f"{name} must be broadcastable to [{', '.join(c(n) for n in ('bs', 'nheads', 'seqlen_q', 'seqlen_k'))}]"
+                     f" = {full} with a last dim of {c('seqlen_k')}={full[3]} (any of the first three may be 1), "
+                     f"got {shape}")
+
+
+def _check_alibi_shape(c: Caller, slopes, dims: Dims, dtype) -> None:
+    name = c("alibi_slopes")
+    if slopes.dtype not in (np.float32, accumulator_dtype(dtype)):
+        raise TypeError(f"{name} must be float32{' or float64' if dtype.char == 'd' else ''}, got {slopes.dtype}")
+    shape = tuple(slopes.shape)
+    if shape not in ((dims.nheads,), (dims.bs, dims.nheads)):
+        b, h = c("bs"), c("nheads")
+        raise ValueError(f"{name} must have shape ({dims.nheads},) [{h}] or ({dims.bs}, {dims.nheads}) [{b}, {h}], "
+                         f"got {shape}")
+
+
 def check_tensors(tensors: dict, options: AttentionOptions, caller: Caller = KERNEL_CALLER) -> Dims:
     """Check the shapes and dtypes of one call: the tensors and the option arrays.
 
@@ -477,6 +549,10 @@ def check_tensors(tensors: dict, options: AttentionOptions, caller: Caller = KER
     _check_bound_shapes(c, options, dims.seqlen_q)
     if options.sinks is not None:
         _check_sinks_shape(c, options.sinks, dims.bs, dims.nheads, dtype)
+    if options.bias is not None:
+        _check_bias_shape(c, options.bias, dims, np.dtype(dtype))
+    if options.alibi_slopes is not None:
+        _check_alibi_shape(c, options.alibi_slopes, dims, np.dtype(dtype))
     return dims
 
 
@@ -516,6 +592,40 @@ def _kernel_sinks(c: Caller, sinks, dims: Dims, dtype) -> np.ndarray:
     return s32
 
 
+def _kernel_bias(c: Caller, bias, dims: Dims, dtype):
+    """``(bias, largest finite |element|)``: ``[bs or 1, nheads or 1, seqlen_q or 1, seqlen_k]``
+    C-contiguous in the accumulator dtype (float32 bias of float32, bf16 or float16 inputs and
+    float64 bias of float64 inputs are used in place; others are widened, a copy), or
+    ``(None, 0.0)``."""
+    if bias is None:
+        return None, 0.0
+    acc = accumulator_dtype(dtype)
+    b4 = bias.reshape((1,) * (4 - bias.ndim) + tuple(bias.shape))
+    if b4.dtype == acc:
+        b4 = kernel_view(b4)
+    elif is_bf16(b4.dtype):
+        b4 = from_bf16_array(b4)
+    elif b4.dtype == np.float16:
+        b4 = from_fp16_array(np.ascontiguousarray(b4))
+    else:
+        b4 = np.ascontiguousarray(b4, dtype=acc)
+    bad, largest = _bias_range(b4.reshape(-1))
+    if bad:
+        raise ValueError(f"{c('bias')} must not contain NaN or +inf (-inf masks a score), got {bad} such "
+                         f"element(s) of {b4.size}")
+    return b4, float(largest)
+
+
+def _kernel_alibi(c: Caller, slopes, dims: Dims, dtype):
+    """The ALiBi slopes ``[bs or 1, nheads]`` in the accumulator dtype, or None."""
+    if slopes is None:
+        return None
+    a = np.ascontiguousarray(slopes.reshape((1,) * (2 - slopes.ndim) + tuple(slopes.shape)),
+                             dtype=accumulator_dtype(dtype))
+    _require_finite(c("alibi_slopes"), a)
+    return a
+
+
 #: Metadata that passed its checks: :func:`_metadata_key` -> (checked options without arrays, Dims).
 _CHECKED = Memo()
 
@@ -529,7 +639,7 @@ def _metadata_key(tensors: dict, options: AttentionOptions):
         if type(x) is not np.ndarray:
             return None
         parts.append((x.shape, x.dtype))
-    for x in (options.sinks, options.bound_min, options.bound_max):
+    for x in (options.sinks, options.bound_min, options.bound_max, options.bias, options.alibi_slopes):
         if x is not None and type(x) is not np.ndarray:
             return None
         parts.append(None if x is None else (x.shape, x.dtype))
@@ -549,12 +659,14 @@ def _metadata(c: Caller, tensors: dict, options: AttentionOptions):
     for k, x in tensors.items():
         _require_array(c, k, x)
     opts = check_options(options, c)
-    key_of = {"sinks": "sinks_ref", "bound_min": "bound_min", "bound_max": "bound_max"}
+    key_of = {"sinks": "sinks_ref", "bound_min": "bound_min", "bound_max": "bound_max", "bias": "bias",
+              "alibi_slopes": "alibi_slopes"}
     for field_name, x in opts.arrays().items():
         if x is not None:
             _require_array(c, key_of[field_name], x)
     dims = check_tensors(tensors, opts, c)
-    _CHECKED.put(key, (dataclasses.replace(opts, sinks=None, bound_min=None, bound_max=None), dims))
+    _CHECKED.put(key, (dataclasses.replace(opts, sinks=None, bound_min=None, bound_max=None, bias=None,
+                                           alibi_slopes=None), dims))
     return opts, dims
 
 
@@ -565,12 +677,19 @@ def _validate(c: Caller, tensors: dict, options: AttentionOptions) -> Problem:
     arrays = {key: _as_kernel_array(x) for key, x in tensors.items() if key != "lse_ref"}
     max_abs = _require_all_finite(c, arrays)
     lse = _kernel_lse(c, tensors["lse_ref"], dims) if "lse_ref" in tensors else None
+    bias, largest_bias = _kernel_bias(c, opts.bias, dims, np.dtype(tensors["q_ref"].dtype))
+    alibi = _kernel_alibi(c, opts.alibi_slopes, dims, np.dtype(tensors["q_ref"].dtype))
+    if alibi is not None:   # the largest ALiBi term |slope| * (distance < max(seqlen_q, seqlen_k))
+        largest_bias += float(np.abs(alibi).max(initial=0.0)) * max(dims.seqlen_q, dims.seqlen_k)
     return Problem(arrays["q_ref"], arrays["k_ref"], arrays["v_ref"], arrays.get("o_ref"), arrays.get("dy_ref"),
                    lse, sinks, None if opts.sinks is None else tuple(opts.sinks.shape),
                    None if opts.sinks is None else opts.sinks.dtype, bmin, bmax, opts.bound_min is not None,
                    opts.use_causal_mask, min(opts.sliding_window, dims.seqlen_k),
                    resolve_scale(opts.softmax_scale, dims.d_head), np.dtype(tensors["q_ref"].dtype),
-                   opts.mixed_precision, opts.dropout_p, opts.seed, opts.seed_offset, max_abs)
+                   opts.mixed_precision, opts.dropout_p, opts.seed, opts.seed_offset, max_abs, bias,
+                   None if opts.bias is None else tuple(opts.bias.shape),
+                   None if opts.bias is None else opts.bias.dtype, alibi, opts.softcap, opts.return_dbias,
+                   largest_bias)
 
 
 def validate_fwd_inputs(q_ref, k_ref, v_ref, options: AttentionOptions = AttentionOptions(),

@@ -38,6 +38,10 @@ _TINY = 2.0 ** -126   # smallest normal float32/bf16: oneDNN's bf16 units flush 
 _EXP_ULPS_KERNEL = 1.5
 _EXP_ULPS_NUMPY = 3.0
 _EXP_ULPS = _EXP_ULPS_KERNEL + _EXP_ULPS_NUMPY
+#: tanh's error on both sides (the soft cap), in float32 ulps of the value: the kernel's tanhf and
+#: NumPy's float32 tanh were each measured within 1.4 ulp of the exact value (numbafa/kernels/
+#: fastexp.py; 8 million inputs over [-50, 50] and down to 1e-30): 2 each.
+_TANH_ULPS = 4.0
 
 
 def _gamma(n):
@@ -133,7 +137,12 @@ def _score_tile_spreads(tiles, d_spread, setup):
     allowed, rounds = setup.allowed, setup.rounding.rounds
     d = qs.shape[1]
     r_s = _order_spread(_abs_matmul(qs, kt.T), d - 1, 1.0 + _max_abs(qs, kt))
-    r_t = np.where(allowed, (1.0 + _U) * r_s + 2.0 * _U * np.abs(tiles.t.astype(np.float64)), 0.0)
+    r_s, r_tanh = _variant_spreads(r_s, tiles, setup)
+    r_s = np.where(np.isfinite(r_s), r_s, 0.0)   # a -inf bias: exactly -inf, P = 0, on both sides
+    # t = -inf (a -inf bias): exactly that on both sides, P = 0
+    visible = allowed & np.isfinite(tiles.t)
+    r_t = np.where(visible, (1.0 + _U) * r_s + 2.0 * _U * np.abs(np.where(visible, tiles.t, 0.0).astype(np.float64)),
+                   0.0)
     p64 = tiles.p_pre.astype(np.float64)
     r_p = p64 * (np.expm1(r_t) * (1.0 + _EXP_ULPS_KERNEL * u32) + _EXP_ULPS * u32) \
         / (1.0 - _EXP_ULPS_NUMPY * u32) + _EXP_ULPS * 2.0 ** -149
@@ -147,7 +156,41 @@ def _score_tile_spreads(tiles, d_spread, setup):
     r_ds = (1.0 + 2.0 * _U) * (r_m * (np.abs(tiles.p.astype(np.float64)) + dev_p) + np.abs(m64) * dev_p) \
         + 2.0 * _U * np.abs(tiles.ds_pre.astype(np.float64))
     dev_ds = _rounding_spread(tiles.ds_pre, np.where(allowed, r_ds, 0.0), rounds("ds"), rnd)
-    return dev_p, dev_ds
+    dev_ds_mod = dev_ds
+    if tiles.tanh is not None:   # dS = fl(dS' * fl(1 - fl(t * t))), rounded again
+        tau = np.abs(tiles.tanh.astype(np.float64))
+        factor = 1.0 - tau * tau
+        r_f = (1.0 + _U) * (2.0 * tau + r_tanh) * r_tanh + 2.0 * _U * (tau * tau + factor)
+        pre = tiles.ds_mod * (np.float32(1.0) - tiles.tanh * tiles.tanh)
+        r_x = (1.0 + _U) * (dev_ds * (factor + r_f) + np.abs(tiles.ds_mod.astype(np.float64)) * r_f) \
+            + 2.0 * _U * np.abs(pre.astype(np.float64))
+        dev_ds = _rounding_spread(pre, np.where(allowed, r_x, 0.0), rounds("ds"), rnd)
+    return dev_p, dev_ds, dev_ds_mod
+
+
+def _variant_spreads(r_s, tiles, setup):
+    """How far the score variants (docs/numerics.md) carry the spread ``r_s`` of ``S``: ``(r, r_tanh)``,
+    the spread of the modified scores and of the soft cap's tanh (0 without one).
+
+    The soft cap: ``y = fl(S * inv)`` moves by ``inv * r_s`` and both sides' rounding, tanh
+    (Lipschitz 1) by that plus both sides' tanh errors (:data:`_TANH_ULPS`), ``fl(cap * tanh)``
+    by ``cap`` times that and both roundings. Each later step (``+ bias``, ``- ALiBi``: the same
+    operands on both sides) adds both sides' rounding of its result.
+    """
+    u32 = 2.0 ** -23
+    steps = list(tiles.steps)
+    r_tanh = 0.0
+    if tiles.tanh is not None:
+        cap = float(setup.softcap)
+        inv = float(np.float32(1.0 / cap))
+        y = np.abs(tiles.s.astype(np.float64)) * inv
+        r_y = (1.0 + _U) * inv * r_s + 2.0 * _U * y
+        tau = np.abs(tiles.tanh.astype(np.float64))
+        r_tanh = r_y + _TANH_ULPS * u32 * tau + 2.0 ** -148
+        r_s = (1.0 + _U) * cap * r_tanh + 2.0 * _U * np.abs(steps.pop(0).astype(np.float64))
+    for x in steps:
+        r_s = (1.0 + _U) * r_s + 2.0 * _U * np.abs(x.astype(np.float64))
+    return r_s, r_tanh
 
 
 def _output_spreads(dev_p, dev_ds, tiles, setup):
@@ -201,6 +244,11 @@ def bf16_ulp(x):
     return 2.0 ** (np.maximum(exponent, -126) - 7)
 
 
+def _f32_ulp(x):
+    """float32's ulp of ``|x|`` (float64 in, float64 out)."""
+    return np.spacing(np.abs(np.asarray(x, np.float64)).astype(np.float32)).astype(np.float64)
+
+
 def fp16_ulp(x):
     """One fp16 ulp of each element of ``x`` (float64; subnormal spacing 2^-24 at the bottom)."""
     mag = np.abs(np.asarray(x, np.float64))
@@ -239,11 +287,12 @@ class _BudgetObserver(golden.Observer):
     """Builds the budgets of one golden call from what it is shown.
 
     ``shapes``: of dq, dk, dv and of the sinks as the golden holds them
-    (``[bs, nheads, num_sinks]``).
+    (``[bs, nheads, num_sinks]``); ``dbias_shape``: the bias's, as 4-D, when dbias is asked for.
     """
 
-    def __init__(self, shapes):
+    def __init__(self, shapes, dbias_shape=None):
         self.budgets = tuple(np.zeros(shape) for shape in shapes)
+        self.dbias = None if dbias_shape is None else np.zeros(dbias_shape)
         self.flips = {}          # (output, index) -> _Flips of that accumulator
         self.lane_ulps = {}      # dsinks index -> the ulps of its lanes' roundings, per lane
         self.rows = {}           # (b, h) -> -LSE, D and D's spread
@@ -260,13 +309,25 @@ class _BudgetObserver(golden.Observer):
         d_spread = _rowsum_spread(tiles.prod, self.setup.d_tile, rounds("d_partial"), rounds("d_total"),
                                   self.setup.rounding.round)
         self.rows[index] = (tiles.neg_lse, tiles.d_sum, d_spread)
-        dev_p, dev_ds = _score_tile_spreads(tiles, d_spread, self.setup)
+        dev_p, dev_ds, dev_ds_mod = _score_tile_spreads(tiles, d_spread, self.setup)
+        if self.dbias is not None:
+            self._add_dbias_spread(b, h, dev_ds_mod, tiles.ds_mod)
         if tiles.mult is not None:  # P~'s own rounding of a P that may differ
             dev_p = _rounding_spread(tiles.p * tiles.mult, dev_p * tiles.mult, rounds("p"), self.setup.rounding.round)
         head_q, head_k, head_v = _output_spreads(dev_p, dev_ds, tiles, self.setup)
         self.budgets[0][b, h] += head_q.T
         self.budgets[1][b, hk] += head_k.T
         self.budgets[2][b, hk] += head_v.T
+
+    def _add_dbias_spread(self, b, h, dev_ds_mod, ds_mod):
+        """dbias sums the rounded dS' of every (batch, head, row) sharing an element, in float32 in
+        some order: the terms' spreads plus the sum's own order (``2 gamma_n sum|term|``)."""
+        bs, nheads = self.budgets[0].shape[:2]
+        full = (bs, nheads) + ds_mod.shape
+        n = int(np.prod([f // s for f, s in zip(full, self.dbias.shape)]))
+        weight = dev_ds_mod + 2.0 * _gamma(n) * np.abs(ds_mod.astype(np.float64))
+        slab = self.dbias[b if self.dbias.shape[0] > 1 else 0, h if self.dbias.shape[1] > 1 else 0]
+        slab += weight.sum(axis=0, keepdims=True) if slab.shape[0] == 1 else weight
 
     def accumulated(self, output, index, value, point):
         if not self.setup.rounding.rounds(point):
@@ -312,14 +373,20 @@ def rounded_with_budget(**kwargs):
     nheads_kv, seqlen_k = np.shape(kwargs["k_ref"])[1], np.shape(kwargs["k_ref"])[3]
     sinks = kwargs.get("sinks_ref")
     num_sinks = 0 if sinks is None else np.size(sinks) // (bs * nheads)
+    bias_shape = None
+    if kwargs.get("return_dbias"):
+        shape = np.shape(kwargs["bias"])
+        bias_shape = (1,) * (4 - len(shape)) + shape
     observer = _BudgetObserver([(bs, nheads, d_head, seqlen_q), (bs, nheads_kv, d_head, seqlen_k),
                                 np.shape(kwargs["v_ref"])[:2] + (np.shape(kwargs["v_ref"])[2], seqlen_k),
-                                (bs, nheads, num_sinks)])
+                                (bs, nheads, num_sinks)], bias_shape)
     results = golden.attention_bwd_rounded(**kwargs, observer=observer)
-    budgets = observer.finish()
-    if sinks is None:
-        return results + (budgets[:3],)
-    return results + (budgets[:3] + (budgets[3].reshape(np.shape(sinks)),),)
+    budgets = observer.finish()[:3]
+    if sinks is not None:
+        budgets += (observer.budgets[3].reshape(np.shape(sinks)),)
+    if bias_shape is not None:
+        budgets += (observer.dbias.reshape(np.shape(kwargs["bias"])),)
+    return results + (budgets,)
 
 
 def faithfulness(actual, expected, budget, ulp=bf16_ulp):
@@ -347,11 +414,16 @@ def assert_faithful(inputs, got, mixed, min_identical, ulp=bf16_ulp):
     element within its bound (:func:`faithfulness`) and at least ``min_identical`` of dq, dk, dv
     bit-identical. float32 dsinks (``mixed``) are a float32 sum, compared as such."""
     *emulated, budgets = rounded_with_budget(**inputs, mixed_precision=mixed)
-    for name, g, e, budget in zip(("dq", "dk", "dv", "dsinks"), got, emulated, budgets):
+    names = ("dq", "dk", "dv") + (("dsinks",) if inputs.get("sinks_ref") is not None else ()) \
+        + (("dbias",) if inputs.get("return_dbias") else ())
+    for name, g, e, budget in zip(names, got, emulated, budgets):
         if name == "dsinks" and mixed:
             assert_close(g, e, FLOAT32_SUM_ORDER, name)
             continue
-        identical, excess = faithfulness(g.astype(np.float32), e, budget, ulp)
-        if name != "dsinks":  # a handful of elements: a fraction says nothing there
+        out_ulp = ulp
+        if name == "dbias" and np.asarray(g).dtype == np.float32:   # a float32 sum: its own ulp
+            out_ulp = _f32_ulp
+        identical, excess = faithfulness(g.astype(np.float32), e, budget, out_ulp)
+        if name not in ("dsinks", "dbias"):  # dsinks: a handful of elements; dbias: a float32 sum
             assert identical >= min_identical, f"{name}: only {identical:.4%} bit-identical"
         assert excess <= 1.0, f"{name}: {excess:.2f}x the flip bound"

@@ -68,9 +68,10 @@ from ..tiling import FLOAT32_MIN
 from .common import load_scaled, round_if, store, store_transposed
 from .dropout import drop_probabilities, drop_scores
 from .fastexp import exp_of
-from .loops import decode_item, group_rows, n_q_groups, owns_group, raise_failed
+from .loops import group_rows, n_q_groups, owns_group, raise_failed
 from .mask import cut_by_mask, queries_seeing_key, required_q_rows
 from .matmul import matmul
+from .scores import item_units, modify_scores_t, score_gradients, score_scratch_size
 
 __all__ = ["flash_attn_bwd", "bwd_work_item", "bwd_finish_unit", "new_bwd_stats"]
 
@@ -93,7 +94,7 @@ QGroup = namedtuple("QGroup", ["start", "rows", "q_s", "dy", "dq", "neg_lse", "d
 Block = namedtuple("Block", ["k0", "n_k", "r0", "r1"])
 #: Per-item scratch, sized for the largest tiles.
 Scratch = namedtuple("Scratch", ["q_s", "dq", "s_t", "dp_t", "kd_psum", "dq_psum", "dk_acc", "dv_acc",
-                                 "q_op", "p_op", "ds_op", "mult"])
+                                 "q_op", "p_op", "ds_op", "mult", "tanh"])
 
 
 @jit()
@@ -225,6 +226,9 @@ def recompute_p_ds(plan, sec, qg, blk, scratch):
     ``dS = P * (dP~ * M - D)`` (fp32 product, then the fused op), and the
     returned P^T is the dropped ``P~ = P * M``, written in kernel_dtype, for
     ``dV += P~^T dO``.
+
+    With score variants (:mod:`numbafa.kernels.scores`) S is modified before the mask, and
+    the dS of the modified scores gives ``dbias`` before the soft cap's factor.
     """
     n_q = blk.r1 - blk.r0
     s_t = scratch.s_t[:blk.n_k * n_q].reshape(blk.n_k, n_q)
@@ -235,7 +239,10 @@ def recompute_p_ds(plan, sec, qg, blk, scratch):
     matmul(sec.k[:, keys], qg.q_s[:, blk.r0:blk.r1], s_t, True, False, _ONE, _ZERO, plan.gemm)
     matmul(sec.v[:, keys], qg.dy[:, blk.r0:blk.r1], dp_t, True, False, _ONE, _ZERO, plan.gemm)
     drop_scores(scratch.mult, dp_t, k_abs0, q_abs0, qg.q_head, qg.batch, plan.dropout)
+    modify_scores_t(s_t, scratch.tanh, k_abs0, q_abs0, qg.batch, qg.q_head, plan.scores)
     recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, qg, plan)
+    score_gradients(dp_t, scratch.tanh, k_abs0, q_abs0, qg.batch, qg.q_head, plan.scores,
+                    plan.precision.round_kernel)
     drop_probabilities(scratch.mult, s_t, plan.dropout, plan.precision.round_kernel)
     # P and dS are bf16-valued here when the inputs are bf16: the oneDNN path takes their bits.
     return narrowed(s_t, scratch.p_op, plan.operand), narrowed(dp_t, scratch.ds_op, plan.operand)
@@ -390,7 +397,8 @@ def store_kv_section(outs, plan, sec, unit, chunk, batch, kv_head):
 def make_scratch(d_head, d_v, seqlen_q, seqlen_k, plan):
     """Per-item scratch buffers (:data:`Scratch`), sized for the largest tiles (Q groups of at
     most ``seqlen_q`` rows; head dims ``d_head`` of Q/K and ``d_v`` of V/dO); the bf16 operand copies (``q_op``, ``p_op``, ``ds_op``) only on the
-    oneDNN path, the dropout multipliers (``mult``) only with dropout."""
+    oneDNN path, the dropout multipliers (``mult``) only with dropout, the soft cap's tanh tile
+    (``tanh``) only with a soft cap."""
     tiling = plan.tiling
     q_rows = max(1, min(tiling.q_tile * tiling.q_tile_group, seqlen_q))
     sec_cap = min(tiling.section_len, seqlen_k)
@@ -408,23 +416,36 @@ def make_scratch(d_head, d_v, seqlen_q, seqlen_k, plan):
                    np.empty(bits * d_head * q_rows, dtype=np.uint16),
                    np.empty(bits * tiling.k_tile * q_rows, dtype=np.uint16),
                    np.empty(bits * tiling.k_tile * q_rows, dtype=np.uint16),
-                   np.empty(drop * tiling.k_tile * q_rows, dtype=acc))
+                   np.empty(drop * tiling.k_tile * q_rows, dtype=acc),
+                   np.empty(score_scratch_size(plan.scores, tiling.k_tile * q_rows), dtype=acc))
 
 
 @jit()
 def bwd_work_item(args, item):
-    """The loop nest of one work item: KV sections -> q-heads -> owned Q groups (upstream 1143-1353).
+    """The loop nest of one work item: its units (:func:`~numbafa.kernels.scores.item_units`: one,
+    unless a shared bias's gradient makes several serial), each :func:`bwd_unit`.
 
     ``args`` points to the launcher's ``(ins, outs, stats, plan)`` (:func:`numbafa.linking.pack`);
     ``stats`` (:data:`BwdStats`) is filled in on the first section by whichever item owns the rows.
     """
     ins, outs, stats, plan = unpack(args)
+    d_head, seqlen_q = ins.q.shape[2], ins.q.shape[3]
+    nheads_kv, seqlen_k = ins.k.shape[1], ins.k.shape[3]
+    b0, b1, h0, h1, chunk = item_units(item, plan.tiling.q_chunks, ins.q.shape[0], nheads_kv, plan.scores)
+    scratch = make_scratch(d_head, ins.v.shape[2], seqlen_q, seqlen_k, plan)
+    for batch in range(b0, b1):
+        for kv_head in range(h0, h1):
+            bwd_unit(ins, outs, stats, plan, batch, kv_head, chunk, scratch)
+
+
+@jit()
+def bwd_unit(ins, outs, stats, plan, batch, kv_head, chunk, scratch):
+    """One work unit's share ``chunk``: KV sections -> q-heads -> owned Q groups (upstream 1143-1353)."""
     tiling = plan.tiling
-    _, nheads, d_head, seqlen_q = ins.q.shape
+    nheads, seqlen_q = ins.q.shape[1], ins.q.shape[3]
     nheads_kv, seqlen_k = ins.k.shape[1], ins.k.shape[3]
     n_rep = nheads // nheads_kv
-    unit, chunk, batch, kv_head = decode_item(item, tiling.q_chunks, nheads_kv)
-    scratch = make_scratch(d_head, ins.v.shape[2], seqlen_q, seqlen_k, plan)
+    unit = batch * nheads_kv + kv_head
     n_groups = n_q_groups(seqlen_q, tiling)
     # A zero-length key sequence still runs one (empty) section, so that D,
     # dQ = 0 and dsinks come from the same code path.

@@ -38,6 +38,7 @@ from ..tiling import setup_config
 from .dropout import make_dropout
 from .mask import fill_key_ranges
 from .matmul import ONEDNN
+from .scores import make_scores
 
 __all__ = ["Tiling", "Mask", "Precision", "Plan", "FwdInputs", "FwdOutputs", "BwdInputs",
            "BwdOutputs", "BwdEntries", "make_plan", "shared_plan"]
@@ -62,7 +63,7 @@ False), numpy.uint8 for fp16 -- so fp16 kernels are a compiled specialisation of
 bf16 ones are unchanged."""
 
 Plan = namedtuple("Plan", ["tiling", "mask", "precision", "softmax_scale", "gemm", "operand",
-                           "dropout", "acc"])
+                           "dropout", "acc", "scores"])
 Plan.__doc__ = """Everything a kernel needs but the arrays; softmax_scale is of the accumulator dtype
 (float32, or float64 for float64 inputs). gemm: the
 GEMM path (numbafa.onednn), None for BLAS or numbafa.kernels.matmul.ONEDNN, a type of its own, so
@@ -72,7 +73,9 @@ bits, oneDNN on the bf16 units) or float64 (float64 inputs, BLAS dgemm on either
 dropout: numbafa.kernels.dropout.Dropout, or None for p = 0 (a type of its own: kernels without
 dropout compile no dropout code). acc: an empty array of the accumulator dtype, which every
 scratch tile, statistic and float output of the kernels has: float32, or float64 for float64
-inputs (np.empty(n, dtype=plan.acc.dtype) inside the kernels)."""
+inputs (np.empty(n, dtype=plan.acc.dtype) inside the kernels). scores: the score variants
+(numbafa.kernels.scores.ScoreMods: bias, ALiBi, soft cap, and the bias's gradient, the one
+output a plan carries), or None without them (a type of its own, as dropout's)."""
 
 #: Addresses of the backward's work item and unit finish (:func:`numbafa.linking.native_address`).
 BwdEntries = namedtuple("BwdEntries", ["item", "finish"])
@@ -101,7 +104,9 @@ def make_plan(prob, backward: bool) -> Plan:
     round_kernel = flag(narrow)
     bf16_accumulators = flag(narrow and not prob.mixed_precision)
     acc = accumulator_dtype(prob.dtype)
-    chunks = q_chunks(bs * nheads_kv, seqlen_q, bool(bf16_accumulators) if backward else False)
+    # A bias's gradient is summed by whole units, in one order (numbafa.kernels.scores): no split.
+    chunks = 1 if prob.return_dbias else q_chunks(bs * nheads_kv, seqlen_q,
+                                                  bool(bf16_accumulators) if backward else False)
     tiling = Tiling(cfg.q_tile, cfg.k_tile, cfg.k_sub_tile, cfg.q_tile_group, cfg.d_tile,
                     cfg.section_len, chunks)
     key_lo = np.empty(seqlen_q, dtype=np.int32)
@@ -114,7 +119,7 @@ def make_plan(prob, backward: bool) -> Plan:
     operand = np.empty(0, dtype=np.uint16 if prob.is_bf16 and onednn else acc)
     dropout = make_dropout(prob.dropout_p, prob.seed, prob.seed_offset, acc)
     return Plan(tiling, mask, precision, acc.type(prob.softmax_scale), ONEDNN if onednn else None,
-                operand, dropout, np.empty(0, dtype=acc))
+                operand, dropout, np.empty(0, dtype=acc), make_scores(prob, acc))
 
 
 
@@ -127,7 +132,8 @@ def shared_plan(prob, backward: bool) -> Plan:
     Small models make thousands of calls of one shape; building a plan is most of
     the Python work of a small call. Problems with packing bounds (whose key
     ranges depend on the bounds' values) get a fresh plan; with dropout the
-    shared plan gets this call's :data:`~numbafa.kernels.dropout.Dropout`.
+    shared plan gets this call's :data:`~numbafa.kernels.dropout.Dropout`, with score variants
+    this call's :data:`~numbafa.kernels.scores.ScoreMods` (its arrays, a new ``dbias``).
     The shared plan's arrays (the key ranges) are read by the kernels and never
     written: nobody may write into a plan.
     """
@@ -135,11 +141,15 @@ def shared_plan(prob, backward: bool) -> Plan:
         return make_plan(prob, backward)
     key = (prob.q.shape, prob.k.shape, prob.v.shape[2], prob.dtype, prob.mixed_precision, prob.use_causal_mask,
            prob.window,
-           prob.softmax_scale, prob.dropout_p > 0.0, backward)
+           prob.softmax_scale, prob.dropout_p > 0.0, backward, prob.has_score_mods, prob.return_dbias)
     plan = _PLANS.get(key)
     if plan is None:
         plan = make_plan(prob, backward)
-        _PLANS.put(key, plan)
-    elif prob.dropout_p > 0.0:
+        # Kept without the call's score arrays (a bias and its gradient may be large).
+        _PLANS.put(key, plan._replace(scores=None) if prob.has_score_mods else plan)
+        return plan
+    if prob.dropout_p > 0.0:
         plan = plan._replace(dropout=make_dropout(prob.dropout_p, prob.seed, prob.seed_offset, plan.acc.dtype))
+    if prob.has_score_mods:
+        plan = plan._replace(scores=make_scores(prob, plan.acc.dtype))
     return plan

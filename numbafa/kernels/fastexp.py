@@ -1,4 +1,4 @@
-"""A float32 ``exp`` that LLVM can vectorise.
+"""A float32 ``exp`` (and ``tanh``) that LLVM can vectorise.
 
 Numba's ``math.exp`` on float32 becomes one scalar libm ``expf`` call per
 element (no SVML in the PyPI llvmlite), and ``expf`` of the masked score
@@ -14,6 +14,12 @@ rounded result over all float32 inputs in [-104, 88.7] (checked exhaustively
 while developing; ``tests/test_fastexp.py`` re-checks a dense sample). Inputs
 below -104 (including -inf and the float32 minimum used as the mask) give
 exactly 0; above 88.72, +inf; NaN stays NaN.
+
+:func:`tanhf`, for the soft cap of the score variants (:mod:`numbafa.kernels.scores`), is
+built on it, branch-free too: ``1 - 2 / (exp(2|x|) + 1)`` for ``|x| >= 0.625`` (no
+cancellation there: the result is above 0.55) and the Cephes ``tanhf`` odd polynomial
+below; the sign is put back last. Within 2 ulp of the correctly rounded result
+(``tests/test_fastexp.py`` checks a dense sample against float64's tanh).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from numba.extending import overload
 
 from ..jit import jit
 
-__all__ = ["expf", "exp_of", "log_of"]
+__all__ = ["expf", "exp_of", "log_of", "tanhf", "tanh_of"]
 
 _F = np.float32
 _LOG2E = _F(1.4426950408889634)
@@ -58,6 +64,28 @@ def expf(x):
     return _ZERO if underflow else (p * s1) * s2
 
 
+_TWO = _F(2.0)
+_T_SWITCH = _F(0.625)
+_T0, _T1, _T2 = _F(-5.70498872745e-3), _F(2.06390887954e-2), _F(-5.37397155531e-2)
+_T3, _T4 = _F(1.33314422036e-1), _F(-3.33332819422e-1)
+
+
+@jit(inline=True)
+def tanhf(x):
+    """tanh of one float32, vectorisable; see the module docstring."""
+    a = abs(x)
+    big = _ONE - _TWO / (expf(a + a) + _ONE)      # exp(2|x|) = inf for |x| > 44.4: exactly 1
+    z = a * a
+    small = ((((_T0 * z + _T1) * z + _T2) * z + _T3) * z + _T4) * z * a + a
+    r = big if a >= _T_SWITCH else small
+    return -r if x < _ZERO else r
+
+
+def tanh_of(x):  # pragma: no cover - replaced by the overload inside njit code
+    """The kernels' tanh of one float: :func:`tanhf` for float32, libm's ``tanh`` for float64."""
+    raise NotImplementedError("tanh_of is only callable from @njit code")
+
+
 def exp_of(x):  # pragma: no cover - replaced by the overload inside njit code
     """The kernels' exp of one float: :func:`expf` for float32, libm's ``exp`` for float64 (the
     float64 kernels are the reference-quality path: correctly rounded to within libm's ulp)."""
@@ -78,6 +106,15 @@ def _exp_of_overload(x):
         return lambda x: expf(x)
     if x == types.float64:
         return lambda x: math.exp(x)
+    return None
+
+
+@overload(tanh_of, inline="always")
+def _tanh_of_overload(x):
+    if x == types.float32:
+        return lambda x: tanhf(x)
+    if x == types.float64:
+        return lambda x: math.tanh(x)
     return None
 
 

@@ -48,6 +48,7 @@ from .fastexp import exp_of, log_of
 from .loops import decode_item, group_rows, n_q_groups, owns_group, raise_failed
 from .mask import cut_by_mask, required_q_rows, static_key_range, visible_keys
 from .matmul import matmul
+from .scores import modify_scores
 
 __all__ = ["flash_attn_fwd", "fwd_work_item"]
 
@@ -162,7 +163,8 @@ def online_softmax_block(plan, head, q_cols, k_cols, v_cols, q_abs0, k_abs0, sta
 
     All three are in the Neuron layout, ``[d, rows]`` / ``[d, keys]`` (views
     with unit inner stride; V's ``d`` is the value head dim); BLAS reads them transposed where needed, so no
-    transposed copy is made. ``S = Q_s^T K``, the masked exp of
+    transposed copy is made. ``S = Q_s^T K``, the score variants
+    (:func:`numbafa.kernels.scores.modify_scores`), the masked exp of
     :func:`online_softmax_update`, ``rowsum(P)`` as written (a
     matrix-vector product), with dropout ``P~ = P * Z * scale`` (written in
     kernel_dtype; the row sum, the softmax normaliser, keeps every P), ``P V``
@@ -172,6 +174,7 @@ def online_softmax_block(plan, head, q_cols, k_cols, v_cols, q_abs0, k_abs0, sta
     d_v, n_k = v_cols.shape
     s = scratch.s[:n_q * n_k].reshape(n_q, n_k)
     matmul(q_cols, k_cols, s, True, False, _ONE, _ZERO, plan.gemm)
+    modify_scores(s, q_abs0, k_abs0, head.batch, head.q_head, plan.scores)
     online_softmax_update(s, q_abs0, k_abs0, stats, plan)
     tile_sum = scratch.tile_sum[:n_q]
     matmul(s, scratch.ones[:n_k], tile_sum, False, False, _ONE, _ZERO, plan.gemm)  # rowsum(P)

@@ -33,6 +33,7 @@ from ..linking import native_address
 from .backward import bwd_finish_unit, bwd_work_item, flash_attn_bwd
 from .bundles import BwdEntries
 from .forward import flash_attn_fwd, fwd_work_item
+from .scores import n_backward_items
 
 __all__ = ["run_forward", "run_backward", "work_item_address", "needs_finish", "threading_layer_is_thread_safe"]
 
@@ -123,11 +124,12 @@ def needs_finish(ins, plan) -> bool:
 
 
 def run_backward(ins, outs, stats, plan, items=None, units=None, signature=None) -> None:
-    """The backward's work ``items``, then the ``units`` to finish (defaults: every item, then
-    every unit if :func:`needs_finish`); ``signature`` as :func:`work_item_address`."""
+    """The backward's work ``items``, then the ``units`` to finish (defaults: every item
+    (:func:`~numbafa.kernels.scores.n_backward_items`), then every unit if :func:`needs_finish`);
+    ``signature`` as :func:`work_item_address`."""
     n_units = ins.q.shape[0] * ins.k.shape[1]
     if items is None:
-        items = _all(n_units * plan.tiling.q_chunks)
+        items = _all(n_backward_items(ins.q.shape[0], ins.k.shape[1], plan.tiling.q_chunks, plan.scores))
     if units is None:
         units = _all(n_units if needs_finish(ins, plan) else 0)
     args = (ins, outs, stats, plan)

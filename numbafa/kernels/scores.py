@@ -1,0 +1,279 @@
+"""Score variants: an additive bias, ALiBi and a soft cap, on the kernels' score tiles.
+
+Not in the Neuron kernel. One definition (docs/numerics.md, "Score variants"), the same in
+both kernels and both goldens::
+
+    s = softmax_scale * q^T k                    # the scale folded into Q at load, as always
+    t = tanh(s * (1 / softcap))                  # softcap > 0 only
+    s = softcap * t
+    s = s + bias[b, h, i, j]                     # broadcast over the bias's size-1 dims
+    s = s - slope[b, h] * |i + seqlen_k - seqlen_q - j|      # ALiBi, flash-attn's convention
+    masks (causal, window, packing), then the softmax with sinks
+
+and in the backward, from the kernel's ``dS' = P * (dP - D)`` (the gradient of the
+modified scores, rounded where the Neuron kernel rounds dS)::
+
+    dbias += dS'                                 # summed to the bias's shape
+    dS     = dS' * (1 - t * t)                   # written in kernel_dtype (a GEMM operand)
+
+Everything here works on the float32 (float64 for float64 inputs) score tiles: bf16 and
+fp16 calls round nothing new but ``dS`` after the soft-cap factor (the GEMM operand must be
+a kernel_dtype value). The ALiBi product and the soft-cap factor are compiled without
+contraction (``slope * d`` and ``t * t`` rounded, then the difference: the goldens' order).
+
+The forward's tiles are ``[queries, keys]``: each row gets the three steps in turn (the
+row stays in L1). The backward's are ``[keys, queries]``: the bias is read transposed in
+strips of 16 queries (:func:`_add_bias_t`), and ``dbias`` written the same way
+(:func:`_add_dbias_t`), so each cache line of the bias serves 16 keys.
+
+``dbias`` is the sum of the ``dS'`` of every (batch, q-head, query) the bias is shared by.
+Items own disjoint rows of it unless the bias is shared across work units (a bias with a
+batch dim of 1 and ``bs > 1``, or a head dim of 1 and ``nheads_kv > 1``): then one work
+item runs every unit sharing a slab, one after the other (``serial_batch`` /
+``serial_heads``, :func:`item_units`), so the sum has one fixed order and needs no memory
+beyond ``dbias`` itself, at the cost of that parallelism. ``None`` instead of the bundle
+(no variant) is a type of its own: those kernels compile none of this code.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+
+from numba import types
+from numba.extending import overload
+
+from ..dtypes import round_inplace_if
+from ..jit import jit
+from .fastexp import tanh_of
+
+__all__ = ["ScoreMods", "make_scores", "modify_scores", "modify_scores_t", "score_gradients",
+           "item_units", "n_backward_items", "score_scratch_size"]
+
+#: The score variants of one call: ``softcap``/``inv_softcap`` (accumulator dtype; 0 and 0: none),
+#: ``bias`` (``[bs or 1, nheads or 1, seqlen_q or 1, seqlen_k]``, accumulator dtype; size 0: none),
+#: ``alibi`` (slopes ``[bs or 1, nheads]``; size 0: none), ``offset`` (``seqlen_k - seqlen_q``),
+#: ``dbias`` (the bias's gradient, zeroed, its shape; size 0: not asked), ``serial_batch`` /
+#: ``serial_heads`` (bools: a work item runs every batch / KV head, module docstring).
+ScoreMods = namedtuple("ScoreMods", ["softcap", "inv_softcap", "bias", "alibi", "offset", "dbias",
+                                     "serial_batch", "serial_heads"])
+
+
+def make_scores(prob, acc):
+    """The :data:`ScoreMods` of a validated problem (:class:`numbafa.validation.Problem`), or None
+    without variants; ``acc`` is the accumulator dtype. ``dbias`` is allocated (zeroed) when the
+    problem asks for it."""
+    if not prob.has_score_mods:
+        return None
+    bs, nheads, _, seqlen_q = prob.q.shape
+    nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
+    bias = prob.bias if prob.bias is not None else np.zeros((0, 0, 0, 0), dtype=acc)
+    alibi = prob.alibi if prob.alibi is not None else np.zeros((0, 0), dtype=acc)
+    dbias = np.zeros(bias.shape if prob.return_dbias else (0, 0, 0, 0), dtype=acc)
+    cap = float(prob.softcap)
+    serial_batch = bool(prob.return_dbias and bias.shape[0] == 1 and bs > 1)
+    serial_heads = bool(prob.return_dbias and bias.shape[1] == 1 and nheads_kv > 1)
+    return ScoreMods(acc.type(cap), acc.type(1.0 / cap if cap else 0.0), bias, alibi, int(seqlen_k - seqlen_q),
+                     dbias, serial_batch, serial_heads)
+
+
+def n_backward_items(bs: int, nheads_kv: int, q_chunks: int, scores) -> int:
+    """The backward's work items: ``bs * nheads_kv * q_chunks``, or the groups of units sharing a
+    bias slab when its gradient makes them serial (:func:`item_units`)."""
+    if scores is None or not (scores.serial_batch or scores.serial_heads):
+        return bs * nheads_kv * q_chunks
+    return (1 if scores.serial_batch else bs) * (1 if scores.serial_heads else nheads_kv)
+
+
+@jit()
+def score_scratch_size(scores, tile_elements):
+    """Elements of the backward's ``tanh`` tile (:func:`modify_scores_t`): ``tile_elements`` with a
+    soft cap, else 0."""
+    if scores is None:
+        return 0
+    return tile_elements if scores.softcap > 0 else 0
+
+
+@jit()
+def item_units(item, q_chunks, bs, nheads_kv, scores):
+    """``(b0, b1, h0, h1, chunk)``: the batches ``b0:b1`` and KV heads ``h0:h1`` whose units work
+    item ``item`` runs (one unit, ``item = unit * q_chunks + chunk``, unless a shared bias's
+    gradient makes them serial: then ``item`` numbers the groups of units sharing a slab)."""
+    serial_batch = False
+    serial_heads = False
+    if scores is not None:
+        serial_batch = scores.serial_batch
+        serial_heads = scores.serial_heads
+    unit = item // q_chunks
+    chunk = item - unit * q_chunks
+    if not (serial_batch or serial_heads):
+        batch = unit // nheads_kv
+        kv_head = unit - batch * nheads_kv
+        return batch, batch + 1, kv_head, kv_head + 1, chunk
+    n_h = 1 if serial_heads else nheads_kv
+    gb = item // n_h
+    gh = item - gb * n_h
+    b0, b1 = (0, bs) if serial_batch else (gb, gb + 1)
+    h0, h1 = (0, nheads_kv) if serial_heads else (gh, gh + 1)
+    return b0, b1, h0, h1, 0
+
+
+def like(x, ref):  # pragma: no cover - replaced by the overload inside njit code
+    """``x`` (a number) as a float of ``ref``'s type (float32 or float64)."""
+    raise NotImplementedError("like is only callable from @njit code")
+
+
+@overload(like, inline="always")
+def _like_overload(x, ref):
+    if ref == types.float32:
+        return lambda x, ref: np.float32(x)
+    if ref == types.float64:
+        return lambda x, ref: np.float64(x)
+    return None
+
+
+@jit()
+def _slab(x, batch, q_head):
+    """The ``[seqlen_q or 1, seqlen_k]`` slab of a bias-shaped array for one batch and q-head."""
+    return x[batch if x.shape[0] > 1 else 0, q_head if x.shape[1] > 1 else 0]
+
+
+@jit()
+def _softcap_row(row, cap, inv):
+    for j in range(row.size):
+        row[j] = cap * tanh_of(row[j] * inv)
+
+
+@jit(contract=False)
+def _alibi_row(row, slope, center, k0):
+    """``row[j] -= slope * |center - (k0 + j)|`` (the product rounded, then the difference; the
+    distance exact below 2**24 in float32)."""
+    for j in range(row.size):
+        row[j] = row[j] - slope * like(abs(center - (k0 + j)), slope)
+
+
+@jit()
+def modify_scores(s, q_abs0, k_abs0, batch, q_head, scores):
+    """Forward: the variants on a ``[queries, keys]`` score tile of queries ``q_abs0..`` and keys
+    ``k_abs0..`` of one q-head, in place, before the masks (no-op without variants)."""
+    if scores is None:
+        return
+    n_q, n_k = s.shape
+    has_bias = scores.bias.shape[3] > 0
+    has_alibi = scores.alibi.shape[1] > 0
+    for i in range(n_q):
+        row = s[i]
+        if scores.softcap > 0:
+            _softcap_row(row, scores.softcap, scores.inv_softcap)
+        if has_bias:
+            slab = _slab(scores.bias, batch, q_head)
+            b_row = slab[q_abs0 + i if slab.shape[0] > 1 else 0, k_abs0:k_abs0 + n_k]
+            for j in range(n_k):
+                row[j] += b_row[j]
+        if has_alibi:
+            slope = scores.alibi[batch if scores.alibi.shape[0] > 1 else 0, q_head]
+            _alibi_row(row, slope, q_abs0 + i + scores.offset, k_abs0)
+
+
+#: Queries per strip of the backward's transposed bias reads and dbias writes.
+_STRIP = 16
+
+
+@jit()
+def _add_bias_t(s_t, slab, k_abs0, q_abs0):
+    """``s_t[j, i] += slab[q_abs0 + i, k_abs0 + j]`` (``slab[0, ...]`` for a bias shared by the
+    queries), in strips of :data:`_STRIP` queries."""
+    n_k, n_q = s_t.shape
+    if slab.shape[0] == 1:
+        b_row = slab[0]
+        for j in range(n_k):
+            b = b_row[k_abs0 + j]
+            row = s_t[j]
+            for i in range(n_q):
+                row[i] += b
+        return
+    for i0 in range(0, n_q, _STRIP):
+        i1 = min(i0 + _STRIP, n_q)
+        for j in range(n_k):
+            row = s_t[j]
+            k = k_abs0 + j
+            for i in range(i0, i1):
+                row[i] += slab[q_abs0 + i, k]
+
+
+@jit()
+def _add_dbias_t(ds_t, slab, k_abs0, q_abs0):
+    """``slab[q_abs0 + i, k_abs0 + j] += ds_t[j, i]``; a slab shared by the queries takes each key
+    row's sum over the queries (in query order) in one addition."""
+    n_k, n_q = ds_t.shape
+    if slab.shape[0] == 1:
+        d_row = slab[0]
+        for j in range(n_k):
+            row = ds_t[j]
+            total = like(0.0, d_row[k_abs0 + j])
+            for i in range(n_q):
+                total += row[i]
+            d_row[k_abs0 + j] += total
+        return
+    for i0 in range(0, n_q, _STRIP):
+        i1 = min(i0 + _STRIP, n_q)
+        for j in range(n_k):
+            row = ds_t[j]
+            k = k_abs0 + j
+            for i in range(i0, i1):
+                slab[q_abs0 + i, k] += row[i]
+
+
+@jit()
+def modify_scores_t(s_t, t_buf, k_abs0, q_abs0, batch, q_head, scores):
+    """Backward: the variants on a ``[keys, queries]`` score tile, in place, before the masks;
+    with a soft cap, ``t = tanh(s / softcap)`` is kept in ``t_buf`` (flat scratch) for
+    :func:`score_gradients` (no-op without variants)."""
+    if scores is None:
+        return
+    n_k, n_q = s_t.shape
+    if scores.softcap > 0:
+        t_t = t_buf[:n_k * n_q].reshape(n_k, n_q)
+        cap = scores.softcap
+        inv = scores.inv_softcap
+        for j in range(n_k):
+            row = s_t[j]
+            t_row = t_t[j]
+            for i in range(n_q):
+                t = tanh_of(row[i] * inv)
+                t_row[i] = t
+                row[i] = cap * t
+    if scores.bias.shape[3] > 0:
+        _add_bias_t(s_t, _slab(scores.bias, batch, q_head), k_abs0, q_abs0)
+    if scores.alibi.shape[1] > 0:
+        slope = scores.alibi[batch if scores.alibi.shape[0] > 1 else 0, q_head]
+        for j in range(n_k):
+            # |i + offset - k| over the queries i of key k: the forward's distance, by symmetry
+            _alibi_row(s_t[j], slope, k_abs0 + j - scores.offset, q_abs0)
+
+
+@jit(contract=False)
+def _softcap_factor(ds_t, t_t, round_kernel):
+    """``dS = dS' * (1 - t * t)``, written in kernel_dtype."""
+    n_k, n_q = ds_t.shape
+    for j in range(n_k):
+        row = ds_t[j]
+        t_row = t_t[j]
+        for i in range(n_q):
+            t = t_row[i]
+            row[i] = row[i] * (like(1.0, t) - t * t)
+        round_inplace_if(row, round_kernel)
+
+
+@jit()
+def score_gradients(ds_t, t_buf, k_abs0, q_abs0, batch, q_head, scores, round_kernel):
+    """Backward, after Step 4 (``ds_t = dS'^T``): ``dbias += dS'`` when asked, then the soft cap's
+    factor (no-op without variants)."""
+    if scores is None:
+        return
+    if scores.dbias.shape[3] > 0:
+        _add_dbias_t(ds_t, _slab(scores.dbias, batch, q_head), k_abs0, q_abs0)
+    if scores.softcap > 0:
+        n_k, n_q = ds_t.shape
+        _softcap_factor(ds_t, t_buf[:n_k * n_q].reshape(n_k, n_q), round_kernel)
