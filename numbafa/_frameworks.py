@@ -72,7 +72,8 @@ def check_call(layout: str, given: dict, options: AttentionOptions) -> Attention
     layout : {"bhsd", "bshd"}
     given : dict
         ``(shape, dtype name)`` of ``q``, ``k``, ``v`` and, when given, ``sinks``,
-        ``bound_min``, ``bound_max`` (``"float32"``, ``"bfloat16"``, or another name).
+        ``bound_min``, ``bound_max``, ``bias``, ``alibi_slopes`` (``"float32"``, ``"bfloat16"``, or
+        another name).
     options : the user's options (the option arrays' values are not looked at).
 
     Returns
@@ -100,7 +101,7 @@ _CHECKED_CALLS = Memo()
 def _call_key(layout, given: dict, options: AttentionOptions):
     """What :func:`check_call` depends on (the arrays' values aside), or None."""
     scalars = options.scalar_key()
-    if scalars is None or options.sinks is not None or options.bound_min is not None or options.bound_max is not None:
+    if scalars is None or any(x is not None for x in options.arrays().values()):
         return None
     return layout, tuple(given.items()), scalars
 
@@ -116,11 +117,13 @@ def _check_call(layout: str, given: dict, options: AttentionOptions) -> Attentio
     return dataclasses.replace(options, sliding_window=min(options.sliding_window, dims.seqlen_k))
 
 
-def host_options(arrays: tuple, causal: bool, window: int, softmax_scale: float, dropout=(0.0, None, 0)):
+def host_options(arrays: tuple, causal: bool, window: int, softmax_scale: float, dropout=(0.0, None, 0),
+                 variants=(None, None, 0.0, False)):
     """The options of a host call: ``arrays`` the ``(sinks, bound_min, bound_max)`` NumPy arrays (or
-    None), ``softmax_scale`` 0.0 for the default, ``dropout`` ``(dropout_p, seed, seed_offset)``; bf16
-    accumulates in float32 (``mixed_precision=True``)."""
-    return AttentionOptions(*arrays, causal, True, softmax_scale, window, *dropout)
+    None), ``softmax_scale`` 0.0 for the default, ``dropout`` ``(dropout_p, seed, seed_offset)``,
+    ``variants`` ``(bias, alibi_slopes, softcap, return_dbias)`` (arrays or None; softcap 0.0: none);
+    bf16 accumulates in float32 (``mixed_precision=True``)."""
+    return AttentionOptions(*arrays, causal, True, softmax_scale, window, *dropout, *variants)
 
 
 def host_forward(qn, kn, vn, options: AttentionOptions, layout: str):
@@ -132,6 +135,6 @@ def host_forward(qn, kn, vn, options: AttentionOptions, layout: str):
 
 def host_backward(neuron: tuple, lse, options: AttentionOptions, layout: str):
     """numbafa's backward: ``neuron`` the Neuron-layout ``(q, k, v, o, do)``; ``dq, dk, dv`` ``[b, h, d,
-    s]`` (+ dsinks)."""
+    s]`` (+ dsinks, + dbias when ``options.return_dbias``)."""
     q, k, v, o, do = neuron
     return core.attention_bwd(q, k, v, o, do, lse, options, Caller(NAMES, layout))

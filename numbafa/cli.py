@@ -118,6 +118,15 @@ def _dropout(text: str) -> float:
     return _number(text, float, lambda p: 0.0 <= p < 1.0, "a probability in [0, 1)")
 
 
+def _softcap(text: str) -> float:
+    return _number(text, float, lambda c: 0.0 < c < float("inf"), "a soft cap > 0")
+
+
+def alibi_slopes(heads: int) -> np.ndarray:
+    """ALiBi's standard slopes for ``heads`` heads (Press et al.): ``2**(-8 i / heads)``, i = 1..heads."""
+    return (2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)).astype(np.float32)
+
+
 def _seed(text: str) -> int:
     return _number(text, int, lambda s: 0 <= s < 2 ** 64, "an integer seed in [0, 2**64)")
 
@@ -150,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: one sequence)")
     p.add_argument("--dropout", type=_dropout, default=0.0, metavar="P",
                    help="attention dropout probability in [0, 1) (default: %(default)s)")
+    p.add_argument("--softcap", type=_softcap, default=None, metavar="CAP",
+                   help="logit soft cap: scores become CAP * tanh(s / CAP) (default: none)")
+    p.add_argument("--alibi", action="store_true",
+                   help="ALiBi with the standard slopes 2**(-8 i / heads) (default: none)")
     p.add_argument("--seed", type=_seed, default=0, metavar="S",
                    help="seed of the dropout mask (default: %(default)s)")
     p.add_argument("--repeats", type=_positive_int, default=5,
@@ -351,6 +364,10 @@ def run(args, progress: Progress) -> list:
     opts = dict(use_causal_mask=causal, sliding_window=args.window, mixed_precision=True)
     if args.dropout:
         opts.update(dropout_p=args.dropout, seed=args.seed)
+    if args.softcap:
+        opts["softcap"] = args.softcap
+    if args.alibi:
+        opts["alibi_slopes"] = alibi_slopes(h)
     rng = np.random.default_rng(0)
     sinks = rng.standard_normal((b, h, args.sinks)) if args.sinks else None
     if args.packing:
@@ -389,7 +406,8 @@ def run(args, progress: Progress) -> list:
                    "first_call_s": first, "shape": dict(batch=b, heads=h, kv_heads=hkv, seqlen=s, head_dim=d,
                                                        head_dim_v=dv),
                    "mask": args.mask, "window": args.window, "sinks": args.sinks, "dropout": args.dropout,
-                   "packing": list(args.packing) if args.packing else None}
+                   "packing": list(args.packing) if args.packing else None, "softcap": args.softcap,
+                   "alibi": args.alibi}
             rec.update(_summary(name, {out: errors[out] for out in outs if out in errors}))
             records.append(rec)
     return records
@@ -431,7 +449,9 @@ def _golden_blocked(q, k, v, dy, sinks, opts, block_rows: int) -> tuple:
 
     Rows are independent in the forward and in dq; dk, dv and dsinks are sums
     over rows. With dropout, each block takes its rows of the keep mask
-    (:func:`numbafa.golden.keep_mask` from the block's first row). So the blocks give the full golden's results with score
+    (:func:`numbafa.golden.keep_mask` from the block's first row); with ALiBi, its rows of the
+    ALiBi terms as an explicit bias (their distances count from the block's first row). So the
+    blocks give the full golden's results with score
     matrices of ``block_rows x seqlen_k`` instead of ``seqlen_q x seqlen_k``.
 
     Returns
@@ -453,6 +473,12 @@ def _golden_blocked(q, k, v, dy, sinks, opts, block_rows: int) -> tuple:
             n_rows = rows.stop - r0
             bounds.update(dropout_p=p, keep=golden.keep_mask(bs, nheads, n_rows, seqlen_k, p, opts["seed"],
                                                               first_row=r0))
+        bounds["softcap"] = opts.get("softcap")
+        slopes = opts.get("alibi_slopes")
+        if slopes is not None:
+            i = np.arange(rows.start, rows.stop)[:, None]
+            dist = np.abs(i + seqlen_k - seqlen_q - np.arange(seqlen_k)[None, :])
+            bounds["bias"] = -(np.asarray(slopes, np.float64)[None, :, None, None] * dist)
         o[..., rows], lse[..., rows] = golden.attention_fwd(q[..., rows], k, v, sinks=sinks, **bounds)
         grads = golden.attention_bwd(q[..., rows], k, v, None, dy[..., rows], None, sinks_ref=sinks, **bounds)
         dq[..., rows] = grads[0]
@@ -470,6 +496,8 @@ def _check(q, k, v, o, lse, dy, grads, opts, hkv) -> dict:
     sub = lambda x: x[:1, heads]  # noqa: E731
     sinks = opts.get("sinks_ref")
     sinks = None if sinks is None else sinks[:1, heads]
+    if opts.get("alibi_slopes") is not None:
+        opts = dict(opts, alibi_slopes=opts["alibi_slopes"][heads])
     block_rows = max(1, CHECK_BLOCK_ENTRIES // max(k.shape[3], 1))
     o_exp, lse_exp, expected = _golden_blocked(sub(q), k[:1, :1], v[:1, :1], sub(dy), sinks, opts, block_rows)
     lse_nat = lse if lse.ndim == 3 else lse.transpose(0, 1, 3, 2).reshape(lse.shape[0], lse.shape[1], -1)
@@ -528,7 +556,8 @@ def _print_table(records) -> None:
           f"{kv_text}, {r0['mask']}"
           + (f", window {r0['window']}" if r0["window"] else "") + (f", {r0['sinks']} sinks" if r0["sinks"] else "")
           + (f", packed {r0['packing']}" if r0["packing"] else "")
-          + (f", dropout {r0['dropout']}" if r0["dropout"] else ""))
+          + (f", dropout {r0['dropout']}" if r0["dropout"] else "")
+          + (f", softcap {r0['softcap']:g}" if r0.get("softcap") else "") + (", ALiBi" if r0.get("alibi") else ""))
     print(f"{'dtype':8} {'pass':9} {'median ms':>10} {'GFLOP/s':>8} {'1st call s':>10}  "
           f"max|a-e|/max|e| (bound) vs float64 golden")
     for r in records:

@@ -51,12 +51,13 @@ def _dtype_name(x) -> str:
 # Host side: NumPy arrays, possibly with leading vmap axes
 # ---------------------------------------------------------------------------
 
-def _fold(arrays, bounds, base_ndim):
+def _fold(arrays, bounds, base_ndim, loop=False):
     """Fold the leading vmap axes of ``arrays`` into their batch axis.
 
     Returns ``(lead, calls)``: ``lead`` the vmap shape, ``calls`` a list of
     ``(arrays, bound_min, bound_max)`` to run, one call when the bounds are
-    the same along the vmap axes, one per mapped element otherwise.
+    the same along the vmap axes, one per mapped element otherwise (and with ``loop``:
+    score variants, whose bias or slopes may or may not carry the batch).
     """
     lead = arrays[0].shape[:arrays[0].ndim - base_ndim]
     if not lead:
@@ -64,10 +65,11 @@ def _fold(arrays, bounds, base_ndim):
     n = math.prod(lead)
     flat = [None if a is None else a.reshape((n,) + a.shape[len(lead):]) for a in arrays]
     bmin, bmax = (None if b is None else b.reshape(n, -1) for b in bounds)
-    if bmin is None or ((bmin == bmin[0]).all() and (bmax == bmax[0]).all()):
+    if not loop and (bmin is None or ((bmin == bmin[0]).all() and (bmax == bmax[0]).all())):
         merged = [None if a is None else a.reshape((-1,) + a.shape[2:]) for a in flat]
         return lead, [(merged, None if bmin is None else bmin[0], None if bmax is None else bmax[0])]
-    return lead, [([None if a is None else a[i] for a in flat], bmin[i], bmax[i]) for i in range(n)]
+    return lead, [([None if a is None else a[i] for a in flat], None if bmin is None else bmin[i],
+                   None if bmax is None else bmax[i]) for i in range(n)]
 
 
 def _unfold(lead, results):
@@ -81,29 +83,34 @@ def _unfold(lead, results):
     return tuple(out)
 
 
-def _host_fwd(static, q, k, v, sinks, bound_min, bound_max):
-    causal, window, scale, layout = static
-    arrays = [np.asarray(x) for x in (q, k, v)] + [None if sinks is None else np.asarray(sinks)]
-    bounds = [None if b is None else np.asarray(b) for b in (bound_min, bound_max)]
-    lead, calls = _fold(arrays, bounds, 4)
+def _optional(*arrays):
+    return [None if a is None else np.asarray(a) for a in arrays]
+
+
+def _host_fwd(static, q, k, v, sinks, bound_min, bound_max, bias, slopes):
+    causal, window, scale, layout, softcap = static
+    arrays = [np.asarray(x) for x in (q, k, v)] + _optional(sinks, bias, slopes)
+    bounds = _optional(bound_min, bound_max)
+    lead, calls = _fold(arrays, bounds, 4, loop=bias is not None or slopes is not None)
     results = []
-    for (qa, ka, va, sa), bmin, bmax in calls:
-        options = _frameworks.host_options((sa, bmin, bmax), causal, window, scale)
+    for (qa, ka, va, sa, ba, aa), bmin, bmax in calls:
+        options = _frameworks.host_options((sa, bmin, bmax), causal, window, scale, variants=(ba, aa, softcap, False))
         o, lse = _frameworks.host_forward(to_neuron(qa, layout), to_neuron(ka, layout), to_neuron(va, layout),
                                           options, layout)
         results.append((from_neuron(o, layout), lse))
     return _unfold(lead, results)
 
 
-def _host_bwd(static, q, k, v, o, do, lse, sinks, bound_min, bound_max):
-    causal, window, scale, layout = static
-    arrays = [np.asarray(x) for x in (q, k, v, o, do, lse)] + [None if sinks is None else np.asarray(sinks)]
-    bounds = [None if b is None else np.asarray(b) for b in (bound_min, bound_max)]
-    lead, calls = _fold(arrays, bounds, 4)
+def _host_bwd(static, q, k, v, o, do, lse, sinks, bound_min, bound_max, bias, slopes):
+    causal, window, scale, layout, softcap = static
+    arrays = [np.asarray(x) for x in (q, k, v, o, do, lse)] + _optional(sinks, bias, slopes)
+    bounds = _optional(bound_min, bound_max)
+    lead, calls = _fold(arrays, bounds, 4, loop=bias is not None or slopes is not None)
     results = []
-    for (qa, ka, va, oa, da, la, sa), bmin, bmax in calls:
+    for (qa, ka, va, oa, da, la, sa, ba, aa), bmin, bmax in calls:
         neuron = tuple(to_neuron(x, layout) for x in (qa, ka, va, oa, da))
-        options = _frameworks.host_options((sa, bmin, bmax), causal, window, scale)
+        options = _frameworks.host_options((sa, bmin, bmax), causal, window, scale,
+                                           variants=(ba, aa, softcap, ba is not None))
         grads = _frameworks.host_backward(neuron, la, options, layout)
         results.append(tuple(from_neuron(g, layout) for g in grads[:3]) + tuple(grads[3:]))
     return _unfold(lead, results)
@@ -118,31 +125,36 @@ def _lse_shape(q, layout):
     return jax.ShapeDtypeStruct((b, h, s), jnp.float64 if q.dtype == jnp.float64 else jnp.float32)
 
 
-def _forward_call(static, q, k, v, sinks, bound_min, bound_max):
+def _forward_call(static, q, k, v, options):
     shapes = (jax.ShapeDtypeStruct(q.shape[:-1] + v.shape[-1:], q.dtype), _lse_shape(q, static[3]))
-    return jax.pure_callback(functools.partial(_host_fwd, static), shapes, q, k, v, sinks, bound_min,
-                             bound_max, vmap_method=VMAP_METHOD)
+    return jax.pure_callback(functools.partial(_host_fwd, static), shapes, q, k, v, *options,
+                             vmap_method=VMAP_METHOD)
 
 
+# options: (sinks, bound_min, bound_max, bias, alibi_slopes), each an array or None
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(static, q, k, v, sinks, bound_min, bound_max):
-    return _forward_call(static, q, k, v, sinks, bound_min, bound_max)[0]
+def _attention(static, q, k, v, options):
+    return _forward_call(static, q, k, v, options)[0]
 
 
-def _attention_fwd(static, q, k, v, sinks, bound_min, bound_max):
-    o, lse = _forward_call(static, q, k, v, sinks, bound_min, bound_max)
-    return o, (q, k, v, o, lse, sinks, bound_min, bound_max)
+def _attention_fwd(static, q, k, v, options):
+    o, lse = _forward_call(static, q, k, v, options)
+    return o, (q, k, v, o, lse, options)
 
 
 def _attention_bwd(static, residuals, do):
-    q, k, v, o, lse, sinks, bound_min, bound_max = residuals
+    q, k, v, o, lse, options = residuals
+    sinks, bound_min, bound_max, bias, slopes = options
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    if sinks is not None:
-        shapes += (jax.ShapeDtypeStruct(sinks.shape, sinks.dtype),)
-    grads = jax.pure_callback(functools.partial(_host_bwd, static), shapes, q, k, v, o, do, lse, sinks,
-                              bound_min, bound_max, vmap_method=VMAP_METHOD)
+    for x in (sinks, bias):   # the gradients the host returns after dq, dk, dv
+        if x is not None:
+            shapes += (jax.ShapeDtypeStruct(x.shape, x.dtype),)
+    grads = list(jax.pure_callback(functools.partial(_host_bwd, static), shapes, q, k, v, o, do, lse, *options,
+                                   vmap_method=VMAP_METHOD))
     zero = (lambda b: None if b is None else jnp.zeros_like(b))
-    return tuple(grads[:3]) + (grads[3] if sinks is not None else None, zero(bound_min), zero(bound_max))
+    dsinks = grads.pop(3) if sinks is not None else None
+    dbias = grads.pop(3) if bias is not None else None
+    return tuple(grads[:3]) + ((dsinks, zero(bound_min), zero(bound_max), dbias, zero(slopes)),)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -153,8 +165,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # ---------------------------------------------------------------------------
 
 def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None, bound_max=None,
-              softmax_scale=None, layout="bhsd"):
-    """Attention with numbafa's CPU kernels, differentiable with respect to q, k, v and sinks.
+              softmax_scale=None, layout="bhsd", bias=None, alibi_slopes=None, softcap=None):
+    """Attention with numbafa's CPU kernels, differentiable with respect to q, k, v, sinks and bias.
 
     Parameters
     ----------
@@ -178,6 +190,14 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
     softmax_scale : float, optional
         Default (``None`` or 0.0) ``1 / sqrt(head_dim)``.
     layout : {"bhsd", "bshd"}
+    bias : array broadcastable to ``[batch, heads, seq_q, seq_k]``, optional
+        An additive score bias in that layout for either ``layout`` (``jax.nn.dot_product_attention``'s
+        ``bias``; last dim ``seq_k``, any other may be 1), float32 or q's dtype; ``-inf`` masks.
+        Differentiable: the backward always computes its gradient when a bias is given.
+    alibi_slopes : float32 array ``[heads]`` or ``[batch, heads]``, optional
+        ALiBi, flash-attn's convention (``-slope * |i + seq_k - seq_q - j|``); zero cotangent.
+    softcap : float, optional (static)
+        Logit soft cap: ``softcap * tanh(s / softcap)`` before the bias. ``None`` or 0: none.
 
     Returns
     -------
@@ -187,7 +207,8 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
     -----
     bfloat16 is computed with ``mixed_precision=True`` (bf16 operands,
     float32 accumulation). Static arguments (``causal``, ``window``,
-    ``softmax_scale``, ``layout``) must be Python values, not traced arrays.
+    ``softmax_scale``, ``layout``, ``softcap``) must be Python values, not traced arrays. Under
+    ``jax.vmap`` with a bias or slopes, the host runs one call per mapped element.
 
     Raises
     ------
@@ -195,15 +216,15 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         At trace time, a bad argument named as you passed it, with the
         expected and the actual value.
     """
-    for name, x in (("q", q), ("k", k), ("v", v), ("sinks", sinks), ("bound_min", bound_min),
-                    ("bound_max", bound_max)):
+    named = (("q", q), ("k", k), ("v", v), ("sinks", sinks), ("bound_min", bound_min), ("bound_max", bound_max),
+             ("bias", bias), ("alibi_slopes", alibi_slopes))
+    for name, x in named:
         if x is not None and not (hasattr(x, "shape") and hasattr(x, "dtype")):
             raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
-    given = {name: (tuple(x.shape), _dtype_name(x)) for name, x in (("q", q), ("k", k), ("v", v), ("sinks", sinks),
-                                                                  ("bound_min", bound_min), ("bound_max", bound_max))
-             if x is not None}
+    given = {name: (tuple(x.shape), _dtype_name(x)) for name, x in named if x is not None}
     options = _frameworks.check_call(layout, given, AttentionOptions(
-        use_causal_mask=causal, mixed_precision=True, softmax_scale=softmax_scale, sliding_window=window))
+        use_causal_mask=causal, mixed_precision=True, softmax_scale=softmax_scale, sliding_window=window,
+        softcap=softcap))
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
     if sinks is not None:
         sinks = jnp.asarray(sinks)
@@ -212,8 +233,9 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
             sinks = jnp.broadcast_to(sinks.astype(acc), (q.shape[0], sinks.shape[0]))
     if bound_min is not None:
         bound_min, bound_max = jnp.asarray(bound_min), jnp.asarray(bound_max)
-    static = (options.use_causal_mask, options.sliding_window, options.softmax_scale or 0.0, layout)
-    return _attention(static, q, k, v, sinks, bound_min, bound_max)
+    bias, alibi_slopes = (None if x is None else jnp.asarray(x) for x in (bias, alibi_slopes))
+    static = (options.use_causal_mask, options.sliding_window, options.softmax_scale or 0.0, layout, options.softcap)
+    return _attention(static, q, k, v, (sinks, bound_min, bound_max, bias, alibi_slopes))
 
 
 def cu_seqlens_to_bounds(cu_seqlens, seqlen=None):

@@ -253,7 +253,7 @@ def _canonical_overload(kernel_plan):
     def impl(kernel_plan):
         p = kernel_plan
         return Plan(p.tiling, p.mask, p.precision, np.float32(p.softmax_scale), p.gemm, p.operand,
-                    _canonical_dropout(p.dropout), p.acc)
+                    _canonical_dropout(p.dropout), p.acc, p.scores)
     return impl
 
 
@@ -465,5 +465,5 @@ def _with_offset_overload(kernel_plan, seed, seed_offset):
         d = kernel_plan.dropout
         dropout = Dropout(d.threshold, d.scale, np.int64(words[0]), np.int64(words[1]), d.batch0, d.head0)
         return Plan(kernel_plan.tiling, kernel_plan.mask, kernel_plan.precision, kernel_plan.softmax_scale,
-                    kernel_plan.gemm, kernel_plan.operand, dropout, kernel_plan.acc)
+                    kernel_plan.gemm, kernel_plan.operand, dropout, kernel_plan.acc, kernel_plan.scores)
     return impl

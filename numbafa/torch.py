@@ -71,18 +71,20 @@ def _np(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
 
 @torch.library.custom_op("numbafa::attention_fwd", mutates_args=(), device_types="cpu")
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
-                   bound_min: Optional[torch.Tensor], bound_max: Optional[torch.Tensor], causal: bool,
+                   bound_min: Optional[torch.Tensor], bound_max: Optional[torch.Tensor],
+                   bias: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor], causal: bool,
                    window: int, softmax_scale: float, layout: str, dropout_p: float, seed: Optional[int],
-                   seed_offset: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                   seed_offset: int, softcap: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """o ``[b, h, d_v, s]`` (q's dtype, v's head dim) and lse ``[b, h, s]`` (float32; float64 for float64
     inputs); ``layout`` only names shapes in errors."""
-    return _host_fwd((q, k, v, sinks, bound_min, bound_max),
-                     (causal, window, softmax_scale, layout, dropout_p, seed, seed_offset))
+    return _host_fwd((q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes),
+                     (causal, window, softmax_scale, layout, dropout_p, seed, seed_offset, softcap))
 
 
 def _host_fwd(tensors: tuple, scalars: tuple):
-    """The forward operator's body on its ``tensors`` (q, k, v, sinks, bound_min, bound_max) and
-    ``scalars`` (causal ... seed_offset): plain eager calls run it without the dispatcher."""
+    """The forward operator's body on its ``tensors`` (q, k, v, sinks, bound_min, bound_max, bias,
+    alibi_slopes) and ``scalars`` (causal ... softcap): plain eager calls run it without the
+    dispatcher."""
     o, lse = _fwd_on_arrays(tuple(_np(t) for t in tensors), scalars)
     return from_numpy(o), torch.from_numpy(lse)
 
@@ -93,17 +95,18 @@ def _fwd_on_arrays(arrays: tuple, scalars: tuple) -> tuple:
     return _frameworks.host_forward(*arrays[:3], options, layout)
 
 
-def _host_options(option_arrays: tuple, scalars: tuple):
+def _host_options(option_arrays: tuple, scalars: tuple, return_dbias: bool = False):
     """``(options, layout)`` of an operator call: ``option_arrays`` the NumPy sinks, bound_min,
-    bound_max (or None), ``scalars`` the operator's causal ... seed_offset."""
-    causal, window, softmax_scale, layout, dropout_p, seed, seed_offset = scalars
-    return _frameworks.host_options(option_arrays, causal, window, softmax_scale,
-                                    (dropout_p, seed, seed_offset)), layout
+    bound_max, bias, alibi_slopes (or None), ``scalars`` the operator's causal ... softcap."""
+    causal, window, softmax_scale, layout, dropout_p, seed, seed_offset, softcap = scalars
+    return _frameworks.host_options(option_arrays[:3], causal, window, softmax_scale,
+                                    (dropout_p, seed, seed_offset),
+                                    (*option_arrays[3:], softcap, return_dbias)), layout
 
 
 @_attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, sinks, bound_min, bound_max, causal, window, softmax_scale, layout,
-                        dropout_p, seed, seed_offset):
+def _attention_fwd_fake(q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes, causal, window, softmax_scale,
+                        layout, dropout_p, seed, seed_offset, softcap):
     b, h, _, s = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty((b, h, v.shape[2], s)), q.new_empty((b, h, s), dtype=lse_dtype)
@@ -112,38 +115,49 @@ def _attention_fwd_fake(q, k, v, sinks, bound_min, bound_max, causal, window, so
 @torch.library.custom_op("numbafa::attention_bwd", mutates_args=(), device_types="cpu")
 def _attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
                    lse: torch.Tensor, sinks: Optional[torch.Tensor], bound_min: Optional[torch.Tensor],
-                   bound_max: Optional[torch.Tensor], causal: bool, window: int, softmax_scale: float,
-                   layout: str, dropout_p: float, seed: Optional[int], seed_offset: int
-                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv ``[b, h(_kv), d, s]`` and dsinks (the sinks' shape; empty without sinks)."""
-    return _host_bwd((q, k, v, o, do, lse, sinks, bound_min, bound_max),
-                     (causal, window, softmax_scale, layout, dropout_p, seed, seed_offset))
+                   bound_max: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                   alibi_slopes: Optional[torch.Tensor], causal: bool, window: int, softmax_scale: float,
+                   layout: str, dropout_p: float, seed: Optional[int], seed_offset: int, softcap: float,
+                   return_dbias: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv ``[b, h(_kv), d, s]``, dsinks (the sinks' shape; empty without sinks) and dbias (the
+    bias's shape with ``return_dbias``; else empty)."""
+    return _host_bwd((q, k, v, o, do, lse, sinks, bound_min, bound_max, bias, alibi_slopes),
+                     (causal, window, softmax_scale, layout, dropout_p, seed, seed_offset, softcap), return_dbias)
 
 
-def _host_bwd(tensors: tuple, scalars: tuple):
-    """The backward operator's body on its ``tensors`` (q ... bound_max) and ``scalars``
-    (causal ... seed_offset): plain eager calls run it without the dispatcher (:func:`_backward`)."""
-    q, k, v, o, do, lse, sinks, bound_min, bound_max = tensors
-    options, layout = _host_options((_np(sinks), _np(bound_min), _np(bound_max)), scalars)
+def _host_bwd(tensors: tuple, scalars: tuple, return_dbias: bool):
+    """The backward operator's body on its ``tensors`` (q ... alibi_slopes) and ``scalars``
+    (causal ... softcap): plain eager calls run it without the dispatcher (:func:`_backward`)."""
+    q, k, v, o, do, lse, *option_tensors = tensors
+    options, layout = _host_options(tuple(_np(t) for t in option_tensors), scalars, return_dbias)
     grads = _frameworks.host_backward(tuple(to_numpy(x) for x in (q, k, v, o, do)), to_numpy(lse), options,
                                       layout)
+    sinks = option_tensors[0]
+    # (two empty tensors: an operator's outputs must not alias each other)
     dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else from_numpy(grads[3])
-    return from_numpy(grads[0]), from_numpy(grads[1]), from_numpy(grads[2]), dsinks
+    dbias = from_numpy(grads[-1]) if return_dbias else q.new_empty((0,), dtype=torch.float32)
+    return from_numpy(grads[0]), from_numpy(grads[1]), from_numpy(grads[2]), dsinks, dbias
 
 
 @_attention_bwd.register_fake
-def _attention_bwd_fake(q, k, v, o, do, lse, sinks, bound_min, bound_max, causal, window, softmax_scale,
-                        layout, dropout_p, seed, seed_offset):
+def _attention_bwd_fake(q, k, v, o, do, lse, sinks, bound_min, bound_max, bias, alibi_slopes, causal, window,
+                        softmax_scale, layout, dropout_p, seed, seed_offset, softcap, return_dbias):
     dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else sinks.new_empty(sinks.shape)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+    dbias = bias.new_empty(bias.shape) if return_dbias else q.new_empty((0,), dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks, dbias
+
+
+#: The forward operator's tensor arguments, then its scalars.
+_FWD_TENSORS = 8
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, bound_min, bound_max, *options = inputs
+    q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes, *options = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, sinks, bound_min, bound_max)
-    ctx.options = tuple(options)   # causal, window, softmax_scale, layout and the dropout's three
+    ctx.save_for_backward(q, k, v, o, lse, sinks, bound_min, bound_max, bias, alibi_slopes)
+    ctx.options = tuple(options)   # causal, window, softmax_scale, layout, the dropout's three, softcap
     ctx.has_sinks = sinks is not None
+    ctx.needs_dbias = bias is not None and ctx.needs_input_grad[6]
     ctx.mark_non_differentiable(lse)
 
 
@@ -167,14 +181,16 @@ def _bodies_directly(*tensors) -> bool:
 
 def _backward(ctx, do, dlse):
     del dlse  # lse is not differentiable
-    q, k, v, o, lse, sinks, bound_min, bound_max = ctx.saved_tensors
-    args = (q, k, v, o, do, lse, sinks, bound_min, bound_max)
+    q, k, v, o, lse, sinks, bound_min, bound_max, bias, alibi_slopes = ctx.saved_tensors
+    args = (q, k, v, o, do, lse, sinks, bound_min, bound_max, bias, alibi_slopes)
     # create_graph=True (grad mode on in the backward): the Function, which refuses a second backward;
     # else, in plain eager mode, the operator's body without its dispatcher
     direct = not torch.is_grad_enabled() and _bodies_directly(do, *args)
-    dq, dk, dv, dsinks = (_host_bwd(args, ctx.options) if direct
-                          else _AttentionBackward.apply(*args, ctx.options))
-    return (dq, dk, dv, (dsinks if ctx.has_sinks else None), None, None) + (None,) * len(ctx.options)
+    options = ctx.options + (ctx.needs_dbias,)
+    dq, dk, dv, dsinks, dbias = (_host_bwd(args, ctx.options, ctx.needs_dbias) if direct
+                                 else _AttentionBackward.apply(*args, options))
+    return ((dq, dk, dv, (dsinks if ctx.has_sinks else None), None, None, (dbias if ctx.needs_dbias else None),
+             None) + (None,) * len(ctx.options))
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -199,28 +215,32 @@ def _vmap_rule(op, n_tensors: int):
     every mapped element the bits of its own call. Loops instead (one call per
     element, as PyTorch's fallback) where folding would change a result: with
     dropout (the mask depends on the batch index), packing bounds that differ
-    along the mapped axis, or ``[heads]`` sinks (their gradient is summed over the batch).
+    along the mapped axis, ``[heads]`` sinks (their gradient is summed over the batch), or
+    score variants (a bias or slopes may or may not carry the batch).
     """
     def rule(info, in_dims, *args):
         tensors, options = args[:n_tensors], args[n_tensors:]
-        sinks, sinks_dim = tensors[-3], in_dims[n_tensors - 3]
-        if options[4] > 0 or any(d is not None for d in in_dims[n_tensors - 2:n_tensors]) or (
-                sinks is not None and sinks.dim() - (sinks_dim is not None) < 2):
+        sinks, sinks_dim = tensors[-5], in_dims[n_tensors - 5]
+        if options[4] > 0 or any(d is not None for d in in_dims[n_tensors - 4:n_tensors - 2]) or (
+                sinks is not None and sinks.dim() - (sinks_dim is not None) < 2) or (
+                tensors[-2] is not None or tensors[-1] is not None or options[7]):
             outs = [op(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
                     for i in range(info.batch_size)]
             return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
         size = info.batch_size
-        folded = [_folded(t, d, size) for t, d in zip(tensors[:-2], in_dims)] + list(tensors[-2:])
+        folded = [_folded(t, d, size) for t, d in zip(tensors[:-4], in_dims)] + list(tensors[-4:])
         outs = op(*folded, *options)
-        unfolded = tuple(o.reshape(size, -1, *o.shape[1:]) for o in outs[:len(outs) - 1])
-        if sinks is None and len(outs) == 4:   # the backward's dsinks: empty, not mapped
-            return unfolded + (outs[3],), (0,) * 3 + (None,)
-        return unfolded + (outs[-1].reshape(size, -1, *outs[-1].shape[1:]),), (0,) * len(outs)
+        if len(outs) == 2:   # the forward: o, lse
+            return tuple(o.reshape(size, -1, *o.shape[1:]) for o in outs), (0, 0)
+        unfolded = tuple(o.reshape(size, -1, *o.shape[1:]) for o in outs[:3])
+        if sinks is None:   # the backward's dsinks: empty, not mapped (dbias: empty, no bias here)
+            return unfolded + outs[3:], (0,) * 3 + (None, None)
+        return unfolded + (outs[3].reshape(size, -1, *outs[3].shape[1:]), outs[4]), (0,) * 4 + (None,)
     return rule
 
 
-_attention_fwd.register_vmap(_vmap_rule(torch.ops.numbafa.attention_fwd.default, 6))
-_attention_bwd.register_vmap(_vmap_rule(torch.ops.numbafa.attention_bwd.default, 9))
+_attention_fwd.register_vmap(_vmap_rule(torch.ops.numbafa.attention_fwd.default, 8))
+_attention_bwd.register_vmap(_vmap_rule(torch.ops.numbafa.attention_bwd.default, 11))
 
 
 class _AttentionBackward(torch.autograd.Function):
@@ -237,8 +257,9 @@ class _AttentionBackward(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, o, do, lse, sinks, bound_min, bound_max, options):
-        return torch.ops.numbafa.attention_bwd(q, k, v, o, do, lse, sinks, bound_min, bound_max, *options)
+    def forward(q, k, v, o, do, lse, sinks, bound_min, bound_max, bias, alibi_slopes, options):
+        return torch.ops.numbafa.attention_bwd(q, k, v, o, do, lse, sinks, bound_min, bound_max, bias, alibi_slopes,
+                                               *options)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -266,8 +287,8 @@ class _Attention(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, sinks, bound_min, bound_max, options):
-        return torch.ops.numbafa.attention_fwd(q, k, v, sinks, bound_min, bound_max, *options)
+    def forward(q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes, options):
+        return torch.ops.numbafa.attention_fwd(q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes, *options)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -276,7 +297,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dlse):
-        return _backward(ctx, do, dlse)[:6] + (None,)
+        return _backward(ctx, do, dlse)[:_FWD_TENSORS] + (None,)
 
 
 class _EagerAttention(torch.autograd.Function):
@@ -288,14 +309,15 @@ class _EagerAttention(torch.autograd.Function):
     small model's whole kernel time. Same results, bit for bit (the same bodies)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, bound_min, bound_max, options):
-        output = _host_fwd((q, k, v, sinks, bound_min, bound_max), options)
-        _setup_context(ctx, (q, k, v, sinks, bound_min, bound_max, *options), output)
+    def forward(ctx, q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes, options):
+        tensors = (q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes)
+        output = _host_fwd(tensors, options)
+        _setup_context(ctx, (*tensors, *options), output)
         return output
 
     @staticmethod
     def backward(ctx, do, dlse):
-        return _backward(ctx, do, dlse)[:6] + (None,)
+        return _backward(ctx, do, dlse)[:_FWD_TENSORS] + (None,)
 
 
 # ---------------------------------------------------------------------------
@@ -312,8 +334,9 @@ def _check_tensor(name: str, t, required: bool = True) -> None:
 
 
 def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None, bound_max=None,
-              softmax_scale=None, layout="bhsd", dropout_p=0.0, seed=None, seed_offset=0):
-    """Attention with numbafa's CPU kernels, differentiable with respect to q, k, v and sinks.
+              softmax_scale=None, layout="bhsd", dropout_p=0.0, seed=None, seed_offset=0, bias=None,
+              alibi_slopes=None, softcap=None):
+    """Attention with numbafa's CPU kernels, differentiable with respect to q, k, v, sinks and bias.
 
     Parameters
     ----------
@@ -347,6 +370,17 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         coordinates (:func:`numbafa.dropout_mask`): pass e.g. the training
         step as ``seed_offset`` for a fresh mask per step. (PyTorch operators
         take 64-bit signed ints, hence ``2**63`` instead of numbafa's ``2**64``.)
+    bias : Tensor broadcastable to ``[batch, heads, seq_q, seq_k]``, optional
+        An additive score bias in that layout for either ``layout`` (SDPA's float
+        ``attn_mask``; its last dim ``seq_k``, any other may be 1), float32 or q's dtype;
+        ``-inf`` masks. Gets a gradient when it requires one (never an ``seq_q x seq_k``
+        gradient otherwise). A bool mask: pass ``torch.where(mask, 0.0, -inf)``.
+    alibi_slopes : float32 Tensor ``[heads]`` or ``[batch, heads]``, optional
+        ALiBi (flash-attn's ``alibi_slopes``): score ``(i, j)`` gets ``-slope * |i + seq_k -
+        seq_q - j|``; no gradient.
+    softcap : float, optional
+        Logit soft cap (flash-attn's ``softcap``, Gemma 2): scores become ``softcap *
+        tanh(s / softcap)`` before the bias. ``None`` or 0: none.
 
     Returns
     -------
@@ -369,26 +403,28 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
-    for name, t in (("sinks", sinks), ("bound_min", bound_min), ("bound_max", bound_max)):
+    optional = (("sinks", sinks), ("bound_min", bound_min), ("bound_max", bound_max), ("bias", bias),
+                ("alibi_slopes", alibi_slopes))
+    for name, t in optional:
         _check_tensor(name, t, required=False)
     given = {name: (tuple(t.shape), _DTYPES.get(t.dtype, str(t.dtype).replace("torch.", "")))
-             for name, t in (("q", q), ("k", k), ("v", v), ("sinks", sinks), ("bound_min", bound_min),
-                             ("bound_max", bound_max)) if t is not None}
+             for name, t in (("q", q), ("k", k), ("v", v)) + optional if t is not None}
     options = _frameworks.check_call(layout, given, AttentionOptions(
-        None, None, None, causal, True, softmax_scale, window, dropout_p, seed, seed_offset))
+        None, None, None, causal, True, softmax_scale, window, dropout_p, seed, seed_offset, softcap=softcap))
     for name in ("seed", "seed_offset"):
         if getattr(options, name) >= 2 ** 63:
             raise ValueError(f"{name} must be in [0, 2**63) for PyTorch's int64 operator arguments, "
                              f"got {getattr(options, name)}")
     perm = check_layout(layout)
     scalars = (options.use_causal_mask, options.sliding_window, options.softmax_scale or 0.0, layout,
-               options.dropout_p, options.seed, options.seed_offset)
-    direct = _bodies_directly(q, k, v, sinks, bound_min, bound_max)
-    if direct and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))):
+               options.dropout_p, options.seed, options.seed_offset, options.softcap)
+    direct = _bodies_directly(q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes)
+    if direct and not (torch.is_grad_enabled()
+                       and any(t is not None and t.requires_grad for t in (q, k, v, sinks, bias))):
         # nothing to differentiate: the operator's body, without the dispatcher (~0.1 ms), the
         # layout changed in NumPy (torch's permutes cost a few us each)
         o, _ = _fwd_on_arrays((*(to_numpy(x).transpose(perm) for x in (q, k, v)), _np(sinks), _np(bound_min),
-                               _np(bound_max)), scalars)
+                               _np(bound_max), _np(bias), _np(alibi_slopes)), scalars)
         return from_numpy(o.transpose(from_neuron_perm(layout)))
     qn, kn, vn = (x.permute(perm) for x in (q, k, v))
     if sinks is not None and sinks.dim() == 1:
@@ -396,7 +432,7 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         # gradient is summed over the batch in that dtype and rounded once to the sinks' dtype.
         sinks = sinks.to(torch.float64 if q.dtype == torch.float64 else torch.float32).expand(
             q.shape[0], sinks.shape[0])
-    tensors = (qn, kn, vn, sinks, bound_min, bound_max)
+    tensors = (qn, kn, vn, sinks, bound_min, bound_max, bias, alibi_slopes)
     if direct:   # (the permuted views are plain tensors as their bases are)
         o, _ = _EagerAttention.apply(*tensors, scalars)
     elif not _plain_eager():

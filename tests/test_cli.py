@@ -95,6 +95,8 @@ def test_failed_check_gives_exit_code_one(capsys, monkeypatch):
     (["--dropout", "1"], "expected a probability in [0, 1), got 1"),
     (["--dropout", "x"], "expected a probability in [0, 1), got 'x'"),
     (["--dropout", "0.1", "--seed", "-2"], "expected an integer seed in [0, 2**64), got -2"),
+    (["--softcap", "0"], "expected a soft cap > 0, got 0"),
+    (["--softcap", "nan"], "expected a soft cap > 0, got nan"),
 ])
 def test_bad_options_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -285,6 +287,27 @@ def test_blocked_golden_with_dropout_equals_the_full_golden():
     o_exp, _ = golden.attention_fwd(q, k, v, use_causal_mask=True, **drop)
     grads_exp = golden.attention_bwd(q, k, v, None, dy, None, use_causal_mask=True, **drop)
     o, _, grads = cli._golden_blocked(q, k, v, dy, None, opts, block_rows=37)
+    np.testing.assert_allclose(o, o_exp, rtol=1e-12, atol=1e-14)
+    for got, exp in zip(grads, grads_exp):
+        np.testing.assert_allclose(got, exp, rtol=1e-11, atol=1e-13)
+
+
+def test_score_variants_are_checked_against_the_golden(capsys, monkeypatch):
+    """--softcap and --alibi run both passes with them; the blocked golden gets each block's ALiBi rows."""
+    monkeypatch.setattr(cli, "CHECK_BLOCK_ENTRIES", 256 * 100)  # blocks of 100 rows: the distances matter
+    assert cli.main(SMALL + ["--dtype", "float32", "--softcap", "5", "--alibi", "--mask", "full"]) == 0
+    out = capsys.readouterr().out
+    assert ", softcap 5, ALiBi" in out and out.rstrip().splitlines()[-1] == "all 5 checks passed"
+
+
+def test_blocked_golden_with_score_variants_equals_the_full_golden():
+    rng = np.random.default_rng(3)
+    q, dy = (rng.standard_normal((1, 2, 8, 90)) for _ in range(2))
+    k, v = (rng.standard_normal((1, 1, 8, 130)) for _ in range(2))
+    variants = dict(softcap=2.0, alibi_slopes=cli.alibi_slopes(2))
+    o_exp, _ = golden.attention_fwd(q, k, v, **variants)
+    grads_exp = golden.attention_bwd(q, k, v, None, dy, None, **variants)
+    o, _, grads = cli._golden_blocked(q, k, v, dy, None, variants, block_rows=37)
     np.testing.assert_allclose(o, o_exp, rtol=1e-12, atol=1e-14)
     for got, exp in zip(grads, grads_exp):
         np.testing.assert_allclose(got, exp, rtol=1e-11, atol=1e-13)

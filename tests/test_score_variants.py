@@ -308,3 +308,116 @@ def test_bias_of_the_inputs_dtype_and_dbias_in_it():
     assert got[3].dtype == BF16 and got[3].shape == (4, 256, 256)
     wide = numbafa.attention_bwd(**dict(inputs, bias=inputs["bias"].astype(np.float32)), mixed_precision=True)
     np.testing.assert_array_equal(got[3], wide[3].astype(BF16))
+
+
+# ---------------------------------------------------------------------------
+# Front ends: PyTorch (against SDPA's math backend and FlexAttention) and JAX
+# ---------------------------------------------------------------------------
+
+def _sdpa_mask64(torch, bias, slopes, s_q, s_k, causal):
+    """SDPA's float ``attn_mask`` (float64) of a bias, ALiBi slopes ``[heads]`` and the causal mask."""
+    i = torch.arange(s_q, dtype=torch.float64)[:, None]
+    j = torch.arange(s_k, dtype=torch.float64)[None, :]
+    mask = bias.double() - slopes.double()[:, None, None] * (i + s_k - s_q - j).abs()
+    if causal:
+        mask = mask + torch.where(j <= i, 0.0, float("-inf"))
+    return mask
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_torch_bias_and_alibi_match_sdpa_with_a_float_mask(layout, causal):
+    """numbafa.torch in float32 against SDPA's math backend in float64 with the bias and ALiBi as a
+    float ``attn_mask`` that requires its gradient (GQA; the bias per head, shared by the batch)."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import numbafa.torch as nt
+
+    gen = torch.Generator().manual_seed(0)
+    b, h, hkv, s, d = 2, 4, 2, 160, 32
+    q, k, v, do = (torch.randn(b, n, s, d, generator=gen) for n in (h, hkv, hkv, h))
+    bias = torch.randn(h, s, s, generator=gen)
+    slopes = torch.rand(h, generator=gen) * 0.2
+    to = (lambda x: x) if layout == "bhsd" else (lambda x: x.transpose(1, 2))
+    qs, ks, vs = (to(x).clone().requires_grad_() for x in (q, k, v))
+    bias_t = bias.clone().requires_grad_()
+    o = nt.attention(qs, ks, vs, causal=causal, layout=layout, bias=bias_t, alibi_slopes=slopes)
+    o.backward(to(do))
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    mask = _sdpa_mask64(torch, bias, slopes, s, s, causal).requires_grad_()
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = F.scaled_dot_product_attention(q64, k64, v64, attn_mask=mask, enable_gqa=True)
+    ref.backward(do.double())
+    got = (to(o), to(qs.grad), to(ks.grad), to(vs.grad), bias_t.grad)
+    expected = (ref, q64.grad, k64.grad, v64.grad, mask.grad)
+    for name, g, e in zip(("o", "dq", "dk", "dv", "dbias"), got, expected):
+        assert g.dtype == torch.float32, name
+        assert_close(g.detach().numpy(), e.detach().numpy(), FLOAT32, name)
+
+
+def test_torch_bias_without_grad_computes_no_dbias(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import numbafa.torch as nt
+    from numbafa import core
+
+    asked = []
+    real = core.attention_bwd
+    monkeypatch.setattr(core, "attention_bwd", lambda *a, **kw: asked.append(a[6].return_dbias) or real(*a, **kw))
+    q, k, v = (torch.randn(1, 2, 64, 16, requires_grad=True) for _ in range(3))
+    bias = torch.randn(1, 1, 1, 64)
+    nt.attention(q, k, v, bias=bias, softcap=3.0).sum().backward()
+    assert asked == [False] and bias.grad is None and q.grad is not None
+
+
+def test_torch_flex_attention_softcap_forward_matches():
+    """FlexAttention's CPU forward (eager) with a soft-cap ``score_mod`` (its backward is not
+    supported on the CPU: pytorch#148752) against numbafa's forward."""
+    torch = pytest.importorskip("torch")
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    import numbafa.torch as nt
+
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 128, 32, generator=gen) * 2 for _ in range(3))
+    cap = 4.0
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    with pytest.warns(UserWarning):   # "flex_attention called without torch.compile()": fine for a check
+        ref = flex.flex_attention(q.double(), k.double(), v.double(), score_mod=softcap)
+    with torch.no_grad():
+        got = nt.attention(q, k, v, softcap=cap)
+    assert_close(got.numpy(), ref.numpy(), FLOAT32, "o")
+
+
+def test_jax_grads_match_the_golden():
+    """jax.grad through the custom VJP: dq, dk, dv and dbias (a key-padding bias with -inf); ALiBi
+    slopes get a zero cotangent; under jax.vmap one host call per mapped element."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import numbafa.jax as nj
+
+    rng = np.random.default_rng(4)
+    b, h, s, d = 2, 4, 128, 16
+    q, k, v = (rng.standard_normal((b, h, s, d)).astype(np.float32) for _ in range(3))
+    bias = rng.standard_normal((b, 1, 1, s)).astype(np.float32)
+    bias[1, ..., -20:] = -np.inf
+    slopes = rng.uniform(0, 0.1, h).astype(np.float32)
+
+    def loss(q, k, v, bias, slopes):
+        return (nj.attention(q, k, v, causal=True, bias=bias, alibi_slopes=slopes, softcap=4.0) ** 2).sum()
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, k, v, bias, slopes)
+    tr = (lambda x: x.transpose(0, 1, 3, 2))
+    kw = dict(use_causal_mask=True, bias=bias, alibi_slopes=slopes, softcap=4.0)
+    o, lse = golden.attention_fwd(tr(q), tr(k), tr(v), **kw)
+    expected = golden.attention_bwd(tr(q), tr(k), tr(v), o, 2 * o, lse, return_dbias=True, **kw)
+    for name, g, e in zip(("dq", "dk", "dv", "dbias"), grads, (tr(expected[0]), tr(expected[1]), tr(expected[2]),
+                                                                expected[3])):
+        assert_close(np.asarray(g), e, FLOAT32, name)
+    np.testing.assert_array_equal(np.asarray(grads[4]), 0.0)
+    mapped = jax.vmap(lambda q: nj.attention(q, k, v, bias=bias, softcap=4.0))(jnp.stack([q, 2 * q]))
+    np.testing.assert_array_equal(np.asarray(mapped[1]), np.asarray(nj.attention(2 * q, k, v, bias=bias, softcap=4.0)))

@@ -85,7 +85,9 @@ def test_import_numbafa_imports_no_framework():
 # The operators
 # ---------------------------------------------------------------------------
 
-def _op_args(dtype, sinks, window, packing, dropout=(0.0, None, 0), dv=None):
+def _op_args(dtype, sinks, window, packing, dropout=(0.0, None, 0), dv=None, variants=False):
+    """The operators' arguments; ``variants``: a ``[heads, s, s]`` bias (with its gradient), ALiBi
+    slopes and a soft cap."""
     q, k, v, do = make(dtype=dtype, s=96, dv=dv)
     perm = (0, 1, 3, 2)
     qn, kn, vn = (x.detach().permute(perm).requires_grad_() for x in (q, k, v))
@@ -93,11 +95,15 @@ def _op_args(dtype, sinks, window, packing, dropout=(0.0, None, 0), dv=None):
     bmin = bmax = None
     if packing:
         bmin, bmax = nt.cu_seqlens_to_bounds(torch.tensor([0, 40, 96]))
-    fwd = (qn, kn, vn, s, bmin, bmax, True, window, 0.0, "bhsd") + tuple(dropout)
+    bias = torch.randn(H, 96, 96, requires_grad=True) if variants else None
+    slopes = torch.rand(H) * 0.1 if variants else None
+    softcap = 7.0 if variants else 0.0
+    fwd = (qn, kn, vn, s, bmin, bmax, bias, slopes, True, window, 0.0, "bhsd") + tuple(dropout) + (softcap,)
     o, lse = torch.ops.numbafa.attention_fwd(*fwd)
     s = None if s is None else s.detach()   # the backward op has no autograd formula (no double backward)
-    bwd = (qn.detach(), kn.detach(), vn.detach(), o.detach(), do.permute(perm), lse, s, bmin, bmax, True,
-           window, 0.0, "bhsd") + tuple(dropout)
+    bias = None if bias is None else bias.detach()
+    bwd = (qn.detach(), kn.detach(), vn.detach(), o.detach(), do.permute(perm), lse, s, bmin, bmax, bias, slopes,
+           True, window, 0.0, "bhsd") + tuple(dropout) + (softcap, variants)
     return fwd, bwd
 
 
@@ -109,6 +115,12 @@ def _op_args(dtype, sinks, window, packing, dropout=(0.0, None, 0), dv=None):
 ], ids=["float32", "float32-sinks-window-packing", "bf16-sinks", "float32-dropout"])
 def test_opcheck(dtype, sinks, window, packing, dropout):
     fwd, bwd = _op_args(dtype, sinks, window, packing, dropout)
+    torch.library.opcheck(torch.ops.numbafa.attention_fwd.default, fwd)
+    torch.library.opcheck(torch.ops.numbafa.attention_bwd.default, bwd)
+
+
+def test_opcheck_with_score_variants():
+    fwd, bwd = _op_args(torch.float32, True, 32, False, variants=True)
     torch.library.opcheck(torch.ops.numbafa.attention_fwd.default, fwd)
     torch.library.opcheck(torch.ops.numbafa.attention_bwd.default, bwd)
 
@@ -339,13 +351,13 @@ def test_float64_passes_gradcheck(dropout):
 
 def test_float64_opcheck():
     q, k, v, do = (x.detach().permute(0, 1, 3, 2).double() for x in make(s=96, dv=24))
-    fwd = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), None, None, None, True, 0, 0.0, "bhsd",
-           0.0, None, 0)
+    fwd = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), None, None, None, None, None, True, 0, 0.0,
+           "bhsd", 0.0, None, 0, 0.0)
     o, lse = torch.ops.numbafa.attention_fwd(*fwd)
     assert o.dtype == lse.dtype == torch.float64
     torch.library.opcheck(torch.ops.numbafa.attention_fwd.default, fwd)
-    bwd = (q.detach(), k.detach(), v.detach(), o.detach(), do, lse, None, None, None, True, 0, 0.0, "bhsd",
-           0.0, None, 0)
+    bwd = (q.detach(), k.detach(), v.detach(), o.detach(), do, lse, None, None, None, None, None, True, 0, 0.0,
+           "bhsd", 0.0, None, 0, 0.0, False)
     torch.library.opcheck(torch.ops.numbafa.attention_bwd.default, bwd)
 
 
@@ -461,8 +473,8 @@ def test_vmap_loops_where_folding_would_change_the_result(case):
         args, in_dims = (qs, bmin, bmax), 0
     else:
         def f(q):
-            return torch.ops.numbafa.attention_bwd(q, k, v, q, do, q[:, :, 0], sinks, None, None, False, 0, 0.0,
-                                                   "bhsd", 0.0, None, 0)[3]
+            return torch.ops.numbafa.attention_bwd(q, k, v, q, do, q[:, :, 0], sinks, None, None, None, None, False,
+                                                   0, 0.0, "bhsd", 0.0, None, 0, 0.0, False)[3]
         args, in_dims = (qs,), 0
     out = torch.vmap(f, in_dims=in_dims)(*args)
     for i in range(2):
