@@ -181,6 +181,22 @@ def _bias_range(flat):
     return n, largest
 
 
+@jit(entry=True)
+def _bias_range_bits(bits):
+    """:func:`_bias_range` of a float32 bias viewed as uint32, by integer reductions (which
+    vectorise: 10x the float loop): ``|x|``'s bits order as unsigned ints; ``+inf`` is
+    ``0x7F800000``, NaN above it (either sign), ``-inf`` ``0xFF800000``."""
+    n = 0
+    largest = np.uint32(0)
+    inf = np.uint32(0x7F800000)
+    for i in range(bits.size):
+        u = bits[i]
+        a = u & np.uint32(0x7FFFFFFF)
+        n += (a > inf) | (u == inf)
+        largest = max(largest, a if a < inf else np.uint32(0))
+    return n, np.uint32(largest).view(np.float32)
+
+
 class _WritableView:
     """Exposes a read-only array's memory as writable (``__array_interface__``), for
     :func:`kernel_view` only: the kernels never write their inputs."""
@@ -609,7 +625,8 @@ def _kernel_bias(c: Caller, bias, dims: Dims, dtype):
         b4 = from_fp16_array(np.ascontiguousarray(b4))
     else:
         b4 = np.ascontiguousarray(b4, dtype=acc)
-    bad, largest = _bias_range(b4.reshape(-1))
+    flat = b4.reshape(-1)
+    bad, largest = _bias_range_bits(flat.view(np.uint32)) if flat.dtype == np.float32 else _bias_range(flat)
     if bad:
         raise ValueError(f"{c('bias')} must not contain NaN or +inf (-inf masks a score), got {bad} such "
                          f"element(s) of {b4.size}")

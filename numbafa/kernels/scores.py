@@ -23,8 +23,8 @@ contraction (``slope * d`` and ``t * t`` rounded, then the difference: the golde
 
 The forward's tiles are ``[queries, keys]``: each row gets the three steps in turn (the
 row stays in L1). The backward's are ``[keys, queries]``: the bias is read transposed in
-strips of 16 queries (:func:`_add_bias_t`), and ``dbias`` written the same way
-(:func:`_add_dbias_t`), so each cache line of the bias serves 16 keys.
+16 x 16 blocks (:func:`_add_bias_t`), and ``dbias`` written the same way
+(:func:`_add_dbias_t`), each of a block's bias rows one cache line used up at once.
 
 ``dbias`` is the sum of the ``dS'`` of every (batch, q-head, query) the bias is shared by.
 Items own disjoint rows of it unless the bias is shared across work units (a bias with a
@@ -176,14 +176,16 @@ def modify_scores(s, q_abs0, k_abs0, batch, q_head, scores):
             _alibi_row(row, slope, q_abs0 + i + scores.offset, k_abs0)
 
 
-#: Queries per strip of the backward's transposed bias reads and dbias writes.
-_STRIP = 16
+#: The side of the square blocks of the backward's transposed bias reads and dbias writes.
+_BLOCK = 16
 
 
 @jit()
 def _add_bias_t(s_t, slab, k_abs0, q_abs0):
     """``s_t[j, i] += slab[q_abs0 + i, k_abs0 + j]`` (``slab[0, ...]`` for a bias shared by the
-    queries), in strips of :data:`_STRIP` queries."""
+    queries), in square blocks of :data:`_BLOCK`: each bias row's 16 keys (one cache line) are
+    read whole, and a block's 16 rows of the bias (``seqlen_k`` apart: one L1 set when that is a
+    multiple of 1024) are each used once, so no line is evicted before it is used up."""
     n_k, n_q = s_t.shape
     if slab.shape[0] == 1:
         b_row = slab[0]
@@ -193,19 +195,24 @@ def _add_bias_t(s_t, slab, k_abs0, q_abs0):
             for i in range(n_q):
                 row[i] += b
         return
-    for i0 in range(0, n_q, _STRIP):
-        i1 = min(i0 + _STRIP, n_q)
-        for j in range(n_k):
-            row = s_t[j]
-            k = k_abs0 + j
-            for i in range(i0, i1):
-                row[i] += slab[q_abs0 + i, k]
+    b = _BLOCK
+    full_k = n_k - n_k % b
+    for j0 in range(0, full_k, b):
+        for i in range(n_q):
+            b_row = slab[q_abs0 + i, k_abs0 + j0:k_abs0 + j0 + b]
+            for j in range(b):
+                s_t[j0 + j, i] += b_row[j]
+    for j in range(full_k, n_k):
+        row = s_t[j]
+        for i in range(n_q):
+            row[i] += slab[q_abs0 + i, k_abs0 + j]
 
 
 @jit()
 def _add_dbias_t(ds_t, slab, k_abs0, q_abs0):
-    """``slab[q_abs0 + i, k_abs0 + j] += ds_t[j, i]``; a slab shared by the queries takes each key
-    row's sum over the queries (in query order) in one addition."""
+    """``slab[q_abs0 + i, k_abs0 + j] += ds_t[j, i]``, in blocks as :func:`_add_bias_t`; a slab
+    shared by the queries takes each key row's sum over the queries (in query order) in one
+    addition."""
     n_k, n_q = ds_t.shape
     if slab.shape[0] == 1:
         d_row = slab[0]
@@ -216,13 +223,17 @@ def _add_dbias_t(ds_t, slab, k_abs0, q_abs0):
                 total += row[i]
             d_row[k_abs0 + j] += total
         return
-    for i0 in range(0, n_q, _STRIP):
-        i1 = min(i0 + _STRIP, n_q)
-        for j in range(n_k):
-            row = ds_t[j]
-            k = k_abs0 + j
-            for i in range(i0, i1):
-                slab[q_abs0 + i, k] += row[i]
+    b = _BLOCK
+    full_k = n_k - n_k % b
+    for j0 in range(0, full_k, b):
+        for i in range(n_q):
+            d_row = slab[q_abs0 + i, k_abs0 + j0:k_abs0 + j0 + b]
+            for j in range(b):
+                d_row[j] += ds_t[j0 + j, i]
+    for j in range(full_k, n_k):
+        row = ds_t[j]
+        for i in range(n_q):
+            slab[q_abs0 + i, k_abs0 + j] += row[i]
 
 
 @jit()
