@@ -38,7 +38,7 @@ from concurrent.futures import CancelledError
 import numpy as np
 
 from . import shards
-from .core import check_lse_layout, lse_out, user_dsinks
+from .core import check_lse_layout, lse_out, user_dbias, user_dsinks
 from .dtypes import accumulator_dtype
 from .kernels.bundles import BwdInputs, FwdInputs, make_plan
 from .kernels.loops import n_q_groups
@@ -87,18 +87,24 @@ def _check_client(client) -> None:
                          f"make a new Client")
 
 
-def _warm(client, kernel: str, dtype, dropout: bool) -> None:
-    """Load the kernel (with dropout or without) on every worker once (``client.run``) and
-    check that the workers would compute the client's bits (same numbafa sources, Numba and
-    GEMM path)."""
+def _warm(client, kernel: str, dtype, dropout: bool, variants: bool = False) -> None:
+    """Load the kernel (with dropout or score variants, or without) on every worker once
+    (``client.run``) and check that the workers would compute the client's bits (same numbafa
+    sources, Numba and GEMM path)."""
     expected = shards.fingerprint()
-    found_by_worker = _retried(lambda: client.run(shards.warm, kernel, np.dtype(dtype).name, dropout),
+    found_by_worker = _retried(lambda: client.run(shards.warm, kernel, np.dtype(dtype).name, dropout, variants),
                                "loading the kernels on the workers")
     for worker, found in found_by_worker.items():
         if tuple(found) != expected:
             raise RuntimeError(f"worker {worker} runs numbafa/Numba/GEMM path {tuple(found)}, the "
                                f"client {expected}: its results would not be bitwise those of the "
                                f"single-process call; install the same numbafa on every worker")
+
+
+def _no_variants_with_dask(options: AttentionOptions) -> None:
+    if options.has_score_mods:
+        raise TypeError("bias, alibi_slopes and softcap take NumPy q_ref, k_ref, v_ref in numbafa.distributed "
+                        "(not Dask arrays); compute the Dask arrays first, or call without the score variants")
 
 
 def _is_dask(x) -> bool:
@@ -222,10 +228,16 @@ def _units_per_task(plan, prob, n_slots: int) -> int:
     return max(1, min(-(-MIN_TASK_WORK // unit_work), n_units // (2 * max(n_slots, 1))))
 
 
-def _units(bs: int, nheads_kv: int, n_rep: int, per_task: int = 1) -> list:
+def _units(bs: int, nheads_kv: int, n_rep: int, per_task: int = 1, scores=None) -> list:
     """``(batch slice, q-head slice, KV-head slice)`` of every task's block of work units, in
     unit order: runs of ``per_task`` KV heads of one batch, or of whole batches when
-    ``per_task >= nheads_kv`` (so that every block is a contiguous slice of the arrays)."""
+    ``per_task >= nheads_kv`` (so that every block is a contiguous slice of the arrays). When a
+    bias's gradient is summed over batches or KV heads (``scores.serial_batch`` /
+    ``serial_heads``), a block spans all of them: the kernel's own groups of units."""
+    if scores is not None and (scores.serial_batch or scores.serial_heads):
+        batches = [slice(0, bs)] if scores.serial_batch else [slice(b, b + 1) for b in range(bs)]
+        groups = [slice(0, nheads_kv)] if scores.serial_heads else [slice(g, g + 1) for g in range(nheads_kv)]
+        return [(b, slice(g.start * n_rep, g.stop * n_rep), g) for b in batches for g in groups]
     if per_task >= nheads_kv:
         nb = per_task // nheads_kv
         return [(slice(b, min(b + nb, bs)), slice(0, nheads_kv * n_rep), slice(0, nheads_kv))
@@ -245,7 +257,8 @@ def _fwd_row_chunks(plan, seqlen_q: int, n_units: int, n_slots: int) -> int:
 
 def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max=None,
                   use_causal_mask=False, mixed_precision=False, softmax_scale=None,
-                  sliding_window=None, lse_layout="neuron", dropout_p=0.0, seed=None, seed_offset=0):
+                  sliding_window=None, lse_layout="neuron", dropout_p=0.0, seed=None, seed_offset=0,
+                  bias=None, alibi_slopes=None, softcap=None):
     """:func:`numbafa.attention_fwd` on a Dask cluster: same arguments after ``client``, same bits.
 
     Parameters
@@ -262,6 +275,9 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     dropout_p, seed, seed_offset
         As in :func:`numbafa.attention_fwd`: the same keep mask as the single-process call
         (each task draws it at its share's absolute batch and q-heads).
+    bias, alibi_slopes, softcap
+        As in :func:`numbafa.attention_fwd`, with NumPy q, k, v (and a NumPy bias and slopes):
+        each task gets its block's slice of the bias and slopes.
 
     Returns
     -------
@@ -282,9 +298,10 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     _check_client(client)
     check_lse_layout(lse_layout)
     options = AttentionOptions(sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
-                               sliding_window, dropout_p, seed, seed_offset)
+                               sliding_window, dropout_p, seed, seed_offset, bias, alibi_slopes, softcap)
     named = dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref)
     if _dask_mode(named):
+        _no_variants_with_dask(options)
         return _fwd_dask(client, named, options, lse_layout)
     prob = validate_fwd_inputs(q_ref, k_ref, v_ref, options)
     bs, nheads, d_head, seqlen_q = prob.q.shape
@@ -294,20 +311,21 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     n_slots = sum(client.nthreads().values())
     plan = make_plan(prob, backward=False)
     plan = shards.with_q_chunks(plan, _fwd_row_chunks(plan, seqlen_q, bs * nheads_kv, n_slots))
+    scores, plan = plan.scores, plan._replace(scores=None)   # (each share carries its block's)
     n_chunks = plan.tiling.q_chunks
     rows = [shards.owned_rows(seqlen_q, plan.tiling, c) for c in range(n_chunks)]
     o = np.empty((bs, nheads, prob.v.shape[2], seqlen_q), dtype=prob.dtype)
     lse = np.empty((bs, nheads, seqlen_q), dtype=plan.acc.dtype)
     units = _units(bs, nheads_kv, nheads // nheads_kv, _units_per_task(plan, prob, n_slots))
     shares = [(FwdInputs(shards.pack_rows(prob.q[b, heads], rows[c]), prob.k[b, kv], prob.v[b, kv],
-                         prob.sinks[b, heads]),)
+                         prob.sinks[b, heads]), shards.block_scores(scores, b, heads, kv.stop - kv.start))
               for b, heads, kv in units for c in range(n_chunks)]
     token = uuid.uuid4().hex[:12]
 
     def submit(plan_future, i, pieces, attempt):
         b, heads, _ = units[i // n_chunks]
         return client.submit(shards.fwd_chunk, plan_future, pieces[0], True, seqlen_q, i % n_chunks,
-                             prob.dtype, (b.start, heads.start), 1,
+                             prob.dtype, (b.start, heads.start), 1, pieces[1],
                              key=f"numbafa-fwd-{token}-{i}-{attempt}")
 
     def on_result(i, result):
@@ -318,14 +336,15 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
         lse[b, heads][..., cols] = result[1]
 
     if shares:
-        _warm(client, "forward", prob.dtype, prob.dropout_p > 0)
+        _warm(client, "forward", prob.dtype, prob.dropout_p > 0, scores is not None)
     _run_shares(client, plan, shares, submit, on_result)
     return unscaled_output(o, e, "o"), lse_out(lse, lse_layout)
 
 
 def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None,
                   bound_min=None, bound_max=None, use_causal_mask=False, mixed_precision=False,
-                  softmax_scale=None, sliding_window=None, dropout_p=0.0, seed=None, seed_offset=0):
+                  softmax_scale=None, sliding_window=None, dropout_p=0.0, seed=None, seed_offset=0,
+                  bias=None, alibi_slopes=None, softcap=None, return_dbias=False):
     """:func:`numbafa.attention_bwd` on a Dask cluster: same arguments after ``client``, same bits.
 
     One task per block of work units (batch, KV head: the q-heads of its GQA
@@ -352,10 +371,15 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     dropout_p, seed, seed_offset
         As in :func:`numbafa.attention_bwd` (the forward's mask, drawn again by every task at
         its share's absolute batch and q-heads).
+    bias, alibi_slopes, softcap, return_dbias
+        As in :func:`numbafa.attention_bwd`, with NumPy q, k, v (and a NumPy bias and slopes).
+        With ``return_dbias``, the units that share a slab of the bias (its batch or head
+        dim 1) go to one task, run in the kernel's order, so every element of dbias comes
+        from one task, bitwise the single-process one.
 
     Returns
     -------
-    dq, dk, dv (, dsinks)
+    dq, dk, dv (, dsinks) (, dbias)
         As :func:`numbafa.attention_bwd` returns them, bit for bit: NumPy arrays for NumPy
         inputs, lazy Dask arrays chunked as the inputs for Dask inputs.
 
@@ -369,15 +393,18 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     """
     _check_client(client)
     options = AttentionOptions(sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
-                               sliding_window, dropout_p, seed, seed_offset)
+                               sliding_window, dropout_p, seed, seed_offset, bias, alibi_slopes, softcap,
+                               return_dbias)
     named = dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, o_ref=o_ref, dy_ref=dy_ref, lse_ref=lse_ref)
     if _dask_mode(named):
+        _no_variants_with_dask(options)
         return _bwd_dask(client, named, options)
     prob = validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, options)
     prob, e = in_range(prob, KERNEL_CALLER, backward=True)
     bs, nheads, d_head, seqlen_q = prob.q.shape
     nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
     plan = make_plan(prob, backward=True)
+    scores, plan = plan.scores, plan._replace(scores=None)   # (each share carries its block's)
     n_chunks = plan.tiling.q_chunks
     rows = [shards.owned_rows(seqlen_q, plan.tiling, c) for c in range(n_chunks)]
     dq = np.empty((bs, nheads, d_head, seqlen_q), dtype=prob.dtype)
@@ -385,7 +412,8 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     dv = np.empty((bs, nheads_kv, prob.v.shape[2], seqlen_k), dtype=prob.dtype)
     dsinks = np.empty(prob.sinks.shape, dtype=prob.sinks.dtype)
     units = _units(bs, nheads_kv, nheads // nheads_kv,
-                   _units_per_task(plan, prob, sum(client.nthreads().values())))
+                   _units_per_task(plan, prob, sum(client.nthreads().values())), scores)
+    dbias = None if scores is None or not scores.dbias.size else np.empty(scores.dbias.shape, scores.dbias.dtype)
 
     def piece(b, heads, kv, c):
         def rows_of(x):
@@ -393,14 +421,15 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
         return BwdInputs(rows_of(prob.q), prob.k[b, kv], prob.v[b, kv], rows_of(prob.o),
                          rows_of(prob.dy), rows_of(prob.lse), prob.sinks[b, heads])
 
-    shares = [tuple(piece(b, heads, kv, c) for c in range(n_chunks)) for b, heads, kv in units]
+    shares = [tuple(piece(b, heads, kv, c) for c in range(n_chunks))
+              + (shards.block_scores(scores, b, heads, kv.stop - kv.start),) for b, heads, kv in units]
     token = uuid.uuid4().hex[:12]
 
     def submit(plan_future, i, pieces, attempt):
         key = f"numbafa-bwd-{token}-{i}-{attempt}"
         b, heads, _ = units[i]
         parts = [client.submit(shards.bwd_chunk, plan_future, pieces[c], True, seqlen_q, c,
-                               prob.dtype, (b.start, heads.start), 1, key=f"{key}-chunk{c}")
+                               prob.dtype, (b.start, heads.start), 1, pieces[-1], key=f"{key}-chunk{c}")
                  for c in range(n_chunks)]
         if n_chunks == 1:
             return parts[0]
@@ -413,14 +442,18 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
         dk[b, kv] = result[1]
         dv[b, kv] = result[2]
         dsinks[b, heads] = result[3]
+        if dbias is not None:   # the block's slab(s): whole shared dims (see _units)
+            dbias[shards._slice_of(dbias, 0, b), shards._slice_of(dbias, 1, heads)] = result[4]
 
     if shares:
-        _warm(client, "backward", prob.dtype, prob.dropout_p > 0)
+        _warm(client, "backward", prob.dtype, prob.dropout_p > 0, scores is not None)
     _run_shares(client, plan, shares, submit, on_result)
     grads = tuple(unscaled_output(x, e, name) for x, name in ((dq, "dq"), (dk, "dk"), (dv, "dv")))
-    if prob.sinks_shape is None:
-        return grads
-    return grads + (user_dsinks(unscaled_output(dsinks, e, "dsinks"), prob.sinks_shape, prob.sinks_dtype),)
+    if prob.sinks_shape is not None:
+        grads += (user_dsinks(unscaled_output(dsinks, e, "dsinks"), prob.sinks_shape, prob.sinks_dtype),)
+    if dbias is not None:
+        grads += (user_dbias(prob, dbias, e),)
+    return grads
 
 
 # --- Dask arrays in, Dask arrays out -------------------------------------------------------

@@ -20,6 +20,10 @@ Why the results are bitwise those of the single-process call:
   so every task takes the absolute batch and q-head of its batch 0, head 0
   (:func:`at_origin`), while its rows and keys are at their absolute
   positions already (a chunk's packed rows are unpacked in place);
+* score variants (:mod:`numbafa.kernels.scores`) travel with each share as its block's
+  slice of the bias and slopes (:func:`block_scores`); a bias's gradient is computed by
+  shares of whole groups of the units that share a slab of it (the kernel's own items, in
+  the kernel's order), so each element of ``dbias`` comes from one share;
 * the backward's cross-item reduction is the kernel's own
   :func:`~numbafa.kernels.backward.bwd_finish_unit`, run by the launcher: a split
   unit's float32 dK/dV partials summed in chunk order, then rounded once,
@@ -49,13 +53,14 @@ from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs
 from .kernels.dropout import with_origin
 from .kernels.launch import needs_finish
 from .kernels.loops import group_rows, n_q_groups, owns_group
+from .kernels.scores import n_backward_items
 from .onednn import gemm_path
 from .options import KERNEL_CALLER, AttentionOptions
 from .ranges import in_range, unscaled_output
 from .validation import kernel_view, validate_bwd_inputs, validate_fwd_inputs
 from .version import __version__
 
-__all__ = ["BwdShard", "owned_rows", "pack_rows", "place_rows", "with_q_chunks", "at_origin",
+__all__ = ["BwdShard", "owned_rows", "pack_rows", "place_rows", "with_q_chunks", "at_origin", "block_scores",
            "fwd_chunk", "bwd_chunk", "bwd_merge", "fwd_block", "fwd_block_merge", "bwd_block",
            "bwd_block_merge", "warm", "fingerprint"]
 
@@ -76,6 +81,29 @@ def at_origin(plan, origin):
     kernels; nothing else in the plan depends on the block's position)."""
     batch0, head0 = origin
     return plan._replace(dropout=with_origin(plan.dropout, batch0, head0))
+
+
+def _slice_of(x: np.ndarray, axis: int, part: slice) -> slice:
+    """``part`` of ``x``'s ``axis``, or all of it when that axis is broadcast (size 1)."""
+    return slice(None) if x.shape[axis] == 1 else part
+
+
+def block_scores(scores, batches: slice, heads: slice, nheads_kv: int):
+    """The score variants (:data:`~numbafa.kernels.scores.ScoreMods`, or None) of the block of
+    ``batches`` and q-``heads`` (with ``nheads_kv`` KV heads): the bias and slopes sliced along
+    the dims they have, a new zeroed ``dbias`` of the block's slice when one is asked for."""
+    if scores is None:
+        return None
+    bias, alibi = scores.bias, scores.alibi
+    if bias.size:
+        bias = np.ascontiguousarray(bias[_slice_of(bias, 0, batches), _slice_of(bias, 1, heads)])
+    if alibi.size:
+        alibi = np.ascontiguousarray(alibi[_slice_of(alibi, 0, batches), heads])
+    dbias = np.zeros(bias.shape if scores.dbias.size else (0, 0, 0, 0), dtype=scores.dbias.dtype)
+    nb = len(range(*batches.indices(1 << 62)))
+    return scores._replace(bias=bias, alibi=alibi, dbias=dbias,
+                           serial_batch=bool(dbias.size and bias.shape[0] == 1 and nb > 1),
+                           serial_heads=bool(dbias.size and bias.shape[1] == 1 and nheads_kv > 1))
 
 
 def owned_rows(seqlen_q: int, tiling, chunk: int):
@@ -108,7 +136,7 @@ def _chunk_items(n_units: int, q_chunks: int, chunk: int) -> np.ndarray:
 
 
 def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, origin=(0, 0),
-              n_threads=None):
+              n_threads=None, scores=None):
     """Forward of one share: the items of Q chunk ``chunk`` of every unit of the block ``ins``.
 
     Parameters
@@ -124,13 +152,14 @@ def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
         (:func:`at_origin`; only the dropout mask depends on it).
     n_threads : threads for the block's items (None: ``numba.get_num_threads()``); any number
         gives the same bits.
+    scores : the block's score variants (:func:`block_scores`), or None.
 
     Returns
     -------
     o : ``[nb, nheads, d_head_v, rows]`` in ``out_dtype``;  lse : float32 ``[nb, nheads, rows]``,
     the chunk's rows (all rows when units are not split).
     """
-    plan = at_origin(plan, origin)
+    plan = at_origin(plan, origin)._replace(scores=scores)
     rows = owned_rows(seqlen_q, plan.tiling, chunk)
     q = _unpack_rows(ins.q, rows if packed else None, seqlen_q)
     ins = FwdInputs(kernel_view(q), kernel_view(ins.k), kernel_view(ins.v), kernel_view(ins.sinks))
@@ -149,7 +178,7 @@ def place_rows(parts, tiling, seqlen_q: int) -> np.ndarray:
 
 
 def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, origin=(0, 0),
-              n_threads=None):
+              n_threads=None, scores=None):
     """Backward of one share: the items of Q chunk ``chunk`` of every unit of the block ``ins``.
 
     Parameters
@@ -160,15 +189,15 @@ def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
         ``ins.q, o, dy, lse`` hold only the chunk's rows (:func:`owned_rows`, :func:`pack_rows`).
     seqlen_q, chunk : int
     out_dtype : the dtype of dq, dk, dv (float32 or bf16).
-    origin, n_threads : as for :func:`fwd_chunk`.
+    origin, n_threads, scores : as for :func:`fwd_chunk`.
 
     Returns
     -------
-    ``(dq, dk, dv, dsinks)`` when units are not split (``q_chunks == 1``): final, in
-    ``out_dtype`` (dsinks float32 ``[nb, nheads, num_sinks]``); else a :data:`BwdShard`
-    for :func:`bwd_merge`.
+    ``(dq, dk, dv, dsinks, dbias)`` when units are not split (``q_chunks == 1``): final, in
+    ``out_dtype`` (dsinks float32 ``[nb, nheads, num_sinks]``; dbias the block's, in the
+    accumulator dtype, or None); else a :data:`BwdShard` for :func:`bwd_merge`.
     """
-    plan = at_origin(plan, origin)
+    plan = at_origin(plan, origin)._replace(scores=scores)
     rows = owned_rows(seqlen_q, plan.tiling, chunk)
 
     def full(x):
@@ -179,11 +208,14 @@ def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
     q_chunks = plan.tiling.q_chunks
     n_units = ins.q.shape[0] * ins.k.shape[1]
     finish = q_chunks == 1 and needs_finish(ins, plan)
-    outs, stats = run_bwd(ins, plan, _chunk_items(n_units, q_chunks, chunk),
-                          np.arange(n_units if finish else 0, dtype=np.int64), n_threads)
+    items = _chunk_items(n_units, q_chunks, chunk)
+    if q_chunks == 1:   # (the items of a bias's gradient: groups of units, numbafa.kernels.scores)
+        items = np.arange(n_backward_items(ins.q.shape[0], ins.k.shape[1], 1, scores), dtype=np.int64)
+    outs, stats = run_bwd(ins, plan, items, np.arange(n_units if finish else 0, dtype=np.int64), n_threads)
     if q_chunks == 1:
+        dbias = scores.dbias if scores is not None and scores.dbias.size else None
         return (to_dtype(outs.dq, out_dtype), to_dtype(outs.dk, out_dtype),
-                to_dtype(outs.dv, out_dtype), outs.dsinks)
+                to_dtype(outs.dv, out_dtype), outs.dsinks, dbias)
     if chunk == 0:
         dk, dv = outs.dk, outs.dv
     else:
@@ -317,19 +349,21 @@ def fingerprint() -> tuple:
     return (__version__, source_hash(), numba.__version__, gemm_path()[0])
 
 
-def warm(kernel: str, dtype_name: str, dropout: bool = False) -> tuple:
+def warm(kernel: str, dtype_name: str, dropout: bool = False, variants: bool = False) -> tuple:
     """Load (or compile) ``kernel`` ("forward" or "backward") for ``dtype_name`` in this
     process, once, by a tiny call that runs every jitted function of that pass (sinks
-    included; with ``dropout``, the kernels with dropout, which are compiled apart); return
-    :func:`fingerprint`. Run on every worker by ``client.run``."""
-    if (kernel, dtype_name, dropout) not in _WARM:
+    included; with ``dropout`` or score ``variants``, the kernels with them, which are
+    compiled apart); return :func:`fingerprint`. Run on every worker by ``client.run``."""
+    if (kernel, dtype_name, dropout, variants) not in _WARM:
         dtype = bf16_dtype() if dtype_name == "bfloat16" else np.dtype(dtype_name)
         rng = np.random.default_rng(0)
         q, k, v = (rng.standard_normal((1, 1, 8, 640)).astype(dtype) for _ in range(3))
         sinks = np.zeros((1, 1), dtype=np.float32)
-        drop = dict(dropout_p=0.5, seed=0) if dropout else {}
-        o, lse = attention_fwd(q, k, v, sinks, lse_layout="natural", **drop)
+        extra = dict(dropout_p=0.5, seed=0) if dropout else {}
+        if variants:
+            extra.update(bias=np.zeros((640, 640), np.float32), alibi_slopes=np.ones(1, np.float32), softcap=5.0)
+        o, lse = attention_fwd(q, k, v, sinks, lse_layout="natural", **extra)
         if kernel == "backward":
-            attention_bwd(q, k, v, o, q, lse, sinks, **drop)
-        _WARM.add((kernel, dtype_name, dropout))
+            attention_bwd(q, k, v, o, q, lse, sinks, **extra, **(dict(return_dbias=True) if variants else {}))
+        _WARM.add((kernel, dtype_name, dropout, variants))
     return fingerprint()

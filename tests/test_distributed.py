@@ -72,6 +72,8 @@ def client():
         for kernel in ("forward", "backward"):
             for dropout in (False, True):
                 shards.warm(kernel, np.dtype(dtype).name, dropout)
+    for kernel in ("forward", "backward"):   # and the float32 kernels with score variants
+        shards.warm(kernel, "float32", False, True)
     cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                                        dashboard_address=None)
     with distributed.Client(cluster) as c:
@@ -493,3 +495,37 @@ def test_a_share_needs_its_own_origin_with_dropout(kernel):
     assert_bitwise(run((b, heads.start)), expected)
     wrong = run((0, 0))
     assert not np.array_equal(wrong[0], expected[0])
+
+
+# (id, case, variants): a bias shared by the batch (one task for every batch of a KV head), by
+# everything (one task), per batch and head with a split unit (bias without dbias), ALiBi.
+VARIANT_CASES = [
+    ("bias-shared-by-the-batch", Case(bs=2, nheads=4, nheads_kv=2, d_head=16, seqlen_q=256, seqlen_k=256,
+                                      causal=True), dict(bias=(4, 256, 256), dbias=True, softcap=5.0)),
+    ("bias-shared-by-all", Case(bs=2, nheads=2, nheads_kv=2, d_head=16, seqlen_q=128, seqlen_k=192,
+                                num_sinks=1), dict(bias=(1, 1, 1, 192), dbias=True, alibi=(2,))),
+    ("bias-split-unit", Case(bs=1, nheads=2, nheads_kv=1, d_head=16, seqlen_q=640, seqlen_k=640, causal=True),
+     dict(bias=(1, 2, 640, 640), alibi=(1, 2), softcap=3.0)),
+    ("blocks-bias-full-dbias", Case(bs=3, nheads=4, nheads_kv=2, d_head=16, seqlen_q=128, seqlen_k=128),
+     dict(bias=(3, 4, 128, 128), dbias=True)),
+]
+
+
+@pytest.mark.parametrize("name, case, spec", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
+def test_score_variants_give_the_single_process_bits(client, name, case, spec):
+    from test_score_variants import forward_kwargs, variant_inputs
+    inputs = variant_inputs(case, spec)
+    qkv = (inputs["q_ref"], inputs["k_ref"], inputs["v_ref"])
+    fwd = forward_kwargs(inputs)
+    expected = numbafa.attention_fwd(*qkv, **fwd)
+    assert_bitwise(nd.attention_fwd(client, *qkv, **fwd), expected)
+    expected = numbafa.attention_bwd(**inputs)
+    got = nd.attention_bwd(client, **inputs)
+    assert len(expected) == 3 + (case.num_sinks > 0) + bool(spec.get("dbias"))
+    assert_bitwise(got, expected)
+
+
+def test_score_variants_with_dask_inputs_are_a_clear_error(client, small):
+    lazy = [da.from_array(x, chunks=(1,) + x.shape[1:]) for x in (small["q_ref"], small["k_ref"], small["v_ref"])]
+    with pytest.raises(TypeError, match="bias, alibi_slopes and softcap take NumPy q_ref, k_ref, v_ref"):
+        nd.attention_fwd(client, *lazy, softcap=3.0)
