@@ -8,14 +8,19 @@ plain call and each variant, alternated within every repeat so that machine nois
 alike, and prints the medians and each variant's ratio to the plain call (the targets of the
 backward: soft cap <= 1.25x, ALiBi <= 1.10x, a bias without its gradient <= 1.3x, with it
 <= 1.5x). The bias is ``[1, heads, seqlen, seqlen]`` float32 (a per-head bias shared by
-the batch), the slopes ``[heads]``, the soft cap 30.
+the batch), the slopes ``[heads]``, the soft cap 30; "shared+dbias" is a ``[1, 1, seqlen,
+seqlen]`` bias shared by every head, whose gradient is summed by one work item (one thread);
+"bias+dbias (prefaulted)" writes dbias into memory touched before (:func:`_prefaulted`): the
+difference to "bias+dbias" is the page faults of a fresh ``seqlen x seqlen`` array.
 
 ``--torch`` runs, in a fresh subprocess each, the backward of one batch of ``--heads`` heads
 (causal unless ``--full``) with a ``[1, heads, seqlen, seqlen]`` float32 bias that requires
 its gradient: numbafa (``return_dbias=True``) and torch's CPU SDPA with that bias as a float
 ``attn_mask`` (which runs its math backend: no fused CPU kernel takes a mask with a
-gradient), and prints the time of the backward and its peak extra memory (``VmHWM`` over the
-resident size before it, Linux; the bias's gradient included, the bias itself not).
+gradient), and prints the time of the backward, its peak extra memory (``VmHWM`` over the
+resident size before it, Linux; the bias's gradient included, the bias itself not) and the
+memory the forward left held for it (the resident size before the backward over that before
+the forward: o and lse for numbafa, the attention weights too for torch).
 """
 
 from __future__ import annotations
@@ -39,7 +44,31 @@ def _variants(h, s):
     bias = rng.standard_normal((1, h, s, s)).astype(np.float32)
     slopes = (2.0 ** -np.arange(1, h + 1)).astype(np.float32)
     return {"plain": {}, "softcap": dict(softcap=30.0), "alibi": dict(alibi_slopes=slopes),
-            "bias": dict(bias=bias), "bias+dbias": dict(bias=bias, return_dbias=True)}
+            "bias": dict(bias=bias), "bias+dbias": dict(bias=bias, return_dbias=True),
+            "shared+dbias": dict(bias=bias[:, :1], return_dbias=True)}
+
+
+def _prefaulted(call, shape):
+    """``call`` with numbafa's new ``dbias`` replaced by one zeroed buffer written before: the
+    kernel's cost without the page faults of a fresh S x S array (a measuring device: it
+    patches ``numbafa.kernels.bundles.make_scores`` for the call)."""
+    from numbafa.kernels import bundles
+
+    buffer = np.ones(shape, np.float32)
+    real = bundles.make_scores
+
+    def make_scores(prob, acc):
+        mods = real(prob, acc)
+        buffer.fill(0.0)
+        return mods._replace(dbias=buffer)
+
+    def run():
+        bundles.make_scores = make_scores
+        try:
+            return call()
+        finally:
+            bundles.make_scores = real
+    return run
 
 
 def _calls(dtype, h, s, d, causal):
@@ -57,6 +86,7 @@ def _calls(dtype, h, s, d, causal):
             "forward": lambda fwd_kw=fwd_kw, common=common: numbafa.attention_fwd(q, k, v, **common, **fwd_kw),
             "backward": lambda o=o, lse=lse, kw=kw, common=common: numbafa.attention_bwd(q, k, v, o, dy, lse,
                                                                                        **common, **kw)}
+    calls["bias+dbias (prefaulted)"] = {"backward": _prefaulted(calls["bias+dbias"]["backward"], (1, h, s, s))}
     return calls
 
 
@@ -70,7 +100,7 @@ def speed(args) -> dict:
     for dtype_name, dtype in DTYPES.items():
         calls = _calls(dtype, args.heads, args.seqlen, args.head_dim, not args.full)
         for pass_ in ("forward", "backward"):
-            names = [n for n in calls if not (pass_ == "forward" and n == "bias+dbias")]
+            names = [n for n in calls if pass_ in calls[n] and not (pass_ == "forward" and "dbias" in n)]
             times = {n: [] for n in names}
             for _ in range(args.repeats):
                 for n in names:
@@ -105,6 +135,7 @@ if impl == "numbafa":
     small = [np.ones((1, h, d, 256), np.float32)] * 3
     o, lse = numbafa.attention_fwd(*small, lse_layout="natural", use_causal_mask=causal, bias=bias[..., :256, :256])
     numbafa.attention_bwd(*small, o, small[0], lse, use_causal_mask=causal, bias=bias[..., :256, :256], return_dbias=True)
+    start = status("VmRSS")
     o, lse = numbafa.attention_fwd(q, k, v, lse_layout="natural", use_causal_mask=causal, bias=bias)
     run = lambda: numbafa.attention_bwd(q, k, v, o, dy, lse, use_causal_mask=causal, bias=bias, return_dbias=True)
 else:
@@ -116,6 +147,7 @@ else:
     if causal:
         mask = mask + torch.triu(torch.full((s, s), float("-inf")), 1)
     mask.requires_grad_()
+    start = status("VmRSS")
     out = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask)
     run = lambda: out.backward(tdy)
 with open("/proc/self/clear_refs", "w") as fh:
@@ -124,7 +156,7 @@ before = status("VmRSS")
 t0 = time.perf_counter()
 run()
 seconds = time.perf_counter() - t0
-print(json.dumps({"seconds": seconds, "peak_extra_bytes": status("VmHWM") - before}))
+print(json.dumps({"seconds": seconds, "peak_extra_bytes": status("VmHWM") - before, "held_bytes": before - start}))
 """
 
 
@@ -140,7 +172,8 @@ def versus_torch(args) -> list:
             result = json.loads(done.stdout.strip().splitlines()[-1])
             row[impl] = result
             print(f"S{s} h{args.heads} d{args.head_dim} {'full' if args.full else 'causal'} {impl}: backward "
-                  f"{result['seconds'] * 1e3:.0f} ms, peak extra {result['peak_extra_bytes'] / 2 ** 20:.0f} MiB")
+                  f"{result['seconds'] * 1e3:.0f} ms, peak extra {result['peak_extra_bytes'] / 2 ** 20:.0f} MiB, "
+                  f"held from the forward {result['held_bytes'] / 2 ** 20:.0f} MiB")
         rows.append(row)
     return rows
 
