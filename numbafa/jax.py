@@ -87,8 +87,10 @@ def _optional(*arrays):
     return [None if a is None else np.asarray(a) for a in arrays]
 
 
-def _host_fwd(static, q, k, v, sinks, bound_min, bound_max, bias, slopes):
+def _host_fwd(static, q, k, v, *options):
+    """The forward on the host; ``options`` the ``(sinks, bound_min, bound_max, bias, slopes)``."""
     causal, window, scale, layout, softcap = static
+    sinks, bound_min, bound_max, bias, slopes = options
     arrays = [np.asarray(x) for x in (q, k, v)] + _optional(sinks, bias, slopes)
     bounds = _optional(bound_min, bound_max)
     lead, calls = _fold(arrays, bounds, 4, loop=bias is not None or slopes is not None)
@@ -101,8 +103,10 @@ def _host_fwd(static, q, k, v, sinks, bound_min, bound_max, bias, slopes):
     return _unfold(lead, results)
 
 
-def _host_bwd(static, q, k, v, o, do, lse, sinks, bound_min, bound_max, bias, slopes):
+def _host_bwd(static, q, k, v, o, do, lse, *options):
+    """The backward on the host; ``options`` as :func:`_host_fwd`'s."""
     causal, window, scale, layout, softcap = static
+    sinks, bound_min, bound_max, bias, slopes = options
     arrays = [np.asarray(x) for x in (q, k, v, o, do, lse)] + _optional(sinks, bias, slopes)
     bounds = _optional(bound_min, bound_max)
     lead, calls = _fold(arrays, bounds, 4, loop=bias is not None or slopes is not None)

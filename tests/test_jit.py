@@ -80,7 +80,10 @@ PUBLIC_SIGNATURES = {
     "functional.py": {"attention"},
     "golden.py": {"attention_fwd", "attention_bwd", "attention_bwd_rounded"},
     "nb.py": {"plan", "attention_bwd"},
-    "torch.py": {"attention", "_attention_fwd", "_attention_fwd_fake", "_attention_bwd", "_attention_bwd_fake"},
+    "jax.py": {"attention"},
+    # the operators' schemas, and the Function that calls the backward operator with them
+    "torch.py": {"attention", "_attention_fwd", "_attention_fwd_fake", "_attention_bwd", "_attention_bwd_fake",
+                 "forward"},
 }
 
 
@@ -115,6 +118,9 @@ def test_the_exceptions_are_real():
     """Each listed public signature exists and does take more than 10 parameters."""
     for name, functions in PUBLIC_SIGNATURES.items():
         tree = ast.parse((PACKAGE / name).read_text())
-        sizes = {node.name: _size(node)[0] for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+        sizes = {}
+        for node in ast.walk(tree):   # (methods of different classes may share a name: the largest)
+            if isinstance(node, ast.FunctionDef):
+                sizes[node.name] = max(sizes.get(node.name, 0), _size(node)[0])
         for function in functions:
             assert sizes.get(function, 0) > 10, (name, function, sizes.get(function))
