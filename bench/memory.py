@@ -17,16 +17,19 @@ import json
 import subprocess
 import sys
 
-CHILD = r"""
-import json, sys
-import numpy as np
-
+#: The children's reader of ``/proc/self/status`` (Linux): ``status("VmRSS")`` in bytes.
+STATUS = r"""
 def status(field):
     for line in open("/proc/self/status"):
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(field)
+"""
 
+CHILD = r"""
+import json, sys
+import numpy as np
+""" + STATUS + r"""
 spec = json.loads(sys.argv[1])
 impl, s, d, dv, causal = spec["impl"], spec["seqlen"], spec["head_dim"], spec["head_dim_v"], spec["causal"]
 h, hkv = spec["heads"], spec["kv_heads"]

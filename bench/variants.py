@@ -36,6 +36,8 @@ import time
 import ml_dtypes
 import numpy as np
 
+from memory import STATUS
+
 DTYPES = {"float32": np.float32, "bf16": ml_dtypes.bfloat16}
 
 
@@ -117,13 +119,7 @@ def speed(args) -> dict:
 CHILD = r"""
 import json, sys, time
 import numpy as np
-
-def status(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
+""" + STATUS + r"""
 spec = json.loads(sys.argv[1])
 impl, s, d, h, causal = spec["impl"], spec["seqlen"], spec["head_dim"], spec["heads"], spec["causal"]
 rng = np.random.default_rng(0)

@@ -10,10 +10,10 @@ import pytest
 import numbafa
 from numbafa import golden
 
-from _budget import assert_faithful
+from _budget import assert_faithful, fp16_ulp
 from _problems import Case, forward_options, make_inputs
 from _tolerances import FLOAT32, FLOAT64, FP16_MIXED, MIN_IDENTICAL, MIN_IDENTICAL_FP16, assert_close
-from _budget import fp16_ulp
+from test_dropout import _finite_differences
 
 BF16 = ml_dtypes.bfloat16
 
@@ -152,19 +152,6 @@ def test_float16_is_faithful_and_accurate():
 def _loss(q, k, v, dy, **kw):
     o, _ = golden.attention_fwd(q, k, v, **kw)
     return float((o * dy).sum())
-
-
-def _finite_differences(x, f, h=1e-6):
-    grad = np.zeros_like(x)
-    for i in np.ndindex(x.shape):
-        old = x[i]
-        x[i] = old + h
-        up = f()
-        x[i] = old - h
-        down = f()
-        x[i] = old
-        grad[i] = (up - down) / (2 * h)
-    return grad
 
 
 def test_golden_gradients_match_finite_differences():
