@@ -1,79 +1,239 @@
-"""pytest-benchmark suite: forward and backward, float32 and bf16, per shape.
+"""pytest-benchmark suite: what users run, with figures that survive a noisy machine.
 
-Off in the normal test run (``testpaths = tests``); run with
+Not part of the unit tests (``testpaths = tests``). Record a run, compare later runs with it
+(docs/performance.md, "Tracking performance")::
 
-    python -m pytest bench --benchmark-enable
+    python -m pytest bench --benchmark-autosave                  # .benchmarks/<machine>/0001_*.json
+    python -m pytest bench --benchmark-autosave --benchmark-compare
+    python -m bench.track compare 0001 0002                      # robust figures; exit 1 on a regression
 
-Every benchmark is warmed up (JIT compile happens outside the timing) and
-records GFLOP/s in ``extra_info``. ``test_compile_time`` times a cold first
-call in a fresh process, i.e. compilation.
+``--numbafa-profile=quick`` runs tiny shapes (CI keeps the workflow alive with it). Every
+benchmark is warmed up first (compiles outside the timing) and records in ``extra_info``:
+
+* ``flops``, ``gflops`` (flash-attention's FLOP convention, ``shapes.flops``);
+* ``gemm_gflops``: the float32 GEMM's throughput at the kernels' tile shape (``[512, d] @
+  [d, 512]``, one thread, times numbafa's threads, best of 7), measured in the same process
+  right before and right after the timing (the larger counts); ``gemm_fraction``, the best
+  round's GFLOP/s over it, the kernel's
+  share of that ceiling: a slower (or busier) machine moves both, so the fraction moves far
+  less than the time;
+* ``torch_ratio``: torch's SDPA time on the same shape over numbafa's, measured right after
+  (where torch is installed and SDPA takes the shape's options);
+* ``source``, ``gemm_path``, ``threads``: numbafa's source hash and backend for this run.
+
+Cold compiles (a fresh process) and peak memory (``bench/memory.py``) record their figures
+in ``extra_info`` too (``first_calls_s``, ``peak_extra_bytes``).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
+import time
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 import numbafa
+from numbafa.layout import cu_seqlens_to_bounds
 
-from shapes import SHAPES, forward_flops, make_inputs
+from shapes import SHAPES, flops, make_inputs
 
-DTYPES = {"float32": np.float32, "bf16": ml_dtypes.bfloat16}
-ROUNDS = 5
+DTYPES = {"float32": np.float32, "bf16": ml_dtypes.bfloat16, "float16": np.float16, "float64": np.float64}
+
+#: Tiny shapes of the quick profile: the same families as the standard ones (MHA, GQA, MQA;
+#: full, causal, window, sinks, packing).
+QUICK_SHAPES = [
+    ("mha-s256-d32-full", 1, 2, 2, 256, 32, dict(use_causal_mask=False)),
+    ("gqa4/2-s256-d32-causal-window64-sinks", 1, 4, 2, 256, 32,
+     dict(use_causal_mask=True, sliding_window=64, sinks=1)),
+    ("mqa4/1-s256-d32-causal-packing", 1, 4, 1, 256, 32, dict(use_causal_mask=True, packing=(100, 156))),
+]
+#: Per profile: (shapes, dtypes on every shape, dtypes on the first shape only, rounds).
+PROFILES = {"full": (SHAPES, ("float32", "bf16"), ("float16", "float64"), 5),
+            "quick": (QUICK_SHAPES, ("float32", "bf16"), ("float16", "float64"), 9)}
+#: The score variants, on the first shape of the profile.
+VARIANTS = {"softcap": dict(softcap=30.0), "alibi": dict(alibi=True), "bias": dict(bias=True),
+            "bias+dbias": dict(bias=True, return_dbias=True)}
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
-@pytest.mark.parametrize("pass_", ["forward", "backward"])
-def test_attention(benchmark, pass_, shape, dtype):
-    name, bs, h, hkv, s, d, options = shape
+def _cases(kind):
+    """The parameters of every profile (selected at run time: :func:`_skip_other_profiles`)."""
+    cases = []
+    for profile, (shapes, dtypes, first_only, _) in PROFILES.items():
+        for i, shape in enumerate(shapes):
+            for dtype in dtypes + (first_only if i == 0 else ()):
+                cases.append(pytest.param(profile, shape, dtype, id=f"{profile}-{shape[0]}-{dtype}"))
+        if kind == "first":
+            cases = [c for c in cases if c.values[1] is shapes[0] and c.values[2] in dtypes]
+    return cases
+
+
+def _skip_other_profiles(request, profile_of_case):
+    if request.config.getoption("--numbafa-profile") != profile_of_case:
+        pytest.skip(f"in the {profile_of_case} profile (--numbafa-profile={profile_of_case})")
+
+
+def _inputs(shape, dtype, extra=None):
+    _, bs, h, hkv, s, d, options = shape
+    options = dict(options)
+    packing = options.pop("packing", None)
     q, k, v, dy, kw = make_inputs(bs, h, hkv, s, d, DTYPES[dtype], options)
     kw["mixed_precision"] = True
-    o, lse = numbafa.attention_fwd(q, k, v, **kw)        # also the warm-up (compile)
+    if packing:
+        cu = np.cumsum((0,) + tuple(packing))
+        kw["bound_min"], kw["bound_max"] = cu_seqlens_to_bounds(cu)
+    extra = dict(extra or {})
+    rng = np.random.default_rng(1)
+    if extra.pop("bias", False):
+        kw["bias"] = rng.standard_normal((1, h, s, s)).astype(np.float32)
+    if extra.pop("alibi", False):
+        kw["alibi_slopes"] = (2.0 ** -np.arange(1, h + 1)).astype(np.float32)
+    kw.update(extra)
+    return q, k, v, dy, kw
+
+
+def _gemm_gflops(d: int, tries: int = 7) -> float:
+    """float32 GEMM throughput at the kernels' tile shape ``[512, d] @ [d, 512]`` on one thread
+    (the best of ``tries`` timings of about 0.1 GFLOP each), times numbafa's threads (the
+    kernels run one single-threaded GEMM per thread)."""
+    from threadpoolctl import threadpool_limits
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((512, d), dtype=np.float32), rng.standard_normal((d, 512), dtype=np.float32)
+    out = np.empty((512, 512), np.float32)
+    with threadpool_limits(1):
+        np.matmul(a, b, out=out)
+        best, n = float("inf"), max(1, int(1e8 // (2 * 512 * 512 * d)))
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                np.matmul(a, b, out=out)
+            best = min(best, (time.perf_counter() - t0) / n)
+    return 2.0 * 512 * 512 * d / best / 1e9 * numbafa.backend_info()["threads"]
+
+
+def _torch_seconds(shape, dtype, pass_, rounds):
+    """Median time of torch's SDPA on ``shape`` (None without torch, or for options SDPA lacks)."""
+    if dtype not in ("float32", "bf16") or set(shape[6]) - {"use_causal_mask"}:
+        return None
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+    _, bs, h, hkv, s, d, options = shape
+    tdtype = torch.float32 if dtype == "float32" else torch.bfloat16
+    q = torch.randn(bs, h, s, d, dtype=tdtype, requires_grad=pass_ == "backward")
+    k, v = (torch.randn(bs, hkv, s, d, dtype=tdtype, requires_grad=pass_ == "backward") for _ in range(2))
+    causal = options.get("use_causal_mask", False)
+
+    def run():
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=h != hkv)
+        if pass_ == "backward":
+            o.backward(torch.ones_like(o))
+    run()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _run_info(benchmark, flop_count, d, shape=None, dtype=None, pass_=None, rounds=3, ceiling_before=0.0):
+    """The figures of ``extra_info`` (module docstring); call after the timing, with the GEMM
+    ceiling measured before it (``ceiling_before``: the larger of the two measurements counts,
+    noise only ever lowers one)."""
+    from numbafa.jit import source_hash
+
+    info = numbafa.backend_info()
+    benchmark.extra_info.update(source=source_hash(), gemm_path=info["gemm"]["path"], threads=info["threads"])
+    if benchmark.stats is None or flop_count is None:   # --benchmark-disable: no timing
+        return
+    # The best round against the best GEMM timing: a scheduler hiccup slows some rounds, never
+    # speeds one up (the median of a few sub-millisecond rounds moved 40 % between runs).
+    best = benchmark.stats.stats.min
+    gflops = flop_count / best / 1e9
+    ceiling = max(ceiling_before, _gemm_gflops(d))
+    benchmark.extra_info.update(flops=flop_count, gflops=gflops, gemm_gflops=ceiling, gemm_fraction=gflops / ceiling)
+    if shape is not None:
+        torch_s = _torch_seconds(shape, dtype, pass_, rounds)
+        if torch_s is not None:
+            benchmark.extra_info["torch_ratio"] = torch_s / benchmark.stats.stats.median
+
+
+def _bench_pass(benchmark, request, shape, dtype, pass_, extra=None, rounds=3):
+    """Time one pass of ``shape`` (with score ``extra`` options); record the figures."""
+    q, k, v, dy, kw = _inputs(shape, dtype, extra)
+    fwd_kw = {key: x for key, x in kw.items() if key != "return_dbias"}
+    o, lse = numbafa.attention_fwd(q, k, v, **fwd_kw)          # also the warm-up (compile)
     if pass_ == "forward":
         def run():
-            return numbafa.attention_fwd(q, k, v, **kw)
-        flops = forward_flops(bs, h, s, d, options)
+            return numbafa.attention_fwd(q, k, v, **fwd_kw)
     else:
         numbafa.attention_bwd(q, k, v, o, dy, lse, **kw)
 
         def run():
             return numbafa.attention_bwd(q, k, v, o, dy, lse, **kw)
-        flops = 2.5 * forward_flops(bs, h, s, d, options)
-    benchmark.group = f"{name} {pass_}"
-    benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=1)
-    if benchmark.stats is not None:   # None under --benchmark-disable
-        benchmark.extra_info["gflops"] = flops / benchmark.stats.stats.median / 1e9
-        benchmark.extra_info["flops"] = flops
+    _, bs, h, _, s, d, options = shape
+    ceiling = _gemm_gflops(d)
+    benchmark.pedantic(run, rounds=rounds, iterations=1, warmup_rounds=1)
+    _run_info(benchmark, flops(pass_, bs, h, s, d, options), d, None if extra else shape, dtype, pass_, rounds,
+              ceiling)
 
 
-DROPOUT_SHAPE = SHAPES[0]  # h8-s2048-d128-full, the issue's standard shape
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("dropout_p", [0.0, 0.1], ids=["p0", "p0.1"])
 @pytest.mark.parametrize("pass_", ["forward", "backward"])
-def test_dropout(benchmark, pass_, dropout_p, dtype):
-    """The cost of the dropout mask (its RNG): p = 0.1 against p = 0 in one group."""
-    name, bs, h, hkv, s, d, options = DROPOUT_SHAPE
-    q, k, v, dy, kw = make_inputs(bs, h, hkv, s, d, DTYPES[dtype], options)
-    kw.update(mixed_precision=True, dropout_p=dropout_p, seed=7)
-    o, lse = numbafa.attention_fwd(q, k, v, **kw)
-    if pass_ == "forward":
-        def run():
-            return numbafa.attention_fwd(q, k, v, **kw)
-    else:
-        numbafa.attention_bwd(q, k, v, o, dy, lse, **kw)
+@pytest.mark.parametrize("profile_of_case, shape, dtype", _cases("all"))
+def test_attention(benchmark, request, pass_, profile_of_case, shape, dtype):
+    _skip_other_profiles(request, profile_of_case)
+    benchmark.group = f"{shape[0]} {pass_}"
+    _bench_pass(benchmark, request, shape, dtype, pass_, rounds=PROFILES[profile_of_case][3])
 
-        def run():
-            return numbafa.attention_bwd(q, k, v, o, dy, lse, **kw)
-    benchmark.group = f"dropout {name} {dtype} {pass_}"
-    benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("pass_", ["forward", "backward"])
+@pytest.mark.parametrize("profile_of_case, shape, dtype", _cases("first"))
+def test_score_variants(benchmark, request, pass_, variant, profile_of_case, shape, dtype):
+    """Each score variant on the profile's first shape (compare with test_attention's plain call)."""
+    _skip_other_profiles(request, profile_of_case)
+    if pass_ == "forward" and variant == "bias+dbias":
+        pytest.skip("dbias is the backward's")
+    benchmark.group = f"variants {shape[0]} {dtype} {pass_}"
+    _bench_pass(benchmark, request, shape, dtype, pass_, VARIANTS[variant], rounds=PROFILES[profile_of_case][3])
+
+
+@pytest.mark.parametrize("pass_", ["forward", "backward"])
+@pytest.mark.parametrize("profile_of_case, shape, dtype", _cases("first"))
+def test_dropout(benchmark, request, pass_, profile_of_case, shape, dtype):
+    """Attention dropout p = 0.1 on the profile's first shape (its cost: the mask's RNG)."""
+    _skip_other_profiles(request, profile_of_case)
+    benchmark.group = f"dropout {shape[0]} {dtype} {pass_}"
+    _bench_pass(benchmark, request, shape, dtype, pass_, dict(dropout_p=0.1, seed=7),
+                rounds=PROFILES[profile_of_case][3])
+
+
+@pytest.mark.parametrize("profile_of_case", list(PROFILES))
+def test_torch_adapter(benchmark, request, profile_of_case):
+    """numbafa.torch.attention forward and backward through autograd (float32, causal)."""
+    _skip_other_profiles(request, profile_of_case)
+    torch = pytest.importorskip("torch")
+    import numbafa.torch as nt
+
+    _, bs, h, hkv, s, d, _ = PROFILES[profile_of_case][0][0]
+    q = torch.randn(bs, h, s, d, requires_grad=True)
+    k, v = (torch.randn(bs, hkv, s, d, requires_grad=True) for _ in range(2))
+
+    def step():
+        nt.attention(q, k, v, causal=True).sum().backward()
+    step()
+    benchmark.group = "torch adapter"
+    benchmark.pedantic(step, rounds=PROFILES[profile_of_case][3], iterations=1, warmup_rounds=1)
+    causal = dict(use_causal_mask=True)
+    _run_info(benchmark, flops("forward", bs, h, s, d, causal) + flops("backward", bs, h, s, d, causal), d)
 
 
 COLD_CALL = """
@@ -90,12 +250,15 @@ print(t1 - t0, time.perf_counter() - t1)
 
 @pytest.mark.parametrize("cache", ["0", "1"], ids=["cold-compile", "from-disk-cache"])
 @pytest.mark.parametrize("dtype", ["np.float32", "ml_dtypes.bfloat16"])
-def test_compile_time(benchmark, dtype, cache):
+def test_compile_time(benchmark, request, dtype, cache):
     """Import + first forward and backward call in a fresh process (tiny shape: ~all compile).
 
     ``NUMBAFA_CACHE=0`` times compilation; ``1`` (after one warm-up process that fills
-    the cache) times loading the compiled kernels from disk.
+    the cache) times loading the compiled kernels from disk. The quick profile loads float32's
+    kernels only.
     """
+    if request.config.getoption("--numbafa-profile") == "quick" and (cache == "0" or "bfloat16" in dtype):
+        pytest.skip("the quick profile loads float32's kernels from the disk cache only")
     env = dict(os.environ, NUMBAFA_CACHE=cache)
 
     def cold():
@@ -107,3 +270,19 @@ def test_compile_time(benchmark, dtype, cache):
     benchmark.group = "compile"
     result = benchmark.pedantic(cold, rounds=1, iterations=1, warmup_rounds=1 if cache == "1" else 0)
     benchmark.extra_info["import_s"], benchmark.extra_info["first_calls_s"] = result
+    _run_info(benchmark, None, 0)
+
+
+@pytest.mark.parametrize("profile_of_case", list(PROFILES))
+def test_peak_memory(benchmark, request, profile_of_case):
+    """Peak extra memory of one float32 causal backward in a fresh process (``bench/memory.py``):
+    ``extra_info["peak_extra_bytes"]``."""
+    _skip_other_profiles(request, profile_of_case)
+    from memory import measure
+
+    seqlen = 4096 if profile_of_case == "full" else 2048
+    benchmark.group = "memory"
+    result = benchmark.pedantic(lambda: measure("numbafa", seqlen, 64, True, heads=2, kv_heads=1),
+                                rounds=1, iterations=1)
+    benchmark.extra_info.update(seqlen=seqlen, peak_extra_bytes=int(result))
+    _run_info(benchmark, None, 0)
