@@ -12,11 +12,10 @@ benchmark is warmed up first (compiles outside the timing) and records in ``extr
 
 * ``flops``, ``gflops`` (flash-attention's FLOP convention, ``shapes.flops``);
 * ``gemm_gflops``: the float32 GEMM's throughput at the kernels' tile shape (``[512, d] @
-  [d, 512]``, one thread, times numbafa's threads, best of 7), measured in the same process
-  right before and right after the timing (the larger counts); ``gemm_fraction``, the best
-  round's GFLOP/s over it, the kernel's
-  share of that ceiling: a slower (or busier) machine moves both, so the fraction moves far
-  less than the time;
+  [d, 512]``, one single-threaded stream per numbafa thread at once, ~20 ms), measured right
+  before every round (the median is kept); ``gemm_fraction``, the median over the rounds of
+  the round's GFLOP/s over the ceiling measured just before it: the kernel's share of the
+  GEMM ceiling, round by round, so that a slower (or busier) moment moves both;
 * ``torch_ratio``: torch's SDPA time on the same shape over numbafa's, measured right after
   (where torch is installed and SDPA takes the shape's options);
 * ``source``, ``gemm_path``, ``threads``: numbafa's source hash and backend for this run.
@@ -96,24 +95,30 @@ def _inputs(shape, dtype, extra=None):
     return q, k, v, dy, kw
 
 
-def _gemm_gflops(d: int, tries: int = 7) -> float:
-    """float32 GEMM throughput at the kernels' tile shape ``[512, d] @ [d, 512]`` on one thread
-    (the best of ``tries`` timings of about 0.1 GFLOP each), times numbafa's threads (the
-    kernels run one single-threaded GEMM per thread)."""
+def _gemm_gflops(d: int) -> float:
+    """The float32 GEMM's throughput at the kernels' tile shape ``[512, d] @ [d, 512]``, one
+    single-threaded GEMM stream per numbafa thread at once (as the kernels run them), 1 GFLOP
+    each: GFLOP/s of all streams together."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from threadpoolctl import threadpool_limits
 
+    threads = numbafa.backend_info()["threads"]
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((512, d), dtype=np.float32), rng.standard_normal((d, 512), dtype=np.float32)
-    out = np.empty((512, 512), np.float32)
-    with threadpool_limits(1):
-        np.matmul(a, b, out=out)
-        best, n = float("inf"), max(1, int(1e8 // (2 * 512 * 512 * d)))
-        for _ in range(tries):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                np.matmul(a, b, out=out)
-            best = min(best, (time.perf_counter() - t0) / n)
-    return 2.0 * 512 * 512 * d / best / 1e9 * numbafa.backend_info()["threads"]
+    n = max(1, int(1e9 // (2 * 512 * 512 * d)))            # 1 GFLOP per stream: ~10-20 ms
+
+    def stream(_):
+        out = np.empty((512, 512), np.float32)
+        for _ in range(n):
+            np.matmul(a, b, out=out)
+
+    with threadpool_limits(1), ThreadPoolExecutor(threads) as pool:
+        list(pool.map(stream, range(threads)))               # warm
+        t0 = time.perf_counter()
+        list(pool.map(stream, range(threads)))
+        seconds = time.perf_counter() - t0
+    return 2.0 * 512 * 512 * d * n * threads / seconds / 1e9
 
 
 def _torch_seconds(shape, dtype, pass_, rounds):
@@ -144,26 +149,36 @@ def _torch_seconds(shape, dtype, pass_, rounds):
     return statistics.median(times)
 
 
-def _run_info(benchmark, flop_count, d, shape=None, dtype=None, pass_=None, rounds=3, ceiling_before=0.0):
+def _run_info(benchmark, flop_count, d, shape=None, dtype=None, pass_=None, rounds=3, ceilings=()):
     """The figures of ``extra_info`` (module docstring); call after the timing, with the GEMM
-    ceiling measured before it (``ceiling_before``: the larger of the two measurements counts,
-    noise only ever lowers one)."""
+    ceilings measured before each round (``ceilings``, :func:`_with_ceilings`)."""
     from numbafa.jit import source_hash
 
     info = numbafa.backend_info()
     benchmark.extra_info.update(source=source_hash(), gemm_path=info["gemm"]["path"], threads=info["threads"])
     if benchmark.stats is None or flop_count is None:   # --benchmark-disable: no timing
         return
-    # The best round against the best GEMM timing: a scheduler hiccup slows some rounds, never
-    # speeds one up (the median of a few sub-millisecond rounds moved 40 % between runs).
-    best = benchmark.stats.stats.min
-    gflops = flop_count / best / 1e9
-    ceiling = max(ceiling_before, _gemm_gflops(d))
-    benchmark.extra_info.update(flops=flop_count, gflops=gflops, gemm_gflops=ceiling, gemm_fraction=gflops / ceiling)
+    times = list(benchmark.stats.stats.data)
+    ceilings = list(ceilings)[-len(times):] or [_gemm_gflops(d)] * len(times)
+    fractions = [flop_count / t / 1e9 / c for t, c in zip(times, ceilings)]
+    benchmark.extra_info.update(flops=flop_count, gflops=flop_count / benchmark.stats.stats.median / 1e9,
+                                gemm_gflops=statistics.median(ceilings), gemm_fraction=statistics.median(fractions))
     if shape is not None:
         torch_s = _torch_seconds(shape, dtype, pass_, rounds)
         if torch_s is not None:
             benchmark.extra_info["torch_ratio"] = torch_s / benchmark.stats.stats.median
+
+
+def _with_ceilings(benchmark, run, d, rounds):
+    """Time ``run`` over ``rounds`` rounds, the GEMM ceiling (:func:`_gemm_gflops`) measured
+    right before each (pedantic's untimed setup): each round's time is judged against the
+    machine as it was then. Returns the ceilings (the warm-up round's first)."""
+    ceilings = []
+
+    def setup():
+        ceilings.append(_gemm_gflops(d))
+    benchmark.pedantic(run, setup=setup, rounds=rounds, iterations=1, warmup_rounds=1)
+    return ceilings
 
 
 def _bench_pass(benchmark, request, shape, dtype, pass_, extra=None, rounds=3):
@@ -180,10 +195,9 @@ def _bench_pass(benchmark, request, shape, dtype, pass_, extra=None, rounds=3):
         def run():
             return numbafa.attention_bwd(q, k, v, o, dy, lse, **kw)
     _, bs, h, _, s, d, options = shape
-    ceiling = _gemm_gflops(d)
-    benchmark.pedantic(run, rounds=rounds, iterations=1, warmup_rounds=1)
+    ceilings = _with_ceilings(benchmark, run, d, rounds)
     _run_info(benchmark, flops(pass_, bs, h, s, d, options), d, None if extra else shape, dtype, pass_, rounds,
-              ceiling)
+              ceilings)
 
 
 @pytest.mark.parametrize("pass_", ["forward", "backward"])
@@ -231,9 +245,10 @@ def test_torch_adapter(benchmark, request, profile_of_case):
         nt.attention(q, k, v, causal=True).sum().backward()
     step()
     benchmark.group = "torch adapter"
-    benchmark.pedantic(step, rounds=PROFILES[profile_of_case][3], iterations=1, warmup_rounds=1)
+    ceilings = _with_ceilings(benchmark, step, d, PROFILES[profile_of_case][3])
     causal = dict(use_causal_mask=True)
-    _run_info(benchmark, flops("forward", bs, h, s, d, causal) + flops("backward", bs, h, s, d, causal), d)
+    _run_info(benchmark, flops("forward", bs, h, s, d, causal) + flops("backward", bs, h, s, d, causal), d,
+              ceilings=ceilings)
 
 
 COLD_CALL = """
