@@ -112,7 +112,7 @@ def plot(storage: pathlib.Path, match: str, out: pathlib.Path) -> int:
         xs, ys = zip(*points)
         ax.plot(xs, ys, marker="o", label=f"{name.split('::')[-1]} ({key})")
     ax.set_xticks(range(len(runs)))
-    ax.set_xticklabels([p.name.split("_")[0] for p in runs], rotation=45, fontsize=7)
+    ax.set_xticklabels([" ".join(p.stem.split("_")[:2])[:20] for p in runs], rotation=30, fontsize=7)
     ax.set_xlabel("saved run")
     ax.set_ylabel("figure (gemm_fraction: higher is better)")
     ax.set_title(f"numbafa benchmarks matching {match!r}")
