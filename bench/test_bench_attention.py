@@ -39,20 +39,21 @@ import pytest
 import numbafa
 from numbafa.layout import cu_seqlens_to_bounds
 
-from shapes import SHAPES, flops, make_inputs
+from shapes import HEAD_DIM_SHAPES, SHAPES, flops, make_inputs
 
 DTYPES = {"float32": np.float32, "bf16": ml_dtypes.bfloat16, "float16": np.float16, "float64": np.float64}
 
 #: Tiny shapes of the quick profile: the same families as the standard ones (MHA, GQA, MQA;
-#: full, causal, window, sinks, packing).
+#: full, causal, window, sinks, packing; a value head dim of its own).
 QUICK_SHAPES = [
     ("mha-s256-d32-full", 1, 2, 2, 256, 32, dict(use_causal_mask=False)),
     ("gqa4/2-s256-d32-causal-window64-sinks", 1, 4, 2, 256, 32,
      dict(use_causal_mask=True, sliding_window=64, sinks=1)),
     ("mqa4/1-s256-d32-causal-packing", 1, 4, 1, 256, 32, dict(use_causal_mask=True, packing=(100, 156))),
+    ("mla-s256-d48-dv32-causal", 1, 2, 2, 256, 48, dict(use_causal_mask=True, head_dim_v=32)),
 ]
 #: Per profile: (shapes, dtypes on every shape, dtypes on the first shape only, rounds).
-PROFILES = {"full": (SHAPES, ("float32", "bf16"), ("float16", "float64"), 5),
+PROFILES = {"full": (SHAPES + HEAD_DIM_SHAPES[:1], ("float32", "bf16"), ("float16", "float64"), 5),
             "quick": (QUICK_SHAPES, ("float32", "bf16"), ("float16", "float64"), 9)}
 #: The score variants, on the first shape of the profile.
 VARIANTS = {"softcap": dict(softcap=30.0), "alibi": dict(alibi=True), "bias": dict(bias=True),
