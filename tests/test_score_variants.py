@@ -114,7 +114,7 @@ def test_float32_forward_and_backward_match_the_golden(name):
 
 @pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "not-mixed"])
 @pytest.mark.parametrize("name", ["softcap-causal-gqa", "bias-per-head-shared-batch", "bias-keypad-inf-mqa-sinks",
-                                  "alibi-causal-packing", "all-dropout"])
+                                  "alibi-causal-packing", "all-sinks-dv"])
 def test_bf16_is_faithful_to_the_numerics_golden(name, mixed):
     """The rounding points of the bf16 kernels are unchanged; the variants work on the float32
     score tile and dS is rounded again after the soft cap's factor (docs/numerics.md)."""
