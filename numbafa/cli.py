@@ -57,7 +57,7 @@ Forward + backward of numbafa's flash attention on a built-in default shape,
 timed and checked against the float64 golden."""
 
 #: The measured cold compile (docs/performance.md, "Compile time"), for the epilog and the notice.
-COMPILE_TIME = ("15-25 s of CPU for float32's forward and backward, 9-14 s more for bf16 in the "
+COMPILE_TIME = ("15-26 s of CPU for float32's forward and backward, 9-14 s more for bf16 in the "
                 "same process (a 2-core AMD EPYC Zen 3, release 0.1.0)")
 
 EPILOG = "example: numbafa --seqlen 4096 --head-dim 64 --dtype bf16 --json\n\n" + textwrap.fill(

@@ -9,7 +9,7 @@ change them, set the environment variables below *before* ``import numbafa``.
 
 The kernel cache
 ----------------
-A cold first call compiles the kernels of its dtype (15-25 s of CPU for
+A cold first call compiles the kernels of its dtype (15-26 s of CPU for
 float32's forward and backward on a 2-core AMD EPYC Zen 3, release 0.1.0;
 README); with the on-disk cache, a later process loads them in 0.3-0.6 s.
 Compiled code is kept in::
@@ -216,7 +216,7 @@ def _resolve_cache() -> _CacheConfig:
                 if new:
                     _prune(root, directory)
                 return _CacheConfig(True, directory, f"from {origin}", digest)
-    warnings.warn(f"numbafa: kernels are compiled in every process (15-25 s of CPU for float32's "
+    warnings.warn(f"numbafa: kernels are compiled in every process (15-26 s of CPU for float32's "
                   f"forward and backward on a 2-core AMD EPYC Zen 3): {reason}", CacheWarning, stacklevel=2)
     return _CacheConfig(False, None, reason)
 

@@ -23,7 +23,7 @@ Compile announcement
 --------------------
 The first call of a kernel for a dtype compiles it unless the on-disk cache
 (:mod:`numbafa.jit`) holds it. On a 2-core AMD EPYC Zen 3 (release 0.1.0,
-2026-12-03) float32's forward and backward take 15-25 s of CPU together,
+2026-12-03) float32's forward and backward take 15-26 s of CPU together,
 about half each; a later kernel or dtype in the same process takes less
 (bf16's forward 3 s and backward 6 s after float32's), and the backward's
 sinks code, compiled at its first call with sinks and not announced apart,
@@ -56,7 +56,7 @@ __all__ = ["kernel_call"]
 logger = logging.getLogger("numbafa")
 
 #: The measured cold compile (docs/performance.md, "Compile time"), in the announcement.
-COMPILE_TIME = ("float32's forward and backward take 15-25 s of CPU together on a 2-core AMD EPYC Zen 3, "
+COMPILE_TIME = ("float32's forward and backward take 15-26 s of CPU together on a 2-core AMD EPYC Zen 3, "
                 "release 0.1.0; a later kernel or dtype less")
 
 class _CompileAnnouncer(event.Listener):
