@@ -53,7 +53,7 @@ from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs
 from .kernels.dropout import with_origin
 from .kernels.launch import needs_finish
 from .kernels.loops import group_rows, n_q_groups, owns_group
-from .kernels.scores import n_backward_items
+from .kernels.scores import n_backward_items, serial_flags
 from .onednn import gemm_path
 from .options import KERNEL_CALLER, AttentionOptions
 from .ranges import in_range, unscaled_output
@@ -101,9 +101,8 @@ def block_scores(scores, batches: slice, heads: slice, nheads_kv: int):
         alibi = np.ascontiguousarray(alibi[_slice_of(alibi, 0, batches), heads])
     dbias = np.zeros(bias.shape if scores.dbias.size else (0, 0, 0, 0), dtype=scores.dbias.dtype)
     nb = len(range(*batches.indices(1 << 62)))
-    return scores._replace(bias=bias, alibi=alibi, dbias=dbias,
-                           serial_batch=bool(dbias.size and bias.shape[0] == 1 and nb > 1),
-                           serial_heads=bool(dbias.size and bias.shape[1] == 1 and nheads_kv > 1))
+    serial_batch, serial_heads = serial_flags(dbias, nb, nheads_kv)
+    return scores._replace(bias=bias, alibi=alibi, dbias=dbias, serial_batch=serial_batch, serial_heads=serial_heads)
 
 
 def owned_rows(seqlen_q: int, tiling, chunk: int):

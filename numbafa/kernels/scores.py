@@ -48,7 +48,7 @@ from ..dtypes import round_inplace_if
 from ..jit import jit
 from .fastexp import tanh_of
 
-__all__ = ["ScoreMods", "make_scores", "modify_scores", "modify_scores_t", "score_gradients",
+__all__ = ["ScoreMods", "make_scores", "serial_flags", "modify_scores", "modify_scores_t", "score_gradients",
            "item_units", "n_backward_items", "score_scratch_size"]
 
 #: The score variants of one call: ``softcap``/``inv_softcap`` (accumulator dtype; 0 and 0: none),
@@ -72,10 +72,16 @@ def make_scores(prob, acc):
     alibi = prob.alibi if prob.alibi is not None else np.zeros((0, 0), dtype=acc)
     dbias = np.zeros(bias.shape if prob.return_dbias else (0, 0, 0, 0), dtype=acc)
     cap = float(prob.softcap)
-    serial_batch = bool(prob.return_dbias and bias.shape[0] == 1 and bs > 1)
-    serial_heads = bool(prob.return_dbias and bias.shape[1] == 1 and nheads_kv > 1)
     return ScoreMods(acc.type(cap), acc.type(1.0 / cap if cap else 0.0), bias, alibi, int(seqlen_k - seqlen_q),
-                     dbias, serial_batch, serial_heads)
+                     dbias, *serial_flags(dbias, bs, nheads_kv))
+
+
+def serial_flags(dbias, bs: int, nheads_kv: int) -> tuple:
+    """``(serial_batch, serial_heads)`` of a :data:`ScoreMods` whose ``dbias`` (size 0: not asked
+    for) is shared by the ``bs`` batches (its batch dim 1) or the ``nheads_kv`` KV heads (its
+    head dim 1) of the arrays it is run with (module docstring)."""
+    wanted = dbias.size > 0
+    return bool(wanted and dbias.shape[0] == 1 and bs > 1), bool(wanted and dbias.shape[1] == 1 and nheads_kv > 1)
 
 
 def n_backward_items(bs: int, nheads_kv: int, q_chunks: int, scores) -> int:
