@@ -16,6 +16,8 @@ layout
     cu_seqlens -> packing bounds, CTE checkpoint -> lse.
 backend_info
     Which BLAS, thread count and arithmetic the kernels use on this machine.
+forced_gemm_path
+    ``with numbafa.forced_gemm_path("blas"):`` runs the calls in the block on one GEMM path.
 golden
     Textbook float64 NumPy references (slow, O(S^2) memory) used by the tests.
 """
@@ -23,8 +25,10 @@ golden
 from . import golden, layout
 from .api import attention_bwd, attention_fwd, dropout_mask
 from .info import backend_info
+from .onednn import forced_gemm_path
 from .functional import AttentionContext, attention
 from .version import __version__
 
 __all__ = ["attention", "AttentionContext", "attention_fwd", "attention_bwd", "backend_info", "dropout_mask",
+           "forced_gemm_path",
            "golden", "layout", "__version__"]

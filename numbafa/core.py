@@ -167,8 +167,9 @@ def _signature(prob, plan) -> tuple:
     build (:func:`~numbafa.kernels.launch.work_item_address`): their arrays are the
     validated ones (C-contiguous, aligned, of a writable type: :func:`numbafa.validation.kernel_view`)
     or new float32 ones of fixed ranks, so only the input dtype, the plan's dropout and score
-    variants (each ``None`` or a bundle of fixed types) vary; the GEMM path is the process's."""
-    return ("core", prob.dtype, plan.dropout is None, plan.scores is None)
+    variants (each ``None`` or a bundle of fixed types) and its GEMM path (its marker and operand
+    dtype, :func:`numbafa.onednn.active_gemm_path`) vary."""
+    return ("core", prob.dtype, plan.dropout is None, plan.scores is None, plan.gemm is None, plan.operand.dtype.char)
 
 
 def attention_fwd(q, k, v, options: AttentionOptions, caller: Caller, lse_layout: str = "natural"):

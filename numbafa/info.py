@@ -15,7 +15,7 @@ import scipy
 from .blas import blas_controller
 from .cpu import cpu_flags, cpu_model
 from .jit import cache_info
-from .onednn import gemm_path
+from .onednn import bf16_units, gemm_path
 from .version import __version__
 
 __all__ = ["backend_info"]
@@ -30,7 +30,8 @@ def backend_info() -> dict:
         How tile matmuls are computed (:mod:`numbafa.kernels.matmul`):
         the ``path`` (``"onednn"`` or ``"blas"``) and the ``reason`` it was
         chosen (:func:`numbafa.onednn.gemm_path`: ``NUMBAFA_GEMM``, the
-        CPU's bf16 units, oneDNN installed); ``path`` is None, and ``reason``
+        CPU's bf16 units, oneDNN installed; :func:`numbafa.forced_gemm_path` changes it for
+        the calls of a block, not this report); ``path`` is None, and ``reason``
         the error the kernels would raise, when ``NUMBAFA_GEMM`` names a path
         that cannot run here.
     ``float32``, ``bfloat16``, ``float16``, ``float64``
@@ -78,8 +79,9 @@ def backend_info() -> dict:
         "float32": ("float32 tiles, oneDNN dnnl_sgemm, float32 accumulation" if path == "onednn" else
                     "float32 tiles, sgemm (numba_xxgemm -> scipy.linalg.cython_blas), float32 accumulation"),
         "bfloat16": ("bf16 tiles, oneDNN dnnl_gemm_bf16bf16f32 on the bf16 units, float32 accumulation"
-                     if path == "onednn" else
-                     "bf16 values in float32 tiles, sgemm: exact bf16 products, float32 accumulation"),
+                     if path == "onednn" and bf16_units() else
+                     "bf16 values in float32 tiles, " + ("oneDNN dnnl_sgemm" if path == "onednn" else "sgemm")
+                     + ": exact bf16 products, float32 accumulation"),
         "float16": ("fp16 values in float32 tiles, " + ("oneDNN dnnl_sgemm" if path == "onednn" else "sgemm")
                     + ": exact fp16 products, float32 accumulation (no fp16 GEMM units used)"),
         "float64": "float64 tiles, dgemm (numba_xxgemm -> scipy.linalg.cython_blas), float64 accumulation",

@@ -267,7 +267,7 @@ def _warn_once(key, message: str) -> None:
 
 # -- the cache classes ------------------------------------------------------------------------
 
-_MAGIC = b"numbafa-cache-3\n"
+_MAGIC = b"numbafa-cache-4\n"
 
 
 class _CorruptCacheFile(Exception):
@@ -323,8 +323,10 @@ class _CacheImpl(_CompileResultCacheImpl):
     """Numba's compile-result serialisation with :class:`_Locator` (no locator search).
 
     A compile result is stored with the cells of the apart functions its code calls
-    (:func:`numbafa.linking.cells_of`); loading it first loads those functions and fills their
-    cells (:func:`numbafa.linking.ensure_cells`), so its machine code finds every symbol.
+    (:func:`numbafa.linking.cells_of`) and the oneDNN functions it calls
+    (:func:`numbafa.linking.external_symbols`); loading it first loads oneDNN
+    (:func:`numbafa.onednn.load_library`) and those apart functions, and fills their cells
+    (:func:`numbafa.linking.ensure_cells`), so its machine code finds every symbol.
     """
 
     def __init__(self, py_func):
@@ -336,10 +338,17 @@ class _CacheImpl(_CompileResultCacheImpl):
         self._filename_base = self.get_filename_base(f"{modname}.{qualname}", getattr(sys, "abiflags", ""))
 
     def reduce(self, cres):
-        return linking.cells_of(cres.library), super().reduce(cres)
+        return linking.cells_of(cres.library), linking.external_symbols(cres.library, "dnnl_"), super().reduce(cres)
 
     def rebuild(self, target_context, payload):
-        cells, reduced = payload
+        cells, onednn_symbols, reduced = payload
+        if onednn_symbols:
+            # Machine code compiled for the oneDNN path calls its symbols: they must exist before it
+            # is linked, in any process, whatever it ran before, or LLVM aborts the process.
+            from .onednn import load_library
+            if not load_library():
+                raise RuntimeError(f"this cached code calls oneDNN ({', '.join(onednn_symbols)}), which "
+                                   f"cannot be loaded in this process")
         linking.ensure_cells(cells)
         cres = super().rebuild(target_context, reduced)
         # Numba runs a loaded entry's reload hooks (a parallel function's: start the threading

@@ -49,7 +49,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = ["Apart", "apart", "native_address", "call_status", "call_or_raise", "pack", "unpack",
-           "cells_of", "ensure_cells", "CELL_PREFIX"]
+           "cells_of", "external_symbols", "ensure_cells", "CELL_PREFIX"]
 
 #: Name prefix of the cells (pointer-sized globals) through which apart functions are called.
 CELL_PREFIX = "numbafa.apart$"
@@ -233,6 +233,16 @@ def cells_of(library) -> list:
                 apart, argtys = _cells[gv.name][1:3]
                 found.append((apart.__module__, apart.__qualname__, argtys))
     return found
+
+
+def external_symbols(library, prefix: str) -> list:
+    """The names, starting with ``prefix``, of the external functions a finalized code library
+    calls (declared, not defined in it): e.g. oneDNN's ``dnnl_sgemm``, which must be loaded
+    before the library's machine code is linked (:mod:`numbafa.jit`)."""
+    module = getattr(library, "_final_module", None)
+    if module is None:
+        return []
+    return sorted(f.name for f in module.functions if f.is_declaration and f.name.startswith(prefix))
 
 
 def ensure_cells(cells) -> None:

@@ -11,7 +11,7 @@ Two paths compute the kernels' products (:mod:`numbafa.kernels.matmul`):
     (AVX512_BF16 or AMX), accumulating in float32: about twice sgemm's
     throughput per core on AVX512_BF16. float32 inputs take oneDNN's
     ``dnnl_sgemm``, 6-13 % faster per core than OpenBLAS on the kernels'
-    tile shapes on Zen 4 (docs/performance.md). The path is taken only
+    tile shapes on Zen 4 (docs/performance.md). ``auto`` takes the path only
     where the CPU has bf16 units: on an AVX2 CPU (Zen 3) oneDNN's sgemm was
     a quarter slower than OpenBLAS on the score GEMMs and 5-10 % faster on
     the gradient GEMMs, no gain overall, so those CPUs keep BLAS.
@@ -19,15 +19,28 @@ Two paths compute the kernels' products (:mod:`numbafa.kernels.matmul`):
 The path is chosen once per process by :func:`gemm_path`: ``NUMBAFA_GEMM``
 (``auto``, the default; ``onednn``; ``blas``) and the CPU. ``auto`` takes
 oneDNN where the CPU has bf16 units and the library (PyPI
-``onednn-cpu-gomp``, a default dependency on Linux x86-64) loads; forcing
-``onednn`` where it cannot run raises a ``RuntimeError`` that says why.
+``onednn-cpu-gomp``, a default dependency on Linux x86-64) loads. ``onednn``
+forces it wherever the library loads: on a CPU without bf16 units float32
+tiles take ``dnnl_sgemm`` and bf16 inputs are widened into float32 tiles
+(oneDNN's bf16 GEMM needs the units). Forcing it where the library cannot
+load raises a ``RuntimeError`` that says why.
+
+:func:`forced_gemm_path` (``numbafa.forced_gemm_path``) runs the calls of a
+``with`` block on a given path, whatever the process's: a context variable,
+so other threads (and asyncio tasks) keep theirs. The path is part of what
+a plan is made and remembered for (:func:`active_gemm_path`), so a call
+inside the block never reuses a plan of the other path.
 
 oneDNN is reached by symbol name (``numba.types.ExternalFunction``), like
 BLAS, so the kernels stay cacheable; the library is loaded process-wide
-(``llvmlite.binding.load_library_permanently``) before a kernel that uses it
-is compiled or loaded. oneDNN parallelises a GEMM with OpenMP; each call runs
-single-threaded inside a work item (:mod:`numbafa.kernels.matmul` sets the
-calling thread's OpenMP thread count to 1 around it and restores it).
+(``llvmlite.binding.load_library_permanently``, :func:`load_library`) before
+any package kernel is compiled against it or loaded from the disk cache
+(``numbafa.jit`` loads it before every cached entry, so that machine code
+referring to its symbols always finds them, in any process: a Dask worker
+whose first act is to run a cached kernel included). oneDNN parallelises a
+GEMM with OpenMP; each call runs single-threaded inside a work item
+(:mod:`numbafa.kernels.matmul` sets the calling thread's OpenMP thread
+count to 1 around it and restores it).
 
 Numerics: the bf16 units multiply bf16 exactly and accumulate in float32
 (pairwise, in their own order) and flush bf16 subnormals (below 1.2e-38) to
@@ -37,14 +50,18 @@ zero: differences of float32 summation order, like another BLAS kernel's
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 import pathlib
 import sys
+import threading
 
 from .cpu import cpu_flags
 
-__all__ = ["gemm_path", "choose_gemm_path", "library_path", "GEMM_PATHS"]
+__all__ = ["gemm_path", "choose_gemm_path", "library_path", "GEMM_PATHS", "forced_gemm_path",
+           "active_gemm_path", "bf16_units", "load_library"]
 
 #: Values of ``NUMBAFA_GEMM``.
 GEMM_PATHS = ("auto", "onednn", "blas")
@@ -63,6 +80,44 @@ def library_path():
             path = pathlib.Path(dist.locate_file(file)).resolve()
             if path.exists():
                 return str(path)
+    return None
+
+
+def bf16_units(flags=None) -> list:
+    """The CPU's bf16 units among ``avx512_bf16`` and ``amx_bf16`` (``flags``: the CPU's feature
+    flags; None: this CPU's, and only if oneDNN's bf16 GEMM runs on them here, which
+    ``ONEDNN_MAX_CPU_ISA`` may forbid), sorted; empty where there are none (or they are unknown)."""
+    if flags is not None:
+        return sorted(set(flags) & set(_BF16_UNITS))
+    units = sorted(set(cpu_flags() or ()) & set(_BF16_UNITS))
+    return units if units and _bf16_gemm_runs() else []
+
+
+@functools.lru_cache(maxsize=1)
+def _bf16_gemm_runs() -> bool:
+    """Whether oneDNN's ``dnnl_gemm_bf16bf16f32`` computes a 1 x 1 x 1 product here (oneDNN
+    says "unimplemented" where it may not use the bf16 units, e.g. ``ONEDNN_MAX_CPU_ISA=AVX2``)."""
+    if not load_library():
+        return False
+    import ctypes
+
+    f = ctypes.CDLL(library_path()).dnnl_gemm_bf16bf16f32
+    dim, u16p, f32p = ctypes.c_int64, ctypes.POINTER(ctypes.c_uint16), ctypes.POINTER(ctypes.c_float)
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_char, ctypes.c_char, dim, dim, dim, ctypes.c_float, u16p, dim, u16p, dim,
+                  ctypes.c_float, f32p, dim]
+    one = (ctypes.c_uint16 * 1)(0x3F80)   # bf16 1.0
+    out = (ctypes.c_float * 1)(0.0)
+    status = f(b"N", b"N", 1, 1, 1, 1.0, one, 1, one, 1, 0.0, out, 1)
+    return status == 0 and out[0] == 1.0
+
+
+def _cannot_run(library) -> str | None:
+    """Why oneDNN cannot run in this process, or None."""
+    if sys.platform != "linux":
+        return "oneDNN is only wired up on Linux"
+    if library is None:
+        return "oneDNN is not installed (pip install onednn-cpu-gomp)"
     return None
 
 
@@ -89,19 +144,46 @@ def choose_gemm_path(requested: str, cpu_flags, library) -> tuple:
         raise ValueError(f"NUMBAFA_GEMM must be one of {GEMM_PATHS}, got {requested!r}")
     if requested == "blas":
         return "blas", "NUMBAFA_GEMM=blas"
-    units = sorted(set(cpu_flags or ()) & set(_BF16_UNITS))
-    problem = None
+    units = bf16_units(cpu_flags or set())
+    problem = _cannot_run(library)
+    if requested == "onednn":
+        if problem is not None:
+            raise RuntimeError(f"NUMBAFA_GEMM=onednn, but {problem}; unset it or use NUMBAFA_GEMM=blas")
+        if not units:
+            return "onednn", (f"NUMBAFA_GEMM=onednn, oneDNN at {library}; the CPU has no bf16 units (neither "
+                              f"avx512_bf16 nor amx_bf16): float32 tiles on dnnl_sgemm, bf16 inputs widened")
+        return "onednn", f"NUMBAFA_GEMM=onednn: bf16 units ({', '.join(units)}) and oneDNN at {library}"
     if not units:
         problem = "the CPU has no bf16 units (neither avx512_bf16 nor amx_bf16)"
-    elif sys.platform != "linux":
-        problem = "oneDNN is only wired up on Linux"
-    elif library is None:
-        problem = "oneDNN is not installed (pip install onednn-cpu-gomp)"
     if problem is None:
         return "onednn", f"bf16 units ({', '.join(units)}) and oneDNN at {library}"
-    if requested == "onednn":
-        raise RuntimeError(f"NUMBAFA_GEMM=onednn, but {problem}; unset it or use NUMBAFA_GEMM=blas")
     return "blas", problem
+
+
+_load_lock = threading.Lock()
+_loaded: list = []     # the path of the library once loaded process-wide
+
+
+def load_library() -> bool:
+    """Load oneDNN's library process-wide, once, if it is installed here; whether it is loaded.
+
+    Machine code that calls ``dnnl_sgemm`` or ``dnnl_gemm_bf16bf16f32`` (a kernel compiled
+    for the oneDNN path, or loaded from the disk cache) must find those symbols when it is
+    linked, or LLVM aborts the process: :mod:`numbafa.jit` calls this before loading any cached
+    kernel, and the matmul seam before compiling one for the oneDNN path.
+    """
+    if _loaded:
+        return True
+    library = library_path()
+    if _cannot_run(library) is not None:
+        return False
+    with _load_lock:
+        if not _loaded:
+            import llvmlite.binding
+
+            llvmlite.binding.load_library_permanently(library)
+            _loaded.append(library)
+    return True
 
 
 @functools.lru_cache(maxsize=1)
@@ -110,10 +192,53 @@ def gemm_path() -> tuple:
 
     Loads oneDNN process-wide when the path is ``"onednn"``.
     """
+    flags = set(cpu_flags() or ())
+    if not bf16_units():   # none, or oneDNN may not use them here
+        flags -= set(_BF16_UNITS)
     path, reason = choose_gemm_path(os.environ.get("NUMBAFA_GEMM", "auto").strip().lower() or "auto",
-                                    cpu_flags(), library_path())
+                                    flags, library_path())
     if path == "onednn":
-        import llvmlite.binding
-
-        llvmlite.binding.load_library_permanently(library_path())
+        load_library()
     return path, reason
+
+
+_forced = contextvars.ContextVar("numbafa_forced_gemm_path", default=None)
+
+
+def active_gemm_path() -> str:
+    """The GEMM path of a call made now: the one :func:`forced_gemm_path` set for this thread
+    (or task), else the process's (:func:`gemm_path`)."""
+    forced = _forced.get()
+    return gemm_path()[0] if forced is None else forced
+
+
+@contextlib.contextmanager
+def forced_gemm_path(path: str):
+    """Run the numbafa calls of a ``with`` block on GEMM path ``path``, ``"blas"`` or ``"onednn"``.
+
+    ``with numbafa.forced_gemm_path("blas"): ...`` computes every tile product of the calls
+    made in the block, in this thread or asyncio task only, by BLAS sgemm (``"onednn"``: by
+    oneDNN, as ``NUMBAFA_GEMM=onednn`` would; on a CPU without bf16 units float32 tiles take
+    ``dnnl_sgemm``, and bf16 inputs are widened into float32 tiles). The results differ from
+    the other path's by float32 summation order only (docs/numerics.md). Plans made in the
+    block are the path's own, so no call mixes them up.
+
+    Raises
+    ------
+    ValueError
+        ``path`` is not ``"blas"`` or ``"onednn"``.
+    RuntimeError
+        ``"onednn"`` where oneDNN cannot run (not installed, not Linux).
+    """
+    if path not in ("blas", "onednn"):
+        raise ValueError(f"path must be 'blas' or 'onednn', got {path!r}")
+    if path == "onednn":
+        problem = _cannot_run(library_path())
+        if problem is not None:
+            raise RuntimeError(f"forced_gemm_path('onednn'), but {problem}")
+        load_library()
+    token = _forced.set(path)
+    try:
+        yield
+    finally:
+        _forced.reset(token)

@@ -27,6 +27,7 @@ LIB = "/opt/lib/libdnnl.so.3"
     ("auto", {"avx512_bf16"}, LIB, "onednn", "avx512_bf16"),
     ("auto", {"amx_bf16", "amx_tile"}, LIB, "onednn", "amx_bf16"),
     ("onednn", {"avx512_bf16", "amx_bf16"}, LIB, "onednn", LIB),
+    ("onednn", {"avx2", "fma"}, LIB, "onednn", "no bf16 units"),
     ("blas", {"avx512_bf16"}, LIB, "blas", "NUMBAFA_GEMM=blas"),
 ])
 def test_dispatch_by_cpu_flags(requested, flags, library, path, reason, monkeypatch):
@@ -36,25 +37,38 @@ def test_dispatch_by_cpu_flags(requested, flags, library, path, reason, monkeypa
 
 
 def test_forcing_an_unsupported_path_is_a_clear_error():
-    with pytest.raises(RuntimeError, match="NUMBAFA_GEMM=onednn, but the CPU has no bf16 units"):
-        onednn.choose_gemm_path("onednn", {"avx2"}, LIB)
     with pytest.raises(RuntimeError, match="oneDNN is not installed"):
         onednn.choose_gemm_path("onednn", {"avx512_bf16"}, None)
     with pytest.raises(ValueError, match="NUMBAFA_GEMM must be one of"):
         onednn.choose_gemm_path("mkl", {"avx512_bf16"}, LIB)
 
 
-def test_forced_onednn_without_bf16_units_fails_the_call_not_the_process(monkeypatch):
-    """The env var is read once per process; here the decision is remade with mocked flags."""
+def test_forced_onednn_where_it_cannot_load_fails_the_call_not_the_process(monkeypatch):
+    """The env var is read once per process; here the decision is remade with oneDNN "missing"."""
     monkeypatch.setenv("NUMBAFA_GEMM", "onednn")
-    monkeypatch.setattr(onednn, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(onednn, "library_path", lambda: None)
     onednn.gemm_path.cache_clear()
     try:
         inputs = make_inputs(Case(nheads=1, nheads_kv=1, seqlen_q=128, seqlen_k=128), BF16)
-        with pytest.raises(RuntimeError, match="no bf16 units"):
+        with pytest.raises(RuntimeError, match="oneDNN is not installed"):
             numbafa.attention_bwd(**inputs)
+        with pytest.raises(RuntimeError, match=r"forced_gemm_path\('onednn'\), but oneDNN is not installed"):
+            with numbafa.forced_gemm_path("onednn"):
+                pass
     finally:
         onednn.gemm_path.cache_clear()
+
+
+def test_forced_onednn_without_bf16_units_runs_float32_tiles():
+    """Forcing oneDNN on a CPU without bf16 units (AVX2) is allowed: float32 tiles on dnnl_sgemm."""
+    path, reason = onednn.choose_gemm_path("onednn", {"avx2", "fma"}, LIB)
+    assert path == "onednn" and "no bf16 units" in reason and "dnnl_sgemm" in reason
+
+
+def test_forced_gemm_path_takes_only_the_two_paths():
+    with pytest.raises(ValueError, match="path must be 'blas' or 'onednn', got 'mkl'"):
+        with numbafa.forced_gemm_path("mkl"):
+            pass
 
 
 def test_backend_info_names_the_path():
@@ -62,23 +76,42 @@ def test_backend_info_names_the_path():
     assert info["gemm"]["path"] in ("onednn", "blas") and info["gemm"]["reason"]
 
 
-def test_plan_marks_the_gemm_path():
-    """plan.gemm is None on the BLAS path and the ONEDNN marker on the oneDNN one, for both dtypes;
-    only bf16 inputs on the oneDNN path take bf16 operand tiles."""
+def _expected_operand(dtype, path):
+    """The operand tiles' dtype of a plan: bf16 bits only on the oneDNN path of a CPU with bf16 units."""
+    return np.uint16 if dtype is BF16 and path == "onednn" and onednn.bf16_units() else np.float32
+
+
+@pytest.mark.parametrize("path", ["blas", "onednn"])
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["float32", "bf16"])
+def test_the_forced_path_is_part_of_the_plan(path, dtype):
+    """make_plan and the remembered plans (shared_plan) follow forced_gemm_path: a plan of one
+    path is never reused for a call on the other."""
     from numbafa.kernels.matmul import ONEDNN
-    for dtype, path, gemm, operand in ((np.float32, "blas", None, np.float32),
-                                       (np.float32, "onednn", ONEDNN, np.float32),
-                                       (BF16, "blas", None, np.float32),
-                                       (BF16, "onednn", ONEDNN, np.uint16)):
-        inputs = make_inputs(Case(seqlen_q=128, seqlen_k=128), dtype)
-        prob = validated(inputs)
-        original = bundles.gemm_path
-        bundles.gemm_path = lambda: (path, "set by the test")
-        try:
-            plan = bundles.make_plan(prob, backward=True)
-        finally:
-            bundles.gemm_path = original
-        assert plan.gemm == gemm and plan.operand.dtype == operand, (dtype, path)
+    if path == "onednn" and not onednn.load_library():
+        pytest.skip("oneDNN is not installed here")
+    prob = validated(make_inputs(Case(seqlen_q=128, seqlen_k=128), dtype))
+    other = "blas" if path == "onednn" else "onednn"
+    if other == "onednn" and not onednn.load_library():
+        other = None
+    if other is not None:
+        with numbafa.forced_gemm_path(other):
+            bundles.shared_plan(prob, backward=True)   # remembered first, for the other path
+    with numbafa.forced_gemm_path(path):
+        for plan in (bundles.make_plan(prob, backward=True), bundles.shared_plan(prob, backward=True)):
+            assert plan.gemm == (ONEDNN if path == "onednn" else None)
+            assert plan.operand.dtype == _expected_operand(dtype, path)
+
+
+def test_forced_paths_are_per_thread():
+    """The forced path is a context variable: another thread keeps the process's path."""
+    import threading
+    seen = []
+    with numbafa.forced_gemm_path("blas"):
+        assert onednn.active_gemm_path() == "blas"
+        t = threading.Thread(target=lambda: seen.append(onednn.active_gemm_path()))
+        t.start()
+        t.join()
+    assert seen == [onednn.gemm_path()[0]] and onednn.active_gemm_path() == onednn.gemm_path()[0]
 
 
 def test_float32_inputs_never_take_bf16_operands():
@@ -87,32 +120,31 @@ def test_float32_inputs_never_take_bf16_operands():
     assert plan.operand.dtype == np.float32
 
 
-@pytest.mark.skipif(onednn.gemm_path()[0] != "onednn",
-                    reason=f"the oneDNN path does not run here: {onednn.gemm_path()[1]}")
+needs_onednn_library = pytest.mark.skipif(not onednn.load_library(), reason="oneDNN is not installed here")
+
+
+@needs_onednn_library
 @pytest.mark.parametrize("mixed", [True, False])
-def test_both_paths_are_faithful_to_the_numerics_golden(mixed, monkeypatch):
-    """On a CPU with bf16 units the default is oneDNN; the BLAS path is forced for comparison.
-    Both differ from the golden only by float32 summation order, within the budget (tests/_tolerances.py)."""
+def test_both_paths_are_faithful_to_the_numerics_golden(mixed):
+    """Both paths differ from the golden only by float32 summation order, within the budget
+    (tests/_tolerances.py). The oneDNN path runs wherever the library loads: on bf16 units
+    with bf16 tiles, elsewhere (AVX2) bf16 widened into dnnl_sgemm's float32 tiles."""
     case = Case(nheads=4, nheads_kv=2, d_head=128, seqlen_q=640, seqlen_k=640, causal=True, num_sinks=1)
     inputs = make_inputs(case, BF16)
     *emulated, budgets = rounded_with_budget(**inputs, mixed_precision=mixed)
-    results = {"onednn": numbafa.attention_bwd(**inputs, mixed_precision=mixed)}
-    monkeypatch.setattr(bundles, "gemm_path", lambda: ("blas", "forced by the test"))
-    results["blas"] = numbafa.attention_bwd(**inputs, mixed_precision=mixed)
-    for path, got in results.items():
+    for path in ("onednn", "blas"):
+        with numbafa.forced_gemm_path(path):
+            got = numbafa.attention_bwd(**inputs, mixed_precision=mixed)
         for name, g, e, budget in zip(("dq", "dk", "dv"), got, emulated, budgets):
             identical, excess = faithfulness(g.astype(np.float32), e, budget)
             assert identical >= MIN_IDENTICAL and excess <= 1.0, (path, name, identical, excess)
-    assert any((a != b).any() for a, b in zip(results["onednn"][:3], results["blas"][:3])), \
-        "the two paths gave identical bits: the oneDNN path did not run"
 
 
-@pytest.mark.skipif(onednn.gemm_path()[0] != "onednn",
-                    reason=f"the oneDNN path does not run here: {onednn.gemm_path()[1]}")
-def test_float32_on_both_paths_matches_the_float64_golden(monkeypatch):
-    """float32 inputs run dnnl_sgemm on the oneDNN path and BLAS sgemm on the other: another
-    float32 summation order each, both within the derived float32 tolerance of the float64
-    golden, both bitwise the same on 1 and 2 threads."""
+@needs_onednn_library
+def test_float32_on_both_paths_matches_the_float64_golden():
+    """float32 inputs run dnnl_sgemm on the oneDNN path (any x86-64 CPU) and BLAS sgemm on the
+    other: another float32 summation order each, both within the derived float32 tolerance of
+    the float64 golden, both bitwise the same on 1 and 2 threads."""
     import numba
 
     from _tolerances import FLOAT32, assert_close
@@ -120,21 +152,56 @@ def test_float32_on_both_paths_matches_the_float64_golden(monkeypatch):
     case = Case(nheads=4, nheads_kv=2, d_head=128, seqlen_q=1152, seqlen_k=1152, causal=True, num_sinks=1)
     inputs = make_inputs(case)
     expected = golden.attention_bwd(**inputs)
-    results = {}
     for path in ("onednn", "blas"):
-        if path == "blas":
-            monkeypatch.setattr(bundles, "gemm_path", lambda: ("blas", "forced by the test"))
         runs = []
-        for threads in (1, 2):
-            numba.set_num_threads(threads)
-            try:
-                runs.append(numbafa.attention_bwd(**inputs))
-            finally:
-                numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        with numbafa.forced_gemm_path(path):
+            for threads in (1, 2):
+                numba.set_num_threads(threads)
+                try:
+                    runs.append(numbafa.attention_bwd(**inputs))
+                finally:
+                    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
         for a, b in zip(*runs):
             np.testing.assert_array_equal(a, b)
         for name, g, e in zip(("dq", "dk", "dv", "dsinks"), runs[0], expected):
             assert_close(g, e, FLOAT32, f"{path} {name}")
-        results[path] = runs[0]
-    assert any((a != b).any() for a, b in zip(results["onednn"], results["blas"])), \
-        "the two paths gave identical bits: dnnl_sgemm did not run"
+
+
+_VERBOSE_CHILD = r"""
+import sys, numpy as np, ml_dtypes, numbafa
+rng = np.random.default_rng(0)
+for dtype in (np.float32, ml_dtypes.bfloat16):
+    q, k, v, dy = (rng.standard_normal((1, 2, 32, 256)).astype(dtype) for _ in range(4))
+    with numbafa.forced_gemm_path(sys.argv[1]):
+        o, lse = numbafa.attention_fwd(q, k, v, use_causal_mask=True, mixed_precision=True)
+        numbafa.attention_bwd(q, k, v, o, dy, lse, use_causal_mask=True, mixed_precision=True)
+print("bf16 units:", numbafa.onednn.bf16_units(), file=sys.stderr)
+"""
+
+
+@needs_onednn_library
+@pytest.mark.parametrize("path", ["onednn", "blas"])
+def test_each_forced_path_runs_its_gemms(path, tmp_path):
+    """oneDNN logs every GEMM it runs (ONEDNN_VERBOSE): the forced oneDNN path runs float32
+    GEMMs for float32 inputs and bf16 ones for bf16 inputs on a CPU with bf16 units (float32
+    elsewhere); the forced BLAS path runs none."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ONEDNN_VERBOSE="all")
+    out = subprocess.run([sys.executable, "-c", _VERBOSE_CHILD, path], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # (the 1 x 1 product is numbafa.onednn's probe of the bf16 GEMM, not a kernel's)
+    gemms = [line for line in out.stdout.splitlines() if ",gemm_api," in line and ",1x1:1x1," not in line]
+    f32 = sum("src_f32" in line for line in gemms)
+    bf16 = sum("src_bf16" in line for line in gemms)
+    units = out.stderr.strip().splitlines()[-1]
+    assert units.startswith("bf16 units:"), out.stderr[-2000:]
+    if path == "blas":
+        assert gemms == []
+    elif units != "bf16 units: []":
+        assert f32 > 0 and bf16 > 0, (f32, bf16)
+    else:
+        assert f32 > 0 and bf16 == 0, (f32, bf16)

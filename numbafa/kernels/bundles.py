@@ -32,7 +32,7 @@ import numpy as np
 
 from ..dtypes import accumulator_dtype
 from ..memo import Memo
-from ..onednn import gemm_path
+from ..onednn import active_gemm_path, bf16_units
 from ..schedule import q_chunks
 from ..tiling import setup_config
 from .dropout import make_dropout
@@ -85,12 +85,15 @@ BwdInputs = namedtuple("BwdInputs", ["q", "k", "v", "o", "dy", "lse", "sinks"])
 BwdOutputs = namedtuple("BwdOutputs", ["dq", "dk", "dv", "dsinks", "part_dk", "part_dv"])
 
 
-def make_plan(prob, backward: bool) -> Plan:
+def make_plan(prob, backward: bool, gemm_path: str | None = None) -> Plan:
     """The :class:`Plan` of one validated problem (:class:`numbafa.validation.Problem`).
 
     ``backward`` selects the backward's Q-chunk rule (bf16 accumulators are
-    never split there; the forward's rows are independent).
+    never split there; the forward's rows are independent). ``gemm_path``: ``"blas"`` or
+    ``"onednn"`` (:mod:`numbafa.onednn`); None: :func:`~numbafa.onednn.active_gemm_path`.
     """
+    if gemm_path is None:
+        gemm_path = active_gemm_path()
     bs, _, d_head, seqlen_q = prob.q.shape
     nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
     if max(seqlen_q, seqlen_k) >= 2 ** 31:
@@ -115,8 +118,9 @@ def make_plan(prob, backward: bool) -> Plan:
                     prob.bound_max, seqlen_k, key_lo, key_hi)
     mask = Mask(bool(prob.use_causal_mask), int(prob.window), bool(prob.use_packing), key_lo, key_hi)
     precision = Precision(round_kernel, bf16_accumulators)
-    onednn = gemm_path()[0] == "onednn"   # loads oneDNN before a kernel that calls it is compiled
-    operand = np.empty(0, dtype=np.uint16 if prob.is_bf16 and onednn else acc)
+    onednn = gemm_path == "onednn"
+    # bf16 tiles on the bf16 units; without them (a forced oneDNN path) bf16 is widened to float32
+    operand = np.empty(0, dtype=np.uint16 if prob.is_bf16 and onednn and bf16_units() else acc)
     dropout = make_dropout(prob.dropout_p, prob.seed, prob.seed_offset, acc)
     return Plan(tiling, mask, precision, acc.type(prob.softmax_scale), ONEDNN if onednn else None,
                 operand, dropout, np.empty(0, dtype=acc), make_scores(prob, acc))
@@ -133,18 +137,20 @@ def shared_plan(prob, backward: bool) -> Plan:
     the Python work of a small call. Problems with packing bounds (whose key
     ranges depend on the bounds' values) get a fresh plan; with dropout the
     shared plan gets this call's :data:`~numbafa.kernels.dropout.Dropout`, with score variants
-    this call's :data:`~numbafa.kernels.scores.ScoreMods` (its arrays, a new ``dbias``).
+    this call's :data:`~numbafa.kernels.scores.ScoreMods` (its arrays, a new ``dbias``). The GEMM
+    path (:func:`~numbafa.onednn.active_gemm_path`) is part of the key.
     The shared plan's arrays (the key ranges) are read by the kernels and never
     written: nobody may write into a plan.
     """
+    path = active_gemm_path()
     if prob.use_packing:
-        return make_plan(prob, backward)
+        return make_plan(prob, backward, path)
     key = (prob.q.shape, prob.k.shape, prob.v.shape[2], prob.dtype, prob.mixed_precision, prob.use_causal_mask,
-           prob.window,
-           prob.softmax_scale, prob.dropout_p > 0.0, backward, prob.has_score_mods, prob.return_dbias)
+           prob.window, prob.softmax_scale, prob.dropout_p > 0.0, backward, prob.has_score_mods, prob.return_dbias,
+           path)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = make_plan(prob, backward)
+        plan = make_plan(prob, backward, path)
         # Kept without the call's score arrays (a bias and its gradient may be large).
         _PLANS.put(key, plan._replace(scores=None) if prob.has_score_mods else plan)
         return plan

@@ -50,6 +50,7 @@ from numba import types
 from numba.extending import intrinsic, overload
 
 from ..jit import jit
+from ..onednn import load_library
 
 __all__ = ["matmul", "OneDNN", "ONEDNN"]
 
@@ -221,6 +222,14 @@ def matmul(a, b, c, trans_a, trans_b, alpha, beta, gemm):  # pragma: no cover - 
     raise NotImplementedError("matmul is only callable from @njit code")
 
 
+def _onednn_gemm():
+    """:func:`_gemm_onednn`, with oneDNN loaded first: the code compiled for it refers to the
+    library's symbols, which must exist when it is linked (:func:`numbafa.onednn.load_library`)."""
+    if not load_library():
+        raise RuntimeError("matmul: the oneDNN GEMM path needs oneDNN's library (pip install onednn-cpu-gomp)")
+    return _gemm_onednn
+
+
 def _matmul_impl(a, b, c, gemm):
     """The implementation for these operand types and path marker, or None (a typing error)."""
     if not all(isinstance(x, types.Array) for x in (a, b, c)):
@@ -235,11 +244,11 @@ def _matmul_impl(a, b, c, gemm):
     if a.ndim != 2 or b.ndim != 2 or c.ndim != 2:
         return None
     if a.dtype == types.uint16 and b.dtype == types.uint16 and c.dtype == types.float32:
-        return _gemm_onednn if onednn else None
+        return _onednn_gemm() if onednn else None
     if len(dtypes) != 1:
         return None
     if dtypes == {types.float32}:
-        return _gemm_onednn if onednn else _gemm_blas
+        return _onednn_gemm() if onednn else _gemm_blas
     if dtypes == {types.float64}:
         return _gemm_blas
     return None
