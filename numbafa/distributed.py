@@ -184,6 +184,7 @@ def _run_shares(client, plan, shares, submit, on_result) -> None:
     _, distributed = _dask()
     if not shares:
         return
+    started = time.time()
     direct = _direct(client)
     plan_future = _scatter(client, [plan], direct, broadcast=True)[0]
     running = {}
@@ -204,8 +205,9 @@ def _run_shares(client, plan, shares, submit, on_result) -> None:
             result = _gather(client, future, direct)
         except CancelledError as exc:
             if attempt + 1 >= MAX_ATTEMPTS:
-                raise RuntimeError(f"share {i} of the call was lost with a worker {MAX_ATTEMPTS} "
-                                   f"times; giving up") from exc
+                raise RuntimeError(f"share {i} of the call was lost with a worker {MAX_ATTEMPTS} times (its "
+                                   f"inputs or result were on a worker that died or left); giving up. "
+                                   f"{_worker_deaths(client, started)}") from exc
             if plan_future.status != "finished":
                 plan_future = _scatter(client, [plan], direct, broadcast=True)[0]
             retry = submit(plan_future, i, _scatter(client, list(shares[i]), direct), attempt + 1)
@@ -214,6 +216,33 @@ def _run_shares(client, plan, shares, submit, on_result) -> None:
             continue
         on_result(i, result)
         del result
+
+
+def _worker_deaths(client, since: float) -> str:
+    """What the workers' nannies logged since ``since`` (``time.time()``) about worker processes
+    that ended (their exit status or signal: 134 is an abort in native code, 137 or signal 9 a
+    kill), for the error of a share that could not run; the workers' own stderr says more."""
+    import datetime
+
+    try:
+        logs = client.get_worker_logs(n=200, nanny=True)
+    except Exception as exc:   # a broken cluster: say so rather than hide the first error
+        return f"(the nannies' logs could not be read: {exc})"
+    found = []
+    for entries in logs.values():
+        for _, message in entries:
+            if not any(word in message for word in ("exited with status", "killed by signal")):
+                continue
+            try:   # logging's default format starts with the local time
+                when = datetime.datetime.strptime(message[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            except ValueError:
+                when = since
+            if when >= since - 1.0:
+                found.append((when, message.split(" - ")[-1]))
+    if not found:
+        return "The nannies logged no worker exit; the workers' logs (client.get_worker_logs()) may say more."
+    return ("What the nannies logged meanwhile: " + "; ".join(m for _, m in sorted(found)[-4:])
+            + " (the workers' stderr says why).")
 
 
 def _units_per_task(plan, prob, n_slots: int) -> int:

@@ -8,6 +8,7 @@ workers load the compiled code from the on-disk cache instead of compiling.
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -529,3 +530,46 @@ def test_score_variants_with_dask_inputs_are_a_clear_error(client, small):
     lazy = [da.from_array(x, chunks=(1,) + x.shape[1:]) for x in (small["q_ref"], small["k_ref"], small["v_ref"])]
     with pytest.raises(TypeError, match="bias, alibi_slopes and softcap take NumPy q_ref, k_ref, v_ref"):
         nd.attention_fwd(client, *lazy, softcap=3.0)
+
+
+def _kill_every_bwd_chunk():
+    """A Dask worker plugin (set up again on every restarted worker): each ``shards.bwd_chunk``
+    call kills its worker process, so a share can never run."""
+    class Killer(distributed.WorkerPlugin):
+        name = "numbafa-test-killer"
+
+        def setup(self, worker):
+            import signal
+            import numbafa.shards as shards_
+
+            def bwd_chunk(*args, **kwargs):
+                os.kill(os.getpid(), signal.SIGKILL)
+            bwd_chunk.original = getattr(shards_.bwd_chunk, "original", shards_.bwd_chunk)
+            shards_.bwd_chunk = bwd_chunk
+
+        def teardown(self, worker):
+            import numbafa.shards as shards_
+            shards_.bwd_chunk = getattr(shards_.bwd_chunk, "original", shards_.bwd_chunk)
+    return Killer()
+
+
+def test_a_share_that_kills_its_worker_every_time_says_what_happened(client):
+    """Every worker that runs a share dies (as one whose kernel aborts would): after three attempts
+    the error says the share was lost with its workers, and what the nannies logged."""
+    inputs = make_inputs(Case(bs=2, nheads=4, nheads_kv=2, d_head=32, causal=True))
+    client.register_plugin(_kill_every_bwd_chunk())
+    try:
+        with pytest.raises(RuntimeError, match=r"lost with a worker 3 times.*killed by signal 9"):
+            nd.attention_bwd(client, **inputs)
+    finally:
+        for _ in range(5):   # workers may still be dying under the call
+            try:
+                client.unregister_worker_plugin("numbafa-test-killer")
+                break
+            except OSError:
+                time.sleep(0.5)
+            except (ValueError, KeyError):   # an earlier attempt removed it
+                break
+        client.restart()
+        client.wait_for_workers(2, timeout=60)
+    assert_bitwise(nd.attention_bwd(client, **inputs), numbafa.attention_bwd(**inputs))

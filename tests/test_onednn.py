@@ -205,3 +205,40 @@ def test_each_forced_path_runs_its_gemms(path, tmp_path):
         assert f32 > 0 and bf16 > 0, (f32, bf16)
     else:
         assert f32 > 0 and bf16 == 0, (f32, bf16)
+
+
+_FIRST_ACT = r"""
+import pickle, sys
+import numpy as np
+from numbafa import shards   # no plan made, no GEMM path chosen in this process
+plan, ins, expected = pickle.load(open(sys.argv[1], "rb"))
+o, lse = shards.fwd_chunk(plan, ins, False, ins.q.shape[3], 0, np.float32)
+assert np.array_equal(o, expected), "another result than the process that made the plan"
+print("ran")
+"""
+
+
+@needs_onednn_library
+def test_a_process_whose_first_act_is_a_cached_onednn_kernel_runs_it(tmp_path):
+    """A Dask worker runs a pickled plan's kernel before anything else: the kernel, loaded from the
+    disk cache, calls oneDNN, which nothing in that process loaded yet. It must be loaded before
+    the machine code is linked (it aborted with 'LLVM ERROR: Symbol not found: dnnl_sgemm')."""
+    import pickle
+
+    from numbafa.kernels.bundles import FwdInputs, shared_plan
+    from numbafa.validation import validate_fwd_inputs
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 32, 256)).astype(np.float32) for _ in range(3))
+    with numbafa.forced_gemm_path("onednn"):   # float32's oneDNN path runs on any x86-64 CPU
+        expected, _ = numbafa.attention_fwd(q, k, v, lse_layout="natural")   # compiled and cached here
+        prob = validate_fwd_inputs(q, k, v)
+        plan = shared_plan(prob, backward=False)
+    path = tmp_path / "share.pkl"
+    path.write_bytes(pickle.dumps((plan, FwdInputs(prob.q, prob.k, prob.v, prob.sinks), expected)))
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FIRST_ACT, str(path)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ran", out.stderr[-2000:]
