@@ -38,6 +38,7 @@ from .jit import cache_info
 from .dtypes import bf16_dtype
 from .layout import MAX_BOUND, cu_seqlens_to_bounds
 from .onednn import gemm_path
+from .validation import SOFTCAP_MAX, SOFTCAP_MIN
 from .version import __version__
 
 #: Acceptance rule: max|a - e| <= atol + rtol * max|e|, atol per dtype, rtol per (dtype, output);
@@ -119,7 +120,8 @@ def _dropout(text: str) -> float:
 
 
 def _softcap(text: str) -> float:
-    return _number(text, float, lambda c: 0.0 < c < float("inf"), "a soft cap > 0")
+    return _number(text, float, lambda c: SOFTCAP_MIN <= c <= SOFTCAP_MAX,
+                   f"a soft cap in [{SOFTCAP_MIN:.8g}, {SOFTCAP_MAX:.8g}]")
 
 
 def alibi_slopes(heads: int) -> np.ndarray:

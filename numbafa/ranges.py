@@ -68,14 +68,38 @@ def _largest_abs_score(prob) -> float:
     return largest * abs(prob.softmax_scale)
 
 
+#: ``(largest value, smallest magnitude that rounds to infinity)`` of each kernel dtype: its largest
+#: value plus half an ulp, ``2**(emax + 1) - 2**(emax - p)`` (ties go to the even infinity).
+_RANGE = {"float16": (65504.0, 2.0 ** 16 - 2.0 ** 4), "bfloat16": (float(np.float32(3.3895314e38)), 2.0 ** 128 - 2.0 ** 119),
+          "float32": (F32_MAX, 2.0 ** 128 - 2.0 ** 103)}
+
+
+def _check_scaled_queries(prob, caller) -> None:
+    """Raise ``FloatingPointError`` if ``softmax_scale * q`` overflows where the kernels write it:
+    Q is scaled at load and rounded to the kernel dtype (docs/numerics.md), so float16 inputs
+    overflow from 65520 on, bf16 ones beyond bf16's largest value, float32 beyond float32's."""
+    if prob.dtype.char == "d":   # float64 inputs: float64's range, checked with the scores
+        return
+    kind = "float16" if prob.dtype.char == "e" else "bfloat16" if prob.is_bf16 else "float32"
+    largest_value, rounds_to_inf = _RANGE[kind]
+    largest = abs(float(prob.softmax_scale)) * prob.max_abs["q_ref"]   # a float64 product: exact enough
+    if largest >= rounds_to_inf:
+        q, scale = caller("q_ref"), caller("softmax_scale")
+        raise FloatingPointError(
+            f"the attention scores overflow {kind}: the kernels scale the queries at load, rounding {scale} * "
+            f"{q} to {kind} (largest value {largest_value:.6g}), and it reaches {largest:.4g}; scale {q} "
+            f"down, or pass a smaller {scale}")
+
+
 def check_scores(prob, caller) -> None:
     """Raise ``FloatingPointError`` if the scores may leave the range of the pass's arithmetic.
 
-    First a bound from the largest elements (free); only when it does not fit,
-    the exact largest absolute score product (a float64 pass over the pairs). With score
-    variants, the scores after the soft cap (``|s| <= softcap``) plus the largest bias and
-    ALiBi term must fit too.
+    The scaled queries first (:func:`_check_scaled_queries`); then a bound from the largest
+    elements (free), and only when it does not fit, the exact largest absolute score product (a
+    float64 pass over the pairs). With score variants, the scores after the soft cap (``|s| <=
+    softcap``) plus the largest bias and ALiBi term must fit too.
     """
+    _check_scaled_queries(prob, caller)
     m = prob.max_abs
     d_head = prob.q.shape[2]
     limit, name = _limit(prob.dtype)

@@ -66,6 +66,9 @@ __all__ = ["Dims", "Problem", "check_options", "check_tensors", "kernel_view", "
 
 #: Largest finite float32, the bound of ``|softmax_scale|``.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+#: The range of ``softcap``: the kernels use it and its reciprocal as float32 normal numbers (a
+#: subnormal or zero reciprocal would lose the scores, an infinite one make NaN of zero scores).
+SOFTCAP_MIN, SOFTCAP_MAX = 2.0 ** -126, 2.0 ** 126
 
 
 
@@ -396,12 +399,16 @@ def _check_softcap(c: Caller, softcap) -> float:
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"{c('softcap')} must be a real number > 0, or None or 0 for none, got "
                         f"{type(softcap).__name__}")
-    cap = float(softcap)
+    try:
+        cap = float(softcap)
+    except OverflowError:  # an int beyond float64
+        cap = math.inf
     if cap == 0.0:
         return 0.0
-    if not (0.0 < cap <= FLOAT32_MAX):   # NaN fails too
-        raise ValueError(f"{c('softcap')} must be a finite real number > 0 (finite in float32), or None or 0 "
-                         f"for none, got {_short_repr(softcap)}")
+    if not (SOFTCAP_MIN <= cap <= SOFTCAP_MAX):   # NaN fails too
+        raise ValueError(f"{c('softcap')} must be in [{SOFTCAP_MIN:.8g}, {SOFTCAP_MAX:.8g}] (2**-126 to 2**126: the "
+                         f"kernels compute s * (1 / {c('softcap')}) in float32, where both must be normal "
+                         f"numbers), or None or 0 for none, got {_short_repr(softcap)}")
     return cap
 
 

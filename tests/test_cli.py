@@ -328,6 +328,17 @@ def test_an_exactly_zero_gradient_is_checked_against_the_pass(shape, capsys):
     assert back["max_rel_err"]["dq"] <= back["rel_bound"]["dq"]
 
 
+@pytest.mark.parametrize("cap", ["1e-50", "1e-45", "1e38", "0", "-3"])
+def test_a_soft_cap_the_kernels_cannot_carry_is_one_line_and_exit_two(cap, capsys):
+    """1e-50 is 0 in float32 (the cap was silently dropped and the golden check failed), 1e-45 a
+    subnormal: refused before anything runs, with the accepted range."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(SMALL + ["--softcap", cap])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "expected a soft cap in [1.1754944e-38, 8.5070592e+37]" in err[-1], err
+
+
 def test_a_gemm_path_that_cannot_run_is_one_line_and_exit_two(capsys, monkeypatch):
     from numbafa import onednn
 

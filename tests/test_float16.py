@@ -136,6 +136,26 @@ def test_a_rounding_point_beyond_fp16s_range_is_an_error_naming_the_output():
         numbafa.attention_bwd(**inputs)
 
 
+@pytest.mark.parametrize("mixed", [True, False])
+def test_scaled_queries_beyond_fp16s_range_are_an_error_naming_the_scores(mixed):
+    """Q is scaled at load and rounded to fp16 there: softmax_scale * |q| from 65520 on is inf on
+    the hardware (the forward returned lse = +inf rows, and the backward blamed dq). Both passes
+    raise, naming the scores; just below the threshold (rounded to 65504) runs, finite."""
+    inputs = make_inputs(Case(nheads=1, nheads_kv=1, d_head=16, seqlen_q=128, seqlen_k=128), F16)
+    q = np.clip(inputs["q_ref"], -1.0, 1.0)
+    q[0, 0, 0, 0] = 1.0                      # max |q| = 1 exactly
+    k, v = inputs["k_ref"], inputs["v_ref"]
+    match = r"^the attention scores overflow float16: .* softmax_scale \* q_ref to float16 \(largest value 65504\)"
+    with pytest.raises(FloatingPointError, match=match):
+        numbafa.attention_fwd(q, k, v, softmax_scale=65520.0, mixed_precision=mixed)
+    with pytest.raises(FloatingPointError, match=match):
+        numbafa.attention_bwd(q, k, v, inputs["o_ref"], inputs["dy_ref"], inputs["lse_ref"], softmax_scale=65520.0,
+                              mixed_precision=mixed)
+    o, lse = numbafa.attention_fwd(q, k * np.float16(1e-3), v, softmax_scale=65519.0, mixed_precision=mixed,
+                                   lse_layout="natural")
+    assert np.isfinite(o.astype(np.float32)).all() and np.isfinite(lse).all()
+
+
 def test_the_kernels_are_a_specialisation_of_their_own():
     """fp16 inputs compile kernels apart from float32's: a float32 call gives float32 bits."""
     inputs = make_inputs(Case(seqlen_q=128, seqlen_k=128), F16)

@@ -264,8 +264,14 @@ def _small():
     (dict(bias=np.full(128, np.inf, np.float32)), ValueError, r"bias must not contain NaN or \+inf"),
     (dict(bias=np.full(128, 3.3e38, np.float32), softmax_scale=1e35), FloatingPointError,
      r"the attention scores plus bias and the ALiBi terms overflow float32: they reach 3.\d+e\+38 > 3.403e\+38"),
-    (dict(softcap=float("nan")), ValueError, r"softcap must be a finite real number > 0 .* got nan"),
-    (dict(softcap=-1.0), ValueError, r"softcap must be a finite real number > 0 .* got -1.0"),
+    (dict(softcap=float("nan")), ValueError, r"softcap must be in \[1.1754944e-38, 8.5070592e\+37\] .* got nan"),
+    (dict(softcap=-1.0), ValueError, r"softcap must be in \[1.1754944e-38, 8.5070592e\+37\] .* got -1.0"),
+    # 0 in float32 (silently no cap), a subnormal float32 (1 / softcap = inf: NaN from zero scores),
+    # beyond 2**126 (a subnormal reciprocal)
+    (dict(softcap=1e-50), ValueError, r"softcap must be in \[1.1754944e-38, .*2\*\*-126 to 2\*\*126.* got 1e-50"),
+    (dict(softcap=1e-45), ValueError, r"softcap must be in .* got 1e-45"),
+    (dict(softcap=1e38), ValueError, r"softcap must be in .* got 1e\+38"),
+    (dict(softcap=10 ** 400), ValueError, r"softcap must be in .* got 1000"),
     (dict(softcap=True), TypeError, r"softcap must be a real number > 0, or None or 0 for none, got bool"),
     (dict(softcap="3"), TypeError, r"got str"),
     (dict(alibi_slopes=np.ones(2, np.float32)), ValueError,
@@ -285,6 +291,27 @@ def test_bad_variant_arguments_are_clear_errors(kwargs, error, match):
     if fwd and "return_dbias" not in kwargs:
         with pytest.raises(error, match=match):
             numbafa.attention_fwd(q, k, v, **fwd)
+
+
+@pytest.mark.parametrize("softcap", [2.0 ** -126, 2.0 ** 126], ids=["smallest", "largest"])
+def test_the_extreme_soft_caps_are_computed_right(softcap):
+    """The smallest soft cap makes attention all but uniform (every |score| is capped at 1.2e-38),
+    with a zero score row among them (0 * (1 / softcap) = 0, not NaN); the largest changes
+    nothing. Both within the float32 tolerance of the float64 golden, finite everywhere."""
+    case = Case(nheads=2, nheads_kv=1, d_head=32, seqlen_q=128, seqlen_k=128, causal=True)
+    inputs = make_inputs(case)
+    inputs["q_ref"][..., :7] = 0.0                  # rows of zero scores
+    q, k, v = (inputs[key] for key in ("q_ref", "k_ref", "v_ref"))
+    o_exp, lse_exp = golden.attention_fwd(q, k, v, use_causal_mask=True, softcap=softcap)
+    o, lse = numbafa.attention_fwd(q, k, v, use_causal_mask=True, softcap=softcap, lse_layout="natural")
+    assert_close(o, o_exp, FLOAT32, "o")
+    dy = inputs["dy_ref"]
+    expected = golden.attention_bwd(q, k, v, o_exp.astype(np.float32), dy, lse_exp.astype(np.float32),
+                                    use_causal_mask=True, softcap=softcap)
+    got = numbafa.attention_bwd(q, k, v, o, dy, lse, use_causal_mask=True, softcap=softcap)
+    for name, g, e in zip(("dq", "dk", "dv"), got, expected):
+        assert np.isfinite(g).all(), name
+        assert_close(g, e, FLOAT32, name)
 
 
 def test_bias_of_the_inputs_dtype_and_dbias_in_it():
