@@ -65,6 +65,9 @@ whether the cache is on and where.
 
 ``NUMBAFA_CACHE=0``
     Compile kernels without the on-disk cache (nothing is read or written).
+    ``0``, ``false``, ``no``, ``off`` turn it off, ``1``, ``true``, ``yes``, ``on``
+    (any case) or nothing leave it on; any other value leaves it on with a
+    :class:`CacheWarning`.
 
 ``NUMBAFA_CACHE_DIR``
     The cache root, see above.
@@ -121,9 +124,21 @@ class CacheWarning(UserWarning):
     """The on-disk kernel cache could not be used as intended; results are unaffected."""
 
 
-def _env_flag(name: str, default: str) -> bool:
-    value = os.environ.get(name, default).strip().lower()
-    return value not in ("", "0", "false", "no", "off")
+_FALSE = ("0", "false", "no", "off")
+_TRUE = ("1", "true", "yes", "on")
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    """The boolean environment variable ``name``: ``0/false/no/off`` or ``1/true/yes/on`` (any case);
+    unset or empty: ``default``; anything else: ``default``, with a :class:`CacheWarning`."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in _FALSE or value in _TRUE:
+        return value in _TRUE
+    warnings.warn(f"numbafa: {name}={os.environ[name]!r} is not one of {'/'.join(_FALSE)} or {'/'.join(_TRUE)}; "
+                  f"taken as {'on' if default else 'off'}, the default", CacheWarning, stacklevel=3)
+    return default
 
 
 def source_hash(package_dir=PACKAGE_DIR) -> str:
@@ -190,7 +205,7 @@ class _CacheConfig:
 
 def _resolve_cache() -> _CacheConfig:
     """Decide, once per process, whether and where kernels are cached (may warn once)."""
-    if not _env_flag("NUMBAFA_CACHE", "1"):
+    if not _env_flag("NUMBAFA_CACHE", True):
         return _CacheConfig(False, None, "disabled by NUMBAFA_CACHE=0")
     root, origin = _cache_root()
     how = ("set NUMBAFA_CACHE_DIR (or NUMBA_CACHE_DIR) to a writable directory to cache them, "
@@ -224,19 +239,24 @@ def _resolve_cache() -> _CacheConfig:
 _CACHE = _resolve_cache()
 
 
+#: Why the last save to the cache failed in this process (None: none failed).
+_save_error: list = [None]
+
+
 def cache_info() -> dict:
     """Whether the on-disk kernel cache is on, where, and why (JSON-serialisable).
 
     Returns
     -------
     dict
-        ``enabled`` (bool), ``dir`` (the source-hash directory, or None) and
+        ``enabled`` (bool), ``dir`` (the source-hash directory, or None),
         ``reason`` (where the directory setting came from, or why the cache
-        is off).
+        is off) and ``save_error`` (why saving compiled code failed in this
+        process, e.g. a full disk; None while every save succeeded).
     """
     return {"enabled": _CACHE.enabled,
             "dir": None if _CACHE.directory is None else str(_CACHE.directory),
-            "reason": _CACHE.reason}
+            "reason": _CACHE.reason, "save_error": _save_error[0]}
 
 
 #: Flags shared by every jitted function of the package. ``cache`` says whether
@@ -468,6 +488,7 @@ class _Cache(caching.FunctionCache):
         try:
             super().save_overload(sig, data)
         except Exception as exc:  # the compiled code is in memory already: only the cache misses out
+            _save_error[0] = f"{type(exc).__name__}: {exc}"
             _warn_once("save", f"numbafa: could not save compiled code to the kernel cache in "
                                f"{_CACHE.directory} ({exc}); results are unaffected, but later "
                                f"processes compile again")

@@ -86,7 +86,10 @@ class _CompileAnnouncer(event.Listener):
             self._announced.add(call)
         kernel, dtype = call
         cache = cache_info()
-        if cache["enabled"]:
+        if cache["enabled"] and cache["save_error"]:
+            where = (f"saving compiled code to the on-disk cache in {cache['dir']} failed in this process "
+                     f"({cache['save_error']}), so later processes compile again")
+        elif cache["enabled"]:
             where = f"the compiled code is cached in {cache['dir']} for later processes"
         else:
             where = f"the on-disk cache is off ({cache['reason']}), so every new process compiles again"

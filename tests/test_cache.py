@@ -168,6 +168,23 @@ def test_numbafa_cache_0_writes_nothing(tmp_path):
     assert not list(tmp_path.rglob("*.nbi"))
 
 
+@pytest.mark.parametrize("value, enabled", [("off", False), ("No", False), ("TRUE", True), ("maybe", True),
+                                            ("2", True)])
+def test_numbafa_cache_takes_the_usual_words_and_warns_on_others(tmp_path, value, enabled):
+    """0/false/no/off and 1/true/yes/on, any case; another value ("maybe") leaves the default (on)
+    and says so, instead of being taken as "on" without a word."""
+    site = make_site(tmp_path)
+    script = SCRIPT.replace("print(json.dumps({",
+                            "import numbafa\nprint(json.dumps({'cache': numbafa.backend_info()['cache'], ")
+    result = run(tmp_path, site, script, NUMBAFA_CACHE=value)
+    assert result["value"] == 42 and result["cache"]["enabled"] is enabled
+    warned = cache_warnings(result)
+    if value in ("maybe", "2"):
+        assert len(warned) == 1 and f"NUMBAFA_CACHE={value!r} is not one of" in warned[0], warned
+    else:
+        assert warned == []
+
+
 def test_source_change_in_another_module_is_never_served_stale(tmp_path):
     # A process that imported the old sources saves its code after a process with
     # the new sources cleared the cache; a third process (new sources) must not load it.
@@ -374,3 +391,26 @@ def test_full_disk_does_not_fail_the_computation(tmp_path):
     warned = cache_warnings(result)
     # probe() and offset() both failed to save: one warning for the process
     assert len(warned) == 1 and "No space left on device" in warned[0], result
+
+
+def test_after_a_failed_save_the_compile_notice_says_so(tmp_path):
+    """The announcement of a compile after a save failed (full disk) in the same process does not
+    claim the code is cached for later processes."""
+    site = make_site(tmp_path)
+    script = FULL_DISK + """
+import io, json, logging, warnings
+warnings.simplefilter("ignore")
+stream = io.StringIO()
+logging.getLogger("numbafa").addHandler(logging.StreamHandler(stream))
+import numbafa._probe as p
+from numbafa.runtime import kernel_call
+with kernel_call("probe", "float32"):
+    p.probe(41)
+with kernel_call("pair", "float32"):
+    p.pair(2, 3)
+print(json.dumps(stream.getvalue().splitlines()))
+"""
+    first, second = run(tmp_path, site, script)
+    assert "compiling the probe kernel" in first and "for later processes" in first
+    assert "compiling the pair kernel" in second and "for later processes" not in second
+    assert "failed in this process (OSError: [Errno 28] No space left on device" in second, second
