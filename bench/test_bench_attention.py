@@ -61,14 +61,15 @@ VARIANTS = {"softcap": dict(softcap=30.0), "alibi": dict(alibi=True), "bias": di
 
 
 def _cases(kind):
-    """The parameters of every profile (selected at run time: :func:`_skip_other_profiles`)."""
+    """The parameters of every profile (selected at run time: :func:`_skip_other_profiles`):
+    every shape (``kind="all"``), or each profile's first shape in its main dtypes (``"first"``)."""
     cases = []
     for profile, (shapes, dtypes, first_only, _) in PROFILES.items():
         for i, shape in enumerate(shapes):
-            for dtype in dtypes + (first_only if i == 0 else ()):
+            if kind == "first" and i > 0:
+                break
+            for dtype in dtypes + (first_only if i == 0 and kind == "all" else ()):
                 cases.append(pytest.param(profile, shape, dtype, id=f"{profile}-{shape[0]}-{dtype}"))
-        if kind == "first":
-            cases = [c for c in cases if c.values[1] is shapes[0] and c.values[2] in dtypes]
     return cases
 
 

@@ -78,12 +78,19 @@ def _format(value) -> str:
     return f"{value:.4g}"
 
 
+def _short(name: str) -> str:
+    """A benchmark's name without its file (``bench/test_bench_attention.py::``), never cut."""
+    return name.split("::", 1)[-1]
+
+
 def report(rows, regressions, threshold, base_path, new_path) -> str:
+    width = max([len(_short(r[0])) for r in rows] + [len("benchmark")])
     lines = [f"BASE {base_path}", f"NEW  {new_path}",
-             f"{'benchmark':70s} {'figure':16s} {'BASE':>10s} {'NEW':>10s} {'change':>8s}  verdict"]
+             f"{'benchmark':{width}s} {'figure':16s} {'BASE':>10s} {'NEW':>10s} {'change':>8s}  verdict"]
     for name, key, old, now, change, verdict in rows:
         change_text = "-" if change is None else f"{change:+.1f}%"
-        lines.append(f"{name[-70:]:70s} {key:16s} {_format(old):>10s} {_format(now):>10s} {change_text:>8s}  {verdict}")
+        lines.append(f"{_short(name):{width}s} {key:16s} {_format(old):>10s} {_format(now):>10s} {change_text:>8s}  "
+                     f"{verdict}")
     judged = sum(1 for r in rows if r[4] is not None)
     lines.append(f"{len(regressions)} of {judged} benchmarks worse than {threshold:g}% on their figure"
                  + (": " + ", ".join(regressions) if regressions else ""))

@@ -1,7 +1,7 @@
 """numbafa from JAX: attention as a ``jax.custom_vjp`` over host callbacks.
 
     import numbafa.jax
-    o = numbafa.jax.attention(q, k, v, causal=True, window=128, sinks=sinks)   # [b, h, s, d]
+    o = numbafa.jax.attention(q, k, v, causal=True, window=128, sinks=sinks)   # [b, s, h, d]
     dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 The forward and the backward each run numbafa on the host through
@@ -169,14 +169,14 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # ---------------------------------------------------------------------------
 
 def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None, bound_max=None,
-              softmax_scale=None, layout="bhsd", bias=None, alibi_slopes=None, softcap=None):
+              softmax_scale=None, layout="bshd", bias=None, alibi_slopes=None, softcap=None):
     """Attention with numbafa's CPU kernels, differentiable with respect to q, k, v, sinks and bias.
 
     Parameters
     ----------
-    q : array ``[batch, heads, seq_q, head_dim]`` for ``layout="bhsd"``,
-        ``[batch, seq_q, heads, head_dim]`` for ``"bshd"`` (as
-        ``jax.nn.dot_product_attention``); float32, bfloat16, or float64 under
+    q : array ``[batch, seq_q, heads, head_dim]`` for ``layout="bshd"`` (the default: JAX's
+        convention, as ``jax.nn.dot_product_attention`` and Flax take it),
+        ``[batch, heads, seq_q, head_dim]`` for ``"bhsd"``; float32, bfloat16, or float64 under
         ``jax_enable_x64`` (computed in float64: ``jax.test_util.check_grads`` works)
     k, v : arrays, likewise with ``heads_kv`` (``heads % heads_kv == 0``) and ``seq_k``; ``v``'s
         head dim (``head_dim_v``) may differ from ``head_dim`` (as DeepSeek's MLA: 192 and 128)
@@ -193,7 +193,8 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         (see :func:`cu_seqlens_to_bounds`). Not differentiable (zero cotangent).
     softmax_scale : float, optional
         Default (``None`` or 0.0) ``1 / sqrt(head_dim)``.
-    layout : {"bhsd", "bshd"}
+    layout : {"bshd", "bhsd"}
+        ``"bshd"`` by default, as JAX's own attention; ``numbafa.torch`` defaults to torch's ``"bhsd"``.
     bias : array broadcastable to ``[batch, heads, seq_q, seq_k]``, optional
         An additive score bias in that layout for either ``layout`` (``jax.nn.dot_product_attention``'s
         ``bias``; last dim ``seq_k``, any other may be 1), float32 or q's dtype; ``-inf`` masks.

@@ -63,6 +63,9 @@ def test_json_output(capsys):
     assert set(back["max_rel_err"]) == set(back["rel_bound"]) == set(back["max_abs_err"])
     assert all(back["max_rel_err"][k] <= back["rel_bound"][k] for k in back["max_rel_err"])
     assert back["gflops"] > 0 and back["packing"] == [100, 156]
+    fwd = next(r for r in doc["results"] if r["pass"] == "forward")
+    # each pass's own first call (one figure was shown on both rows)
+    assert fwd["first_call_s"] > 0 and back["first_call_s"] > 0 and fwd["first_call_s"] != back["first_call_s"]
 
 
 def test_info_prints_backend_and_runs_nothing(capsys, monkeypatch):

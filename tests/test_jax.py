@@ -96,6 +96,22 @@ def test_matches_dot_product_attention(layout, causal, window, hkv):
         assert_close(bshd(g), e, FLOAT32, name)
 
 
+def test_the_default_layout_is_jaxs_own_with_a_bias():
+    """A JAX user's first call, as with ``jax.nn.dot_product_attention``: ``[batch, seq, heads,
+    head_dim]`` arrays and a ``[batch, heads, seq_q, seq_k]`` bias, no ``layout`` given."""
+    q, k, v, do = make("bshd", hkv=H)
+    bias = np.random.default_rng(3).standard_normal((B, H, S, S)).astype(np.float32)
+    o, got = vjp(jax.jit(lambda q, k, v: nj.attention(q, k, v, bias=bias)), q, k, v, do)
+    with x64():
+        o_ref, expected = vjp(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias=jnp.asarray(
+            bias, jnp.float64), implementation="xla"), *(jnp.asarray(x, jnp.float64) for x in (q, k, v, do)))
+        o_ref, expected = np.asarray(o_ref), [np.asarray(e) for e in expected]
+    assert o.shape == q.shape
+    assert_close(np.asarray(o), o_ref, FLOAT32, "o")
+    for name, g, e in zip(("dq", "dk", "dv"), got, expected):
+        assert_close(np.asarray(g), e, FLOAT32, name)
+
+
 # ---------------------------------------------------------------------------
 # Against the float64 golden: sinks, packing
 # ---------------------------------------------------------------------------
