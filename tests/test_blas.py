@@ -62,7 +62,7 @@ def test_backend_info_reports_the_blas_the_kernels_pin():
     assert {lib["filepath"] for lib in info["blas"]} == pinned
     assert all(lib["num_threads"] >= 1 for lib in info["blas"])
     assert info["threads"] == numba.get_num_threads()
-    assert info["cache"]["enabled"] in (True, False) and set(info["cache"]) == {"enabled", "dir", "reason"}
+    assert info["cache"]["enabled"] in (True, False) and set(info["cache"]) == {"enabled", "dir", "reason", "save_error"}
     if info["cpu"] is not None:
         assert set(info["cpu"]) == {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}
         assert isinstance(info["cpu_model"], str) and "family" in info["cpu_model"]

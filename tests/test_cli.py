@@ -98,8 +98,8 @@ def test_failed_check_gives_exit_code_one(capsys, monkeypatch):
     (["--dropout", "1"], "expected a probability in [0, 1), got 1"),
     (["--dropout", "x"], "expected a probability in [0, 1), got 'x'"),
     (["--dropout", "0.1", "--seed", "-2"], "expected an integer seed in [0, 2**64), got -2"),
-    (["--softcap", "0"], "expected a soft cap > 0, got 0"),
-    (["--softcap", "nan"], "expected a soft cap > 0, got nan"),
+    (["--softcap", "0"], "expected a soft cap in [1.1754944e-38, 8.5070592e+37], got 0"),
+    (["--softcap", "nan"], "expected a soft cap in [1.1754944e-38, 8.5070592e+37], got nan"),
 ])
 def test_bad_options_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
