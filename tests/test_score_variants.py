@@ -422,7 +422,8 @@ def test_jax_grads_match_the_golden():
     slopes = rng.uniform(0, 0.1, h).astype(np.float32)
 
     def loss(q, k, v, bias, slopes):
-        return (nj.attention(q, k, v, causal=True, bias=bias, alibi_slopes=slopes, softcap=4.0) ** 2).sum()
+        return (nj.attention(q, k, v, causal=True, bias=bias, alibi_slopes=slopes, softcap=4.0,
+                             layout="bhsd") ** 2).sum()
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, k, v, bias, slopes)
     tr = (lambda x: x.transpose(0, 1, 3, 2))
@@ -433,5 +434,6 @@ def test_jax_grads_match_the_golden():
                                                                 expected[3])):
         assert_close(np.asarray(g), e, FLOAT32, name)
     np.testing.assert_array_equal(np.asarray(grads[4]), 0.0)
-    mapped = jax.vmap(lambda q: nj.attention(q, k, v, bias=bias, softcap=4.0))(jnp.stack([q, 2 * q]))
-    np.testing.assert_array_equal(np.asarray(mapped[1]), np.asarray(nj.attention(2 * q, k, v, bias=bias, softcap=4.0)))
+    mapped = jax.vmap(lambda q: nj.attention(q, k, v, bias=bias, softcap=4.0, layout="bhsd"))(jnp.stack([q, 2 * q]))
+    np.testing.assert_array_equal(np.asarray(mapped[1]),
+                                  np.asarray(nj.attention(2 * q, k, v, bias=bias, softcap=4.0, layout="bhsd")))
