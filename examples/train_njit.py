@@ -7,13 +7,18 @@ kernels on arrays in the Neuron layout ``[batch, heads, head_dim, seq]``::
 
     x  = E[tokens]                                  [B, S, C]
     q, k, v = x Wq, x Wk, x Wv                      -> [B, H, D, S] (KV heads may be fewer)
-    a  = attention(q, k, v, causal)                 numbafa.nb.attention_fwd
+    a  = attention(q, k, v, causal, ALiBi)          numbafa.nb.attention_fwd
     h  = x + a Wo;  logits = h Wout;  loss = mean cross-entropy(next token)
     ... gradients by hand, attention's from numbafa.nb.attention_bwd; SGD
 
-Run ``python examples/train_njit.py``: the plan is made once in Python
-(``numbafa.nb.plan``), then every step is one call of compiled code; the
-loss falls from ln(V) ~ 3.4 to well below 2.5.
+Positions enter through ALiBi (fixed per-head slopes, ``alibi_slopes=``).
+With ``--dtype bf16`` attention runs in bf16 (q, k, v, dy rounded to bf16,
+float32 accumulation, mixed_precision=True), the rest of the model in
+float32: ``numbafa.nb.to_bf16_bits``/``from_bf16_bits`` convert in njit code.
+
+Run ``python examples/train_njit.py [--dtype bf16]``: the plan is made once
+in Python (``numbafa.nb.plan``), then every step is one call of compiled
+code; the loss falls from ln(V) ~ 3.4 to well below 2.5.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import ml_dtypes
 import numba
 import numpy as np
 
@@ -75,25 +81,42 @@ def from_neuron(x):
 
 
 @numba.njit
-def attention_step(plan, x, wq, wk, wv, da_rows, bsz, seq):
+def as_float32(x):
+    """float32 storage: the arrays as they are."""
+    return x
+
+
+#: The attention's storage: (float32 -> storage, storage -> float32), njit functions.
+STORAGE = {"float32": (as_float32, as_float32),
+           "bf16": (numbafa.nb.to_bf16_bits, numbafa.nb.from_bf16_bits)}
+
+
+def alibi_slopes(heads):
+    """ALiBi's per-head slopes, ``2**(-8 h / heads)`` for h = 1..heads (float32)."""
+    return (2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)).astype(np.float32)
+
+
+@numba.njit
+def attention_step(plan, x, wq, wk, wv, da_rows, bsz, seq, slopes, narrow, widen):
     """q, k, v of ``x``; the attention output ``a``; with ``da_rows`` (dL/da), dL/dq, dL/dk, dL/dv.
-    Returns the Neuron-layout arrays (tests compare them with the Python API's)."""
-    _, heads, kv_heads, head_dim, _, _, _ = plan.shape
-    q = to_neuron(x @ wq, bsz, seq, heads, head_dim)
-    k = to_neuron(x @ wk, bsz, seq, kv_heads, head_dim)
-    v = to_neuron(x @ wv, bsz, seq, kv_heads, head_dim)
+    Returns the Neuron-layout arrays in the attention's storage (``narrow`` of float32: the
+    plan's dtype; tests compare them with the Python API's)."""
+    _, heads, kv_heads, head_dim, _, _, _ = plan.dims
+    q = narrow(to_neuron(x @ wq, bsz, seq, heads, head_dim))
+    k = narrow(to_neuron(x @ wk, bsz, seq, kv_heads, head_dim))
+    v = narrow(to_neuron(x @ wv, bsz, seq, kv_heads, head_dim))
     o = np.empty_like(q)
     lse = np.empty((bsz, heads, 128, seq // 128), dtype=np.float32)
-    numbafa.nb.attention_fwd(plan, q, k, v, o, lse)
-    dy = to_neuron(da_rows, bsz, seq, heads, head_dim) if da_rows.size else np.zeros_like(q)
+    numbafa.nb.attention_fwd(plan, q, k, v, o, lse, alibi_slopes=slopes)
+    dy = narrow(to_neuron(da_rows, bsz, seq, heads, head_dim)) if da_rows.size else np.zeros_like(o)
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     if da_rows.size:
-        numbafa.nb.attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv)
+        numbafa.nb.attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv, alibi_slopes=slopes)
     return q, k, v, o, dy, dq, dk, dv
 
 
 @numba.njit
-def train_step(plan, params, tokens, targets, lr):
+def train_step(plan, params, tokens, targets, lr, slopes, narrow, widen):
     """One SGD step of the whole model; returns ``(loss, params)`` (new weight arrays)."""
     emb, wq, wk, wv, wo, wout = params
     bsz, seq = tokens.shape
@@ -101,8 +124,8 @@ def train_step(plan, params, tokens, targets, lr):
     x = np.empty((n, emb.shape[1]), dtype=np.float32)
     for i in range(n):
         x[i] = emb[tokens.flat[i]]
-    o = attention_step(plan, x, wq, wk, wv, np.empty((0, 0), np.float32), bsz, seq)[3]
-    a = from_neuron(o)
+    o = attention_step(plan, x, wq, wk, wv, np.empty((0, 0), np.float32), bsz, seq, slopes, narrow, widen)[3]
+    a = from_neuron(widen(o))
     h = x + a @ wo
     logits = h @ wout
     dlogits = np.empty_like(logits)
@@ -117,8 +140,9 @@ def train_step(plan, params, tokens, targets, lr):
         dlogits[i] = p / n
     dh = dlogits @ wout.T
     da = dh @ wo.T
-    _, _, _, _, _, dq, dk, dv = attention_step(plan, x, wq, wk, wv, da.astype(np.float32), bsz, seq)
-    dq, dk, dv = from_neuron(dq), from_neuron(dk), from_neuron(dv)
+    _, _, _, _, _, dq, dk, dv = attention_step(plan, x, wq, wk, wv, da.astype(np.float32), bsz, seq, slopes,
+                                               narrow, widen)
+    dq, dk, dv = from_neuron(widen(dq)), from_neuron(widen(dk)), from_neuron(widen(dv))
     dx = dh + dq @ wq.T + dk @ wk.T + dv @ wv.T
     demb = np.zeros_like(emb)
     for i in range(n):
@@ -139,24 +163,28 @@ def batches(text, seq, bsz, rng):
         yield window[:, :-1], window[:, 1:]
 
 
-def make_plan(params, seq, bsz, heads=4, kv_heads=2, head_dim=16):
-    """The ``numbafa.nb`` plan of the model's attention (validated once, in Python)."""
-    q = np.zeros((bsz, heads, head_dim, seq), np.float32)
-    k = np.zeros((bsz, kv_heads, head_dim, seq), np.float32)
-    return numbafa.nb.plan(q, k, k, use_causal_mask=True)
+def make_plan(params, seq, bsz, heads=4, kv_heads=2, head_dim=16, dtype="float32"):
+    """The ``numbafa.nb`` plan of the model's attention (validated once, in Python): causal,
+    ALiBi, in ``dtype`` ("float32" or "bf16", with float32 accumulation)."""
+    storage = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    q = np.zeros((bsz, heads, head_dim, seq), storage)
+    k = np.zeros((bsz, kv_heads, head_dim, seq), storage)
+    return numbafa.nb.plan(q, k, k, use_causal_mask=True, alibi_slopes=alibi_slopes(heads),
+                           mixed_precision=dtype != "float32")
 
 
-def train(steps=150, seq=128, bsz=8, seed=0, lr=0.5, log_every=25):
+def train(steps=150, seq=128, bsz=8, seed=0, lr=0.5, log_every=25, dtype="float32"):
     """Train; return the list of losses."""
     params = init_params(len(set(TEXT)), seed=seed)
-    plan = make_plan(params, seq, bsz)
+    plan = make_plan(params, seq, bsz, dtype=dtype)
+    slopes, (narrow, widen) = alibi_slopes(plan.dims[1]), STORAGE[dtype]
     data = batches(TEXT, seq, bsz, np.random.default_rng(seed))
     losses = []
     t0 = time.perf_counter()
     with numbafa.nb.single_threaded_blas():   # BLAS runs inside numbafa's threads: one each
         for step in range(steps):
             tokens, targets = next(data)
-            loss, params = train_step(plan, params, tokens, targets, np.float32(lr))
+            loss, params = train_step(plan, params, tokens, targets, np.float32(lr), slopes, narrow, widen)
             losses.append(float(loss))
             if log_every and (step % log_every == 0 or step == steps - 1):
                 print(f"step {step:4d}  loss {loss:.3f}  ({time.perf_counter() - t0:.1f} s)")
@@ -166,8 +194,10 @@ def train(steps=150, seq=128, bsz=8, seed=0, lr=0.5, log_every=25):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--dtype", choices=sorted(STORAGE), default="float32",
+                        help="the attention's dtype (the rest of the model is float32)")
     args = parser.parse_args(argv)
-    losses = train(args.steps)
+    losses = train(args.steps, dtype=args.dtype)
     print(f"loss: first {losses[0]:.3f}, last {losses[-1]:.3f}")
 
 

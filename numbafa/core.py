@@ -1,14 +1,14 @@
-"""The one execution path of every call: validate -> plan -> allocate -> run items -> finish -> convert.
+"""The Python side of every call: validate the metadata -> plan -> allocate -> the compiled entry -> convert.
 
-:func:`attention_fwd` and :func:`attention_bwd` are what every front end
-runs on NumPy arrays (the public API, :func:`numbafa.attention`, the torch
-and JAX adapters' host calls), with the caller's
-:class:`~numbafa.options.AttentionOptions` and
-:class:`~numbafa.options.Caller`. The Dask shares (:mod:`numbafa.shards`)
-run parts of a problem through the same steps below it:
-:func:`run_fwd` / :func:`run_bwd` allocate the kernels' outputs and launch
-the work items (:mod:`numbafa.kernels.launch`), :func:`to_dtype` and
-:func:`user_dsinks` convert the float32 results to the caller's dtypes.
+:func:`attention_fwd` and :func:`attention_bwd` are what every Python front end runs on NumPy
+arrays (the public API, :func:`numbafa.attention`, the torch and JAX adapters' host calls),
+with the caller's :class:`~numbafa.options.AttentionOptions` and
+:class:`~numbafa.options.Caller`. Everything after the metadata -- the values, the range and its
+exact rescale, the work items, the finish, the output checks -- runs in the compiled entries
+(:mod:`numbafa.kernels.entry`), which :mod:`numbafa.nb` calls from a user's ``@njit`` code too;
+:func:`run_fwd` / :func:`run_bwd` call them for a whole problem or a Dask share's items
+(:mod:`numbafa.shards`), and :func:`raise_status` turns a failure they report into the
+exception, in the caller's words.
 """
 
 from __future__ import annotations
@@ -18,19 +18,22 @@ import contextlib
 import numba
 import numpy as np
 
-from .dtypes import to_bf16_array, to_fp16_array
+from .dtypes import ROUND_FP16, to_bf16_array, to_fp16_array
 from .kernels.backward import new_bwd_stats
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, shared_plan
-from .kernels.launch import run_backward, run_forward
+from .kernels.entry import (EXACT_SCORES, INPUTS, LSE_VALUES, NONFINITE, OUTPUT, OUTPUTS, SCALED_Q, SCORES,
+                            SCORES_WITH_BIAS, STATUS_WORDS, SUMS, backward_entry, exact_scores_plugin, forward_entry)
+from .kernels.table import ensure_plugins
+from .kernels.launch import call_entry, needs_finish, prepare_backward, prepare_forward
+from .kernels.scores import n_backward_items
 from .layout import lse_to_neuron
 from .options import AttentionOptions, Caller
-from .ranges import in_range, unscaled_output
 from .runtime import kernel_call
 from .tiling import Q_TILE
 from .validation import validate_bwd_inputs, validate_fwd_inputs
 
-__all__ = ["LSE_LAYOUTS", "attention_bwd", "attention_fwd", "check_lse_layout", "finite_output", "lse_out",
-           "run_bwd", "run_fwd", "to_dtype", "user_dbias", "user_dsinks"]
+__all__ = ["LSE_LAYOUTS", "attention_bwd", "attention_fwd", "check_lse_layout", "lse_out", "raise_status",
+           "run_bwd", "run_fwd", "to_dtype", "user_dbias", "user_dsinks", "bwd_outputs"]
 
 #: The layouts of the forward's lse: the Neuron kernel's ``[bs, nheads, 128, seqlen_q // 128]``
 #: and the natural ``[bs, nheads, seqlen_q]``.
@@ -51,15 +54,19 @@ def lse_out(lse: np.ndarray, lse_layout: str) -> np.ndarray:
     return lse_to_neuron(lse) if lse_layout == "neuron" else lse
 
 
-def to_dtype(x: np.ndarray, dtype) -> np.ndarray:
+def to_dtype(x: np.ndarray, dtype, name: str = "the output") -> np.ndarray:
     """Kernel output (float32, or float64 for float64 inputs) -> ``dtype``: itself, bf16 (the values
-    of a bf16 output are already rounded: exact), or another float dtype (a float64 call's float32
-    sinks' gradient: rounded once)."""
+    of a bf16 output are already rounded: exact), or another float dtype (rounded once: a
+    float64 call's float32 sinks' gradient; a float16 output, which must stay finite, else
+    ``FloatingPointError`` naming it)."""
     if x.dtype == dtype:
         return x
     dtype = np.dtype(dtype)
     if dtype == np.float16:
-        return to_fp16_array(x)
+        out = to_fp16_array(x)
+        if not np.isfinite(out).all():
+            raise FloatingPointError(_FP16_OVERFLOW.format(name=name))
+        return out
     return x.astype(dtype) if dtype.kind == "f" else to_bf16_array(x)
 
 
@@ -69,39 +76,29 @@ def user_dsinks(dsinks: np.ndarray, shape: tuple, dtype) -> np.ndarray:
     dtype, rounded once."""
     if len(shape) == 1:
         dsinks = dsinks.reshape(dsinks.shape[0], -1).sum(axis=0, dtype=dsinks.dtype)
-    return to_dtype(np.ascontiguousarray(dsinks), dtype).reshape(shape)
+    return to_dtype(np.ascontiguousarray(dsinks), dtype, "dsinks").reshape(shape)
 
 
-def _kernel_name(pass_name: str, plan) -> str:
-    """The kernel's name in the compile announcement: kernels with dropout or score variants are
-    compiled apart."""
-    extras = [what for what, absent in (("dropout", plan.dropout is None), ("score variants", plan.scores is None))
-              if not absent]
-    return pass_name if not extras else f"{pass_name} (with {' and '.join(extras)})"
+def user_dbias(prob, dbias: np.ndarray) -> np.ndarray:
+    """The kernels' ``dbias`` (accumulator dtype, the bias padded to 4-D) in the bias's shape and dtype."""
+    return to_dtype(dbias, prob.bias_dtype, "dbias").reshape(prob.bias_shape)
 
 
 #: The input dtype's name of a kernel input array's dtype (bf16 arrive as uint16 bits).
 _KERNEL_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float64): "float64",
                        np.dtype(np.uint16): "bfloat16"}
 
+_FP16_OVERFLOW = ("{name} overflows float16 at one of the kernels' float16 rounding points (float16's largest value "
+                  "is 65504): scale the inputs down, or compute in float32 or bfloat16")
+
 
 def _dtype_name(ins, plan) -> str:
-    """The input dtype a kernel is compiled for (fp16 inputs reach the kernels widened: their
-    precision flags are uint8, :class:`~numbafa.kernels.bundles.Precision`)."""
-    if isinstance(plan.precision.round_kernel, np.uint8):
+    """The input dtype of a call, for the compile announcement (fp16 inputs reach the kernels
+    widened to float32: their rounding code says fp16, :class:`~numbafa.kernels.bundles.Precision`)."""
+    if plan.precision.round_kernel == ROUND_FP16:
         return "float16"
     name = _KERNEL_DTYPE_NAMES.get(ins.q.dtype)
     return str(ins.q.dtype) if name is None else name
-
-
-def finite_output(x: np.ndarray, dtype, name: str) -> np.ndarray:
-    """``x``; for float16 inputs, raise ``FloatingPointError`` unless it is finite (fp16's range ends
-    at 65504: a tile rounded to fp16 beyond it is inf, as on the hardware, docs/numerics.md)."""
-    if np.dtype(dtype).char == "e" and not np.isfinite(x).all():   # float16
-        raise FloatingPointError(f"{name} overflows float16 at one of the kernels' float16 rounding points "
-                                 f"(float16's largest value is 65504): scale the inputs down, or compute in "
-                                 f"float32 or bfloat16")
-    return x
 
 
 @contextlib.contextmanager
@@ -134,42 +131,115 @@ def bwd_outputs(ins: BwdInputs, q_chunks: int) -> BwdOutputs:
                       np.empty(lead + (d_v, keys), dtype=acc))
 
 
-def run_fwd(ins: FwdInputs, plan, items=None, n_threads=None, signature=None) -> FwdOutputs:
-    """Allocate the forward's float32 ``o`` and ``lse`` and run its work ``items`` (None: all)
-    on ``n_threads`` threads (None: ``numba.get_num_threads()``; any number, the same bits).
-    ``signature``: see :func:`~numbafa.kernels.launch.work_item_address` (None: Numba's
-    fingerprint of the bundles)."""
+def _all(n: int) -> np.ndarray:
+    return np.arange(n, dtype=np.int64)
+
+
+def run_fwd(ins: FwdInputs, plan, items=None, n_threads=None, exponent=-1, signature=None):
+    """The forward entry on the kernel arrays ``ins`` (:mod:`numbafa.kernels.entry`): ``(outs, e,
+    status)``, the float32 ``o`` and ``lse`` (:data:`FwdOutputs`) of the work ``items`` (None:
+    all), the rescale's exponent and the status array (its first word 0: success; else
+    :func:`raise_status`). ``n_threads``: None for ``numba.get_num_threads()``; any number gives
+    the same bits. ``exponent`` -1 checks the values and chooses the rescale; a Dask share
+    passes its client's. ``signature``: a hashable value that decides the bundles' Numba types
+    for the caller (:func:`~numbafa.kernels.launch.prepare_forward`; None: none known)."""
     nb, nheads, _, seqlen_q = ins.q.shape
     acc = plan.acc.dtype   # float32, or float64 for float64 inputs
     outs = FwdOutputs(np.empty((nb, nheads, ins.v.shape[2], seqlen_q), dtype=acc),
                       np.empty((nb, nheads, seqlen_q), dtype=acc))
-    with kernel_call(_kernel_name("forward", plan), _dtype_name(ins, plan)), _on_threads(n_threads):
-        run_forward(ins, outs, plan, items, signature)
-    return outs
+    if items is None:
+        items = _all(nb * ins.k.shape[1] * plan.tiling.q_chunks)
+    status = np.zeros(STATUS_WORDS, dtype=np.int64)
+    with kernel_call("forward", _dtype_name(ins, plan)), _on_threads(n_threads):
+        prepare_forward(ins, outs, plan, signature)
+        e = call_entry(forward_entry, (ins, outs, plan, items, exponent, status), signature)
+        if status[0] == EXACT_SCORES:   # (rare: compiled only for a call that needs it)
+            ensure_plugins(exact_scores_plugin(ins, plan))
+            status[:] = 0
+            e = call_entry(forward_entry, (ins, outs, plan, items, exponent, status), signature)
+    return outs, e, status
 
 
-def run_bwd(ins: BwdInputs, plan, items=None, units=None, n_threads=None, state=None, signature=None):
-    """Run the backward's work ``items`` and finish its ``units`` (None: all, as
-    :func:`~numbafa.kernels.launch.run_backward`); return ``(outs, stats)``.
-
-    ``state``: the ``(outs, stats)`` to finish into (the Dask merge of split units); None:
-    allocated here (:func:`bwd_outputs`, :func:`~numbafa.kernels.backward.new_bwd_stats`).
-    ``signature`` as :func:`run_fwd`.
-    """
+def run_bwd(ins: BwdInputs, plan, items=None, units=None, n_threads=None, state=None, exponent=-1,
+            signature=None):
+    """The backward entry: ``(outs, stats, e, status)``; the work ``items`` and the ``units`` to
+    finish (None: all, :func:`~numbafa.kernels.scores.n_backward_items`, and every unit when
+    :func:`~numbafa.kernels.launch.needs_finish`). ``state``: the ``(outs, stats)`` to finish into
+    (the Dask merge of split units); None: allocated here. Other arguments as :func:`run_fwd`."""
     outs, stats = state if state is not None else (bwd_outputs(ins, plan.tiling.q_chunks), new_bwd_stats(ins))
-    with kernel_call(_kernel_name("backward", plan), _dtype_name(ins, plan)), _on_threads(n_threads):
-        run_backward(ins, outs, stats, plan, items, units, signature)
-    return outs, stats
+    n_units = ins.q.shape[0] * ins.k.shape[1]
+    if items is None:
+        items = _all(n_backward_items(ins.q.shape[0], ins.k.shape[1], plan.tiling.q_chunks, plan.scores))
+    if units is None:
+        units = _all(n_units if needs_finish(ins, plan) else 0)
+    status = np.zeros(STATUS_WORDS, dtype=np.int64)
+    with kernel_call("backward", _dtype_name(ins, plan)), _on_threads(n_threads):
+        prepare_backward(ins, outs, stats, plan, bool(units.size), signature)
+        e = call_entry(backward_entry, (ins, outs, stats, plan, items, units, exponent, status), signature)
+        if status[0] == EXACT_SCORES:
+            ensure_plugins(exact_scores_plugin(ins, plan))
+            status[:] = 0
+            e = call_entry(backward_entry, (ins, outs, stats, plan, items, units, exponent, status), signature)
+    return outs, stats, e, status
 
 
-def _signature(prob, plan) -> tuple:
+def raise_status(status, prob, caller: Caller, plan=None) -> None:
+    """Raise the exception a compiled entry's ``status`` (its first word not 0) stands for, in the
+    words of ``caller``; ``prob`` holds the arrays it reports sizes of (None for a Dask share,
+    which checks no input: ``plan`` gives the arithmetic)."""
+    code, which, count, value = (int(w) for w in status)
+    value = float(np.int64(value).view(np.float64))
+    acc = prob.dtype if prob is not None else plan.acc.dtype
+    arith = "float64" if acc.char == "d" else "float32"
+    limit = float(np.finfo(arith).max)
+    if code == NONFINITE:
+        key = INPUTS[which]
+        if key == "bias":
+            raise ValueError(f"{caller('bias')} must not contain NaN or +inf (-inf masks a score), got {count} "
+                             f"such element(s) of {prob.bias.size}")
+        sizes = {"q_ref": prob.q, "k_ref": prob.k, "v_ref": prob.v, "o_ref": prob.o, "dy_ref": prob.dy,
+                 "sinks_ref": prob.sinks, "alibi_slopes": prob.alibi}
+        raise ValueError(f"{caller(key)} must be finite, got {count} NaN/inf element(s) of {sizes[key].size}")
+    if code == LSE_VALUES:
+        raise ValueError(f"{caller('lse_ref')} must not contain NaN or -inf, got {count} such element(s)")
+    q, k, scale = caller("q_ref"), caller("k_ref"), caller("softmax_scale")
+    if code == SCALED_Q:
+        kind, largest = {ROUND_FP16: ("float16", 65504.0), 1: ("bfloat16", 3.3895314e38)}.get(
+            which, ("float32", float(np.finfo(np.float32).max)))
+        raise FloatingPointError(
+            f"the attention scores overflow {kind}: the kernels scale the queries at load, rounding {scale} * {q} "
+            f"to {kind} (largest value {largest:.6g}), and it reaches {value:.4g}; scale {q} down, or pass a "
+            f"smaller {scale}")
+    if code == SCORES:
+        raise FloatingPointError(
+            f"the attention scores {scale} * {q}^T {k} overflow {arith}: their products reach {value:.4g} > "
+            f"{limit:.4g} ({arith}'s largest value), and the log-sum-exp is at least the largest score; scale {q} "
+            f"or {k} down, or pass a smaller {scale}")
+    if code == SCORES_WITH_BIAS:
+        raise FloatingPointError(
+            f"the attention scores plus {caller('bias')} and the ALiBi terms overflow {arith}: they reach "
+            f"{value:.4g} > {limit:.4g} ({arith}'s largest value); scale {caller('bias')} down")
+    if code == SUMS:
+        what = "dy" if which else "v"
+        raise FloatingPointError(f"the sums of the {'backward' if which else 'forward'} overflow {arith} beyond an "
+                                 f"exact rescale of {what}: scale the inputs down")
+    if code == OUTPUT:
+        name = OUTPUTS[which]
+        if count == 1:
+            raise FloatingPointError(_FP16_OVERFLOW.format(name=name))
+        raise FloatingPointError(f"{name} overflows {arith}: some of its exact values exceed {limit:.4g} ({arith}'s "
+                                 f"largest value)")
+    raise RuntimeError(f"numbafa: unknown status {tuple(status)}")
+
+
+def _signature(prob) -> tuple:
     """What decides the Numba types of the bundles :func:`attention_fwd` / :func:`attention_bwd`
-    build (:func:`~numbafa.kernels.launch.work_item_address`): their arrays are the
-    validated ones (C-contiguous, aligned, of a writable type: :func:`numbafa.validation.kernel_view`)
-    or new float32 ones of fixed ranks, so only the input dtype, the plan's dropout and score
-    variants (each ``None`` or a bundle of fixed types) and its GEMM path (its marker and operand
-    dtype, :func:`numbafa.onednn.active_gemm_path`) vary."""
-    return ("core", prob.dtype, plan.dropout is None, plan.scores is None, plan.gemm is None, plan.operand.dtype.char)
+    build: their arrays are the validated ones (C-contiguous, aligned, of a writable type:
+    :func:`numbafa.validation.kernel_view`) or new ones of fixed ranks in the accumulator dtype,
+    and a plan's every field has one type whatever the options (:mod:`numbafa.kernels.bundles`),
+    so only the kernel arrays' dtype varies (float32, bf16 bits, float64; fp16 inputs arrive as
+    float32)."""
+    return ("core", prob.q.dtype.char)
 
 
 def attention_fwd(q, k, v, options: AttentionOptions, caller: Caller, lse_layout: str = "natural"):
@@ -181,18 +251,11 @@ def attention_fwd(q, k, v, options: AttentionOptions, caller: Caller, lse_layout
     check_lse_layout(lse_layout)
     prob = validate_fwd_inputs(q, k, v, options, caller)
     check_lse_layout(lse_layout, prob.q.shape[3])
-    prob, e = in_range(prob, caller, backward=False)
     plan = shared_plan(prob, backward=False)
-    outs = run_fwd(FwdInputs(prob.q, prob.k, prob.v, prob.sinks), plan, signature=_signature(prob, plan))
-    o = finite_output(unscaled_output(outs.o, e, "o"), prob.dtype, "o")
-    return to_dtype(o, prob.dtype), lse_out(outs.lse, lse_layout)
-
-
-def user_dbias(prob, dbias: np.ndarray, e: int) -> np.ndarray:
-    """The kernels' ``dbias`` (accumulator dtype, the bias padded to 4-D) in the bias's shape and
-    dtype, for a pass run on ``dy * 2**-e``."""
-    dbias = finite_output(unscaled_output(dbias, e, "dbias"), prob.bias_dtype, "dbias")
-    return to_dtype(dbias, prob.bias_dtype).reshape(prob.bias_shape)
+    outs, _, status = run_fwd(FwdInputs(prob.q, prob.k, prob.v, prob.sinks), plan, signature=_signature(prob))
+    if status[0]:
+        raise_status(status, prob, caller)
+    return to_dtype(outs.o, prob.dtype, "o"), lse_out(outs.lse, lse_layout)
 
 
 def attention_bwd(q, k, v, o, dy, lse, options: AttentionOptions, caller: Caller) -> tuple:
@@ -200,15 +263,14 @@ def attention_bwd(q, k, v, o, dy, lse, options: AttentionOptions, caller: Caller
     in the sinks' shape and dtype when there are sinks, ``+ (dbias,)`` in the bias's shape and
     dtype when ``options.return_dbias``. Arguments as :func:`attention_fwd`."""
     prob = validate_bwd_inputs(q, k, v, o, dy, lse, options, caller)
-    prob, e = in_range(prob, caller, backward=True)
     plan = shared_plan(prob, backward=True)
-    outs, _ = run_bwd(BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks), plan,
-                      signature=_signature(prob, plan))
-    grads = tuple(to_dtype(finite_output(unscaled_output(getattr(outs, name), e, name), prob.dtype, name), prob.dtype)
-                  for name in ("dq", "dk", "dv"))
+    outs, _, _, status = run_bwd(BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks), plan,
+                                 signature=_signature(prob))
+    if status[0]:
+        raise_status(status, prob, caller)
+    grads = tuple(to_dtype(getattr(outs, name), prob.dtype, name) for name in ("dq", "dk", "dv"))
     if prob.sinks_shape is not None:
-        dsinks = unscaled_output(outs.dsinks, e, "dsinks")
-        grads += (user_dsinks(dsinks, prob.sinks_shape, prob.sinks_dtype),)
+        grads += (user_dsinks(outs.dsinks, prob.sinks_shape, prob.sinks_dtype),)
     if prob.return_dbias:
-        grads += (user_dbias(prob, plan.scores.dbias, e),)
+        grads += (user_dbias(prob, plan.scores.dbias),)
     return grads

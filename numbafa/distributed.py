@@ -41,9 +41,10 @@ from . import shards
 from .core import check_lse_layout, lse_out, user_dbias, user_dsinks
 from .dtypes import accumulator_dtype
 from .kernels.bundles import BwdInputs, FwdInputs, make_plan
+from .kernels.scores import make_scores
 from .kernels.loops import n_q_groups
 from .options import KERNEL_CALLER, AttentionOptions
-from .ranges import in_range, unscaled_output
+from .ranges import check, scaled_input, unscaled_output
 from .tiling import Q_TILE
 from .validation import check_options, validate_bwd_inputs, validate_fwd_inputs
 
@@ -335,12 +336,14 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     prob = validate_fwd_inputs(q_ref, k_ref, v_ref, options)
     bs, nheads, d_head, seqlen_q = prob.q.shape
     check_lse_layout(lse_layout, seqlen_q)
-    prob, e = in_range(prob, KERNEL_CALLER, backward=False)
+    e = check(prob, KERNEL_CALLER, backward=False)
+    prob = scaled_input(prob, e, backward=False)
     nheads_kv = prob.k.shape[1]
     n_slots = sum(client.nthreads().values())
     plan = make_plan(prob, backward=False)
     plan = shards.with_q_chunks(plan, _fwd_row_chunks(plan, seqlen_q, bs * nheads_kv, n_slots))
-    scores, plan = plan.scores, plan._replace(scores=None)   # (each share carries its block's)
+    scores = plan.scores if plan.scores.active else None     # (each share carries its block's)
+    plan = plan._replace(scores=make_scores(None, plan.acc.dtype))
     n_chunks = plan.tiling.q_chunks
     rows = [shards.owned_rows(seqlen_q, plan.tiling, c) for c in range(n_chunks)]
     o = np.empty((bs, nheads, prob.v.shape[2], seqlen_q), dtype=prob.dtype)
@@ -429,11 +432,13 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
         _no_variants_with_dask(options)
         return _bwd_dask(client, named, options)
     prob = validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, options)
-    prob, e = in_range(prob, KERNEL_CALLER, backward=True)
+    e = check(prob, KERNEL_CALLER, backward=True)
+    prob = scaled_input(prob, e, backward=True)
     bs, nheads, d_head, seqlen_q = prob.q.shape
     nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
     plan = make_plan(prob, backward=True)
-    scores, plan = plan.scores, plan._replace(scores=None)   # (each share carries its block's)
+    scores = plan.scores if plan.scores.active else None     # (each share carries its block's)
+    plan = plan._replace(scores=make_scores(None, plan.acc.dtype))
     n_chunks = plan.tiling.q_chunks
     rows = [shards.owned_rows(seqlen_q, plan.tiling, c) for c in range(n_chunks)]
     dq = np.empty((bs, nheads, d_head, seqlen_q), dtype=prob.dtype)
@@ -481,7 +486,7 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     if prob.sinks_shape is not None:
         grads += (user_dsinks(unscaled_output(dsinks, e, "dsinks"), prob.sinks_shape, prob.sinks_dtype),)
     if dbias is not None:
-        grads += (user_dbias(prob, dbias, e),)
+        grads += (user_dbias(prob, unscaled_output(dbias, e, "dbias")),)
     return grads
 
 

@@ -1,4 +1,4 @@
-"""bf16 <-> float32 conversion and rounding, usable inside ``@njit`` code.
+"""bf16 and fp16 <-> float32 conversion and rounding, usable inside ``@njit`` code.
 
 NumPy has no bf16; numbafa takes ``ml_dtypes.bfloat16`` arrays at the API and
 hands the kernels their ``uint16`` bit patterns. Inside the kernels every
@@ -10,6 +10,12 @@ exactly "bf16 products, fp32 accumulation" (a bf16 x bf16 product has at most
 Rounding float32 -> bf16 is round-to-nearest-even on the bit pattern, the
 same rule as ``ml_dtypes`` (NaN stays NaN and becomes quiet, +-inf stay
 +-inf, finite values above the bf16 range round to +-inf).
+
+Inside the kernels the format a tile is rounded to is a *value*, a code
+(:data:`ROUND_NONE`, :data:`ROUND_BF16`, :data:`ROUND_FP16`), not a type:
+one compiled kernel serves float32, bf16 and float16 inputs (the rounding
+leaves are LLVM intrinsics, :func:`rounded` and :func:`widen`, so they cost
+no compile unit of their own).
 
 ``ml_dtypes`` is imported only when a bf16 array is made here (its import
 takes about a second on the project's machine). Recognising one needs no
@@ -29,29 +35,27 @@ from numba.extending import intrinsic, overload
 from .jit import jit
 
 __all__ = [
+    "ROUND_NONE",
+    "ROUND_BF16",
+    "ROUND_FP16",
     "bf16_dtype",
     "is_bf16",
+    "rounded",
+    "widen",
+    "round_inplace",
     "bf16_bits_to_f32",
     "f32_to_bf16_bits",
     "round_to_bf16",
-    "round_to_bf16_inplace",
     "round_to_fp16",
     "round_to_fp16_bits",
-    "round_to_fp16_inplace",
-    "round_to_kernel_dtype",
-    "round_inplace_if",
-    "widen",
-    "widened",
     "to_bf16_array",
     "from_bf16_array",
     "to_fp16_array",
     "from_fp16_array",
-    "as_operand",
-    "narrowed",
     "accumulator_dtype",
 ]
 
-_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+_F32_DTYPE, _F64_DTYPE = np.dtype(np.float32), np.dtype(np.float64)
 
 
 def accumulator_dtype(dtype) -> np.dtype:
@@ -59,7 +63,7 @@ def accumulator_dtype(dtype) -> np.dtype:
     dtype): float64 for float64, else float32 (bf16, float16 and float32 inputs). The dtype's
     one-letter code is the cheap test (``==`` with a type costs ~1 us; byte orders other than the
     native one are refused by the validation)."""
-    return _F64 if dtype.char == "d" else _F32
+    return _F64_DTYPE if dtype.char == "d" else _F32_DTYPE
 
 
 def bf16_dtype() -> np.dtype:
@@ -78,53 +82,15 @@ def is_bf16(dtype) -> bool:
         return False
 
 
-@jit()
-def bf16_bits_to_f32(bits):
-    """Widen one bf16 bit pattern (uint16) to its exact float32 value."""
-    return np.uint32(np.uint32(bits) << np.uint32(16)).view(np.float32)
+#: The rounding formats of the kernels' written tiles, as values (:class:`numbafa.kernels.bundles.Precision`):
+#: none (float32 and float64 inputs), bf16, fp16.
+#: (NumPy ints: a Python int constant passed to a jitted function would be a literal, and
+#: Numba would compile the callee once per value.)
+ROUND_NONE, ROUND_BF16, ROUND_FP16 = np.int64(0), np.int64(1), np.int64(2)
 
-
-@jit()
-def _rounded_bits(u):
-    """The float32 bits ``u`` rounded to bf16 (nearest, ties to even), low half zero.
-
-    Selects only, no branch, so that loops over it vectorise: NaN keeps its
-    sign and becomes quiet; every other value rounds on its bit pattern.
-    """
-    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-    quiet = (u | np.uint32(0x00400000)) & np.uint32(0xFFFF0000)
-    return quiet if nan else rounded
-
-
-@jit()
-def f32_to_bf16_bits(x):
-    """Round one float32 to bf16 (nearest, ties to even); return the uint16 bits."""
-    return np.uint16(_rounded_bits(np.float32(x).view(np.uint32)) >> np.uint32(16))
-
-
-@jit()
-def round_to_bf16(x):
-    """Round one float32 to the nearest bf16 value, returned as float32."""
-    return np.uint32(_rounded_bits(np.float32(x).view(np.uint32))).view(np.float32)
-
-
-@jit()
-def round_to_bf16_inplace(buf):
-    """Round every element of a contiguous 1-D float32 array to bf16, in place.
-
-    The same rule as :func:`f32_to_bf16_bits` (:func:`_rounded_bits`), on the uint32 view.
-    """
-    u = buf.view(np.uint32)
-    for i in range(u.size):
-        u[i] = _rounded_bits(u[i])
-
-
-_F16_SUBNORMAL_SCALE = np.float32(2.0 ** 24)
-_F16_SUBNORMAL_STEP = np.float32(2.0 ** -24)
-_F16_MIN_NORMAL_BITS = np.uint32(0x38800000)   # 2**-14
-_F16_MAX_BITS = np.uint32(0x477FE000)          # 65504
-_F32_INF_BITS = np.uint32(0x7F800000)
+_F16_MIN_NORMAL_BITS = 0x38800000   # 2**-14
+_F16_MAX_BITS = 0x477FE000          # 65504
+_F32_INF_BITS = 0x7F800000
 
 
 def _has_f16c() -> bool:
@@ -139,141 +105,146 @@ def _has_f16c() -> bool:
 #: Frozen into the compiled code (Numba's disk cache is per CPU and its features).
 _F16C = _has_f16c()
 
+_I32 = ir.IntType(32)
+_F32 = ir.FloatType()
+
+
+def _ir_bf16(builder, x):
+    """LLVM IR: float32 ``x`` rounded to bf16 (nearest, ties to even), as float32. On the bit
+    pattern, selects only: NaN keeps its sign and becomes quiet; every other value rounds."""
+    u = builder.bitcast(x, _I32)
+    nan = builder.icmp_unsigned(">", builder.and_(u, _I32(0x7FFFFFFF)), _I32(0x7F800000))
+    lsb = builder.and_(builder.lshr(u, _I32(16)), _I32(1))
+    rounded_bits = builder.and_(builder.add(builder.add(u, _I32(0x7FFF)), lsb), _I32(0xFFFF0000))
+    quiet = builder.and_(builder.or_(u, _I32(0x00400000)), _I32(0xFFFF0000))
+    return builder.bitcast(builder.select(nan, quiet, rounded_bits), _F32)
+
+
+def _ir_fp16(builder, x, f16c=None):
+    """LLVM IR: float32 ``x`` rounded to float16 (nearest, ties to even; fp16's range and
+    subnormals; from 65520 on, +-inf), as float32: F16C's conversions (``fptrunc``/``fpext``,
+    one vector instruction each) where the CPU has them, else on the bit pattern (below
+    ``2**-14`` multiples of ``2**-24``: ``rint(x * 2**24) * 2**-24``, exact in float32; above,
+    the mantissa rounded to 10 bits), selects only. NumPy's float32 -> float16 rule."""
+    if _F16C if f16c is None else f16c:
+        return builder.fpext(builder.fptrunc(x, ir.HalfType()), _F32)
+    u = builder.bitcast(x, _I32)
+    a = builder.and_(u, _I32(0x7FFFFFFF))
+    lsb = builder.and_(builder.lshr(a, _I32(13)), _I32(1))
+    bits = builder.and_(builder.add(builder.add(a, _I32(0x0FFF)), lsb), _I32(0xFFFFE000))
+    bits = builder.select(builder.icmp_unsigned(">", bits, _I32(_F16_MAX_BITS)), _I32(_F32_INF_BITS), bits)
+    normal = builder.or_(builder.and_(u, _I32(0x80000000)), bits)
+    rint = builder.module.declare_intrinsic("llvm.rint", [_F32])
+    scaled = builder.call(rint, [builder.fmul(x, _F32(2.0 ** 24))])
+    subnormal = builder.bitcast(builder.fmul(scaled, _F32(2.0 ** -24)), _I32)
+    bits = builder.select(builder.icmp_unsigned("<", a, _I32(_F16_MIN_NORMAL_BITS)), subnormal, normal)
+    bits = builder.select(builder.icmp_unsigned(">=", a, _I32(_F32_INF_BITS)), u, bits)
+    return builder.bitcast(bits, _F32)
+
 
 @intrinsic
-def _fp16_round_trip(typingctx, x):
-    """``float(half(x))``: LLVM's ``fptrunc`` to half (round to nearest even, fp16's subnormals
-    and range) and ``fpext`` back, which F16C does in one vector instruction each
-    (``vcvtps2ph``/``vcvtph2ps``, 8 lanes)."""
-    if x != types.float32:
+def rounded(typingctx, x, code):
+    """``rounded(x, code)``: float32 ``x`` rounded to the format ``code`` names
+    (:data:`ROUND_BF16`, :data:`ROUND_FP16`; :data:`ROUND_NONE`: ``x`` itself). The code is a
+    runtime value: LLVM splits a loop whose code does not change into one loop per format (or
+    computes the roundings and selects), so one compiled kernel serves every format. float64
+    values (the float64 kernels round nothing) come back unchanged."""
+    if not isinstance(code, types.Integer) or x not in (types.float32, types.float64):
         return None
 
     def codegen(context, builder, sig, args):
-        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+        value, fmt = args
+        if sig.args[0] == types.float64:
+            return value
+        i64 = ir.IntType(64)
+        fmt = builder.sext(fmt, i64) if fmt.type.width < 64 else fmt
+        entry = builder.block
+        bf16_block = builder.append_basic_block("round_bf16")
+        fp16_block = builder.append_basic_block("round_fp16")
+        done = builder.append_basic_block("rounded")
+        switch = builder.switch(fmt, done)
+        switch.add_case(i64(ROUND_BF16), bf16_block)
+        switch.add_case(i64(ROUND_FP16), fp16_block)
+        builder.position_at_end(bf16_block)
+        as_bf16 = _ir_bf16(builder, value)
+        builder.branch(done)
+        builder.position_at_end(fp16_block)
+        as_fp16 = _ir_fp16(builder, value)
+        builder.branch(done)
+        builder.position_at_end(done)
+        phi = builder.phi(_F32)
+        phi.add_incoming(value, entry)
+        phi.add_incoming(as_bf16, bf16_block)
+        phi.add_incoming(as_fp16, fp16_block)
+        return phi
 
-    return types.float32(types.float32), codegen
+    return x(x, code), codegen
 
 
-@jit(inline=True)
-def _round_to_fp16_f16c(x):
-    """Round one float32 to the nearest float16 value (ties to even), returned as float32, by
-    F16C's conversions (every AVX2 CPU has them)."""
-    return _fp16_round_trip(np.float32(x))
+@intrinsic
+def widen(typingctx, x):
+    """``widen(x)``: one input element as a float: bf16 bits (uint16) -> their exact float32 value
+    (the bits in the upper half); float32 and float64 unchanged."""
+    if x == types.uint16:
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(builder.shl(builder.zext(args[0], _I32), _I32(16)), _F32)
+        return types.float32(x), codegen
+    if x in (types.float32, types.float64):
+        return x(x), lambda context, builder, sig, args: args[0]
+    return None
+
+
+@intrinsic
+def _fp16_on_the_bits(typingctx, x):
+    """:func:`rounded` to fp16 by the bit-pattern rule, whatever the CPU."""
+    if x != types.float32:
+        return None
+    return types.float32(x), lambda context, builder, sig, args: _ir_fp16(builder, args[0], f16c=False)
+
+
+@jit()
+def round_inplace(buf, code):
+    """Round every element of a contiguous 1-D float32 array in place to the format ``code``
+    (:func:`rounded`; nothing for :data:`ROUND_NONE`): one vectorised loop per format."""
+    if code == ROUND_BF16:
+        for i in range(buf.size):
+            buf[i] = rounded(buf[i], ROUND_BF16)
+    elif code == ROUND_FP16:
+        for i in range(buf.size):
+            buf[i] = rounded(buf[i], ROUND_FP16)
+
+
+@jit()
+def bf16_bits_to_f32(bits):
+    """Widen one bf16 bit pattern (uint16) to its exact float32 value."""
+    return widen(np.uint16(bits))
+
+
+@jit()
+def f32_to_bf16_bits(x):
+    """Round one float32 to bf16 (nearest, ties to even); return the uint16 bits."""
+    return np.uint16(np.float32(rounded(np.float32(x), ROUND_BF16)).view(np.uint32) >> np.uint32(16))
+
+
+@jit()
+def round_to_bf16(x):
+    """Round one float32 to the nearest bf16 value, returned as float32."""
+    return rounded(np.float32(x), ROUND_BF16)
+
+
+@jit()
+def round_to_fp16(x):
+    """Round one float32 to the nearest float16 value (ties to even), returned as float32: F16C's
+    conversions where the CPU has them, else the rule of :func:`round_to_fp16_bits`."""
+    return rounded(np.float32(x), ROUND_FP16)
 
 
 @jit()
 def round_to_fp16_bits(x):
-    """Round one float32 to the nearest float16 value (ties to even), returned as float32, on the
-    bit pattern (CPUs without F16C).
-
-    fp16's range and subnormals: below ``2**-14`` the values are multiples of
-    ``2**-24`` (``rint(x * 2**24) * 2**-24``, exact in float32); above, the
-    mantissa is rounded to 10 bits on the bit pattern as for bf16; beyond
-    65504 (from 65520 on) the result is ``+-inf``; inf and NaN stay. The same
-    rule as NumPy's float32 -> float16 cast. Selects only, no branch, so that
-    loops over it vectorise (2.5x the time of the bf16 rounding; F16C's: 0.5x).
-    """
-    x = np.float32(x)
-    u = x.view(np.uint32)
-    a = u & np.uint32(0x7FFFFFFF)
-    rounded = (a + np.uint32(0x0FFF) + ((a >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
-    rounded = _F32_INF_BITS if rounded > _F16_MAX_BITS else rounded
-    normal = (u & np.uint32(0x80000000)) | rounded
-    subnormal = np.float32(np.float32(np.rint(x * _F16_SUBNORMAL_SCALE)) * _F16_SUBNORMAL_STEP).view(np.uint32)
-    bits = subnormal if a < _F16_MIN_NORMAL_BITS else normal
-    bits = u if a >= _F32_INF_BITS else bits
-    return np.uint32(bits).view(np.float32)
-
-
-#: Round one float32 to the nearest float16 value (ties to even), returned as float32: F16C's
-#: conversions where the CPU has them, else :func:`round_to_fp16_bits`; the same bits either way
-#: (``tests/test_float16.py`` checks both at every rounding boundary). Chosen here, once, so that
-#: the compiled kernels hold only the one they use.
-round_to_fp16 = _round_to_fp16_f16c if _F16C else round_to_fp16_bits
-
-
-@jit()
-def round_to_fp16_inplace(buf):
-    """Round every element of a contiguous 1-D float32 array to fp16 (:func:`round_to_fp16`), in place."""
-    for i in range(buf.size):
-        buf[i] = round_to_fp16(buf[i])
-
-
-def round_to_kernel_dtype(x, flag):  # pragma: no cover - replaced by the overload inside njit code
-    """Round one float32 to the kernel dtype that the *type* of the rounding ``flag`` names: a
-    bool flag (bf16 inputs) rounds to bf16, a uint8 flag (fp16 inputs) to fp16
-    (:class:`numbafa.kernels.bundles.Precision`). The flag's value is not read."""
-    raise NotImplementedError("round_to_kernel_dtype is only callable from @njit code")
-
-
-@overload(round_to_kernel_dtype)
-def _round_to_kernel_dtype_overload(x, flag):
-    if isinstance(flag, types.Boolean):
-        return lambda x, flag: round_to_bf16(x)
-    if isinstance(flag, types.Integer):
-        return lambda x, flag: round_to_fp16(x)
-    return None
-
-
-def round_inplace_if(buf, flag):  # pragma: no cover - replaced by the overload inside njit code
-    """If ``flag``, round a contiguous 1-D float32 array in place to the kernel dtype the flag's
-    type names (as :func:`round_to_kernel_dtype`)."""
-    raise NotImplementedError("round_inplace_if is only callable from @njit code")
-
-
-@overload(round_inplace_if)
-def _round_inplace_if_overload(buf, flag):
-    if isinstance(flag, types.Boolean):
-        def bf16(buf, flag):
-            if flag:
-                round_to_bf16_inplace(buf)
-        return bf16
-    if isinstance(flag, types.Integer):
-        def fp16(buf, flag):
-            if flag:
-                round_to_fp16_inplace(buf)
-        return fp16
-    return None
-
-
-def widen(x):  # pragma: no cover - replaced by the overload inside njit code
-    """Element as a float: identity for float32 and float64, bf16 widening (to float32) for uint16 bits."""
-    raise NotImplementedError("widen is only callable from @njit code")
-
-
-@overload(widen)
-def _widen_overload(x):
-    if x == types.uint16:
-        return lambda x: bf16_bits_to_f32(x)
-    if x in (types.float32, types.float64):
-        return lambda x: x
-    return None
-
-
-def widened(x):  # pragma: no cover - replaced by the overload inside njit code
-    """A 2-D array as a float array: ``x`` itself if float32 or float64, a widened float32 copy of
-    uint16 bf16 bits."""
-    raise NotImplementedError("widened is only callable from @njit code")
-
-
-@overload(widened)
-def _widened_overload(x):
-    if not isinstance(x, types.Array) or x.ndim != 2:
-        return None
-    if x.dtype in (types.float32, types.float64):
-        return lambda x: x
-
-    if x.dtype == types.uint16:
-        def impl(x):
-            out = np.empty(x.shape, dtype=np.float32)
-            for i in range(x.shape[0]):
-                src = x[i]
-                dst = out[i]
-                for j in range(x.shape[1]):
-                    dst[j] = bf16_bits_to_f32(src[j])
-            return out
-        return impl
-    return None
+    """Round one float32 to the nearest float16 value on the bit pattern, whatever the CPU (the
+    rule the kernels use where it has no F16C; ``tests/test_float16.py`` checks that both agree
+    at every rounding boundary)."""
+    return _fp16_on_the_bits(np.float32(x))
 
 
 def _converted(x):  # pragma: no cover - replaced by the overload inside njit code
@@ -368,48 +339,3 @@ def to_fp16_array(x: np.ndarray) -> np.ndarray:
     bits = np.empty(src.shape, dtype=np.uint16)
     _narrow_fp16(src.reshape(-1), bits.reshape(-1))
     return bits.view(np.float16)
-
-
-def as_operand(x, operand):  # pragma: no cover - replaced by the overload inside njit code
-    """An input tile as a GEMM operand of the path ``operand`` marks (its dtype):
-    float32 -> :func:`widened`; uint16 (bf16 bits, the oneDNN path) and float64 -> ``x`` itself."""
-    raise NotImplementedError("as_operand is only callable from @njit code")
-
-
-@overload(as_operand)
-def _as_operand_overload(x, operand):
-    if not isinstance(x, types.Array) or not isinstance(operand, types.Array):
-        return None
-    if operand.dtype == types.float32:
-        return lambda x, operand: widened(x)
-    if operand.dtype in (types.uint16, types.float64) and x.dtype == operand.dtype:
-        return lambda x, operand: x
-    return None
-
-
-def narrowed(t, buf, operand):  # pragma: no cover - replaced by the overload inside njit code
-    """A bf16-valued float32 2-D tile as a GEMM operand of the path ``operand`` marks:
-    float32 and float64 -> ``t`` itself; uint16 -> its bf16 bits written into the flat uint16 scratch
-    ``buf`` (exact: every value is a bf16 value), returned as a ``t``-shaped view of it."""
-    raise NotImplementedError("narrowed is only callable from @njit code")
-
-
-@overload(narrowed)
-def _narrowed_overload(t, buf, operand):
-    if not isinstance(operand, types.Array) or not isinstance(t, types.Array) or t.ndim != 2:
-        return None
-    if operand.dtype in (types.float32, types.float64):
-        return lambda t, buf, operand: t
-    if operand.dtype == types.uint16:
-        def impl(t, buf, operand):
-            rows, cols = t.shape
-            out = buf[:rows * cols].reshape(rows, cols)
-            for i in range(rows):
-                src = t[i]
-                dst = out[i]
-                for j in range(cols):
-                    dst[j] = np.uint16(np.float32(src[j]).view(np.uint32) >> np.uint32(16))
-            return out
-        return impl
-    return None
-

@@ -343,9 +343,9 @@ class _CacheImpl(_CompileResultCacheImpl):
     """Numba's compile-result serialisation with :class:`_Locator` (no locator search).
 
     A compile result is stored with the cells of the apart functions its code calls
-    (:func:`numbafa.linking.cells_of`) and the oneDNN functions it calls
-    (:func:`numbafa.linking.external_symbols`); loading it first loads oneDNN
-    (:func:`numbafa.onednn.load_library`) and those apart functions, and fills their cells
+    (:func:`numbafa.linking.cells_of`) and the oneDNN and libgomp functions it calls
+    (:func:`numbafa.linking.external_symbols`); loading it first makes those resolvable
+    (:func:`numbafa.onednn.ensure_symbols`), loads the apart functions and fills their cells
     (:func:`numbafa.linking.ensure_cells`), so its machine code finds every symbol.
     """
 
@@ -358,17 +358,17 @@ class _CacheImpl(_CompileResultCacheImpl):
         self._filename_base = self.get_filename_base(f"{modname}.{qualname}", getattr(sys, "abiflags", ""))
 
     def reduce(self, cres):
-        return linking.cells_of(cres.library), linking.external_symbols(cres.library, "dnnl_"), super().reduce(cres)
+        return (linking.cells_of(cres.library), linking.external_symbols(cres.library, ("dnnl_", "omp_")),
+                super().reduce(cres))
 
     def rebuild(self, target_context, payload):
-        cells, onednn_symbols, reduced = payload
-        if onednn_symbols:
-            # Machine code compiled for the oneDNN path calls its symbols: they must exist before it
-            # is linked, in any process, whatever it ran before, or LLVM aborts the process.
-            from .onednn import load_library
-            if not load_library():
-                raise RuntimeError(f"this cached code calls oneDNN ({', '.join(onednn_symbols)}), which "
-                                   f"cannot be loaded in this process")
+        cells, gemm_symbols, reduced = payload
+        if gemm_symbols:
+            # Machine code of the GEMM seam calls oneDNN's and libgomp's symbols: they must exist
+            # before it is linked, in any process, whatever it ran before, or LLVM aborts it.
+            from .onednn import ensure_symbols
+            ensure_symbols()
+        linking.KERNELS.define()   # the kernel table an entry reads (one symbol, defined once)
         linking.ensure_cells(cells)
         cres = super().rebuild(target_context, reduced)
         # Numba runs a loaded entry's reload hooks (a parallel function's: start the threading

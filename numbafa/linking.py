@@ -48,8 +48,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["Apart", "apart", "native_address", "call_status", "call_or_raise", "pack", "unpack",
-           "cells_of", "external_symbols", "ensure_cells", "CELL_PREFIX"]
+__all__ = ["Apart", "apart", "native_address", "call_status", "call_or_raise", "pack", "unpack", "address_of",
+           "cells_of", "external_symbols", "ensure_cells", "CELL_PREFIX", "KERNELS", "type_key", "kernel_key",
+           "register_kernel", "KERNEL_TABLE_CAPACITY"]
 
 #: Name prefix of the cells (pointer-sized globals) through which apart functions are called.
 CELL_PREFIX = "numbafa.apart$"
@@ -79,6 +80,20 @@ def _call(context, builder, address, argtys, llargs, restype):
     fnty = context.call_conv.get_function_type(restype, argtys)
     fn = builder.inttoptr(address, fnty.as_pointer())
     return context.call_conv.call_function(builder, fn, restype, argtys, llargs)
+
+
+@intrinsic
+def address_of(typingctx, pointer):
+    """``address_of(pointer)``: a :func:`pack` pointer as an int64, to hand to a function that takes
+    it as an opaque word (the generic launcher, :func:`numbafa.kernels.launch.run_items`): every
+    work item gets its own typed pointer back, the same machine word."""
+    if not isinstance(pointer, types.CPointer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.ptrtoint(args[0], llvm_ir.IntType(64))
+
+    return types.int64(pointer), codegen
 
 
 def _unpacked(builder, args_ty, tuple_value):
@@ -235,10 +250,11 @@ def cells_of(library) -> list:
     return found
 
 
-def external_symbols(library, prefix: str) -> list:
-    """The names, starting with ``prefix``, of the external functions a finalized code library
-    calls (declared, not defined in it): e.g. oneDNN's ``dnnl_sgemm``, which must be loaded
-    before the library's machine code is linked (:mod:`numbafa.jit`)."""
+def external_symbols(library, prefix) -> list:
+    """The names, starting with ``prefix`` (a string or a tuple of them), of the external
+    functions a finalized code library calls (declared, not defined in it): e.g. oneDNN's
+    ``dnnl_sgemm``, which must be resolvable before the library's machine code is linked
+    (:mod:`numbafa.jit`)."""
     module = getattr(library, "_final_module", None)
     if module is None:
         return []
@@ -255,3 +271,124 @@ def ensure_cells(cells) -> None:
         if not isinstance(state, Apart):
             raise TypeError(f"numbafa: {module_name}.{qualname} is not an apart function")
         state.ensure(argtys)
+
+
+# -- the process-local table of compiled kernels -------------------------------------------------
+
+def type_key(qualname: str, argtys) -> int:
+    """A nonzero 63-bit key of a function compiled for Numba types ``argtys``: the same in Python
+    and at njit typing time (both spell the types with ``str``)."""
+    text = qualname + "(" + ", ".join(str(t) for t in argtys) + ")"
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16) | 1
+
+
+#: Entries of the kernel table (:data:`KERNELS`).
+KERNEL_TABLE_CAPACITY = 4096
+
+
+class _KernelTable:
+    """Addresses of compiled work items, by :func:`type_key`, in C memory that njit code reads
+    through one symbol, :data:`TABLE_SYMBOL` (:func:`kernel_address`).
+
+    The kernels' entries look their work items up here instead of taking addresses as arguments
+    or from a plan: a plan (or anything a caller passes) never holds an address, and an entry
+    whose work item was not compiled or loaded in this process finds nothing and raises. Open
+    addressing over a fixed capacity; an entry is written address first, key last (x86 keeps
+    the order of stores), so a reader that finds a key finds its address. Never shrinks.
+    """
+
+    CAPACITY = KERNEL_TABLE_CAPACITY
+
+    def __init__(self):
+        self._words = (ctypes.c_int64 * (2 * self.CAPACITY))()
+        self._cell = ctypes.c_void_p(ctypes.addressof(self._words))
+        self._defined = False
+        self._lock = threading.Lock()
+        self._known: dict = {}
+
+    def define(self) -> None:
+        """Make :data:`TABLE_SYMBOL` resolvable (before any code that reads it is linked)."""
+        if not self._defined:
+            with self._lock:
+                if not self._defined:
+                    llvm.add_symbol(TABLE_SYMBOL, ctypes.addressof(self._cell))
+                    self._defined = True
+
+    def register(self, key: int, address: int) -> None:
+        """Record ``address`` under ``key`` (idempotent)."""
+        self.define()
+        with self._lock:
+            if self._known.get(key) == address:
+                return
+            i = key % self.CAPACITY
+            for _ in range(self.CAPACITY):
+                if self._words[2 * i] in (0, key):
+                    self._words[2 * i + 1] = address
+                    self._words[2 * i] = key
+                    self._known[key] = address
+                    return
+                i = (i + 1) % self.CAPACITY
+        raise RuntimeError("numbafa: the table of compiled kernels is full")
+
+    def get(self, key: int) -> int:
+        return self._known.get(key, 0)
+
+
+#: The symbol of the kernel table's base pointer.
+TABLE_SYMBOL = "numbafa.kernels$table"
+#: The process's table of compiled work items.
+KERNELS = _KernelTable()
+
+
+@intrinsic
+def _table_words(typingctx):
+    """The kernel table's words (int64), read through :data:`TABLE_SYMBOL`."""
+    def codegen(context, builder, sig, args):
+        module = builder.module
+        try:
+            cell = module.get_global(TABLE_SYMBOL)
+        except KeyError:
+            cell = llvm_ir.GlobalVariable(module, llvm_ir.IntType(64).as_pointer(), name=TABLE_SYMBOL)
+            cell.linkage = "external"
+        return builder.load(cell)
+
+    KERNELS.define()
+    return types.CPointer(types.int64)(), codegen
+
+
+@intrinsic
+def _key_of(typingctx, qualname, args):
+    if not isinstance(qualname, types.StringLiteral):
+        return None
+    key = type_key(qualname.literal_value, (types.CPointer(args), types.int64))
+
+    def codegen(context, builder, sig, llargs):
+        return context.get_constant(types.int64, key)
+
+    return types.int64(qualname, args), codegen
+
+
+@intrinsic
+def _plugin_key(typingctx, function, args):
+    if not isinstance(function, types.Dispatcher):
+        return None
+    key = type_key(function.dispatcher.py_func.__qualname__, (types.CPointer(args), types.int64))
+
+    def codegen(context, builder, sig, llargs):
+        return context.get_constant(types.int64, key)
+
+    return types.int64(function, args), codegen
+
+
+def kernel_key(dispatcher, args_type) -> int:
+    """:func:`type_key` of a work item ``dispatcher`` for a pointer to ``args_type``."""
+    return type_key(dispatcher.py_func.__qualname__, (types.CPointer(args_type), types.int64))
+
+
+def register_kernel(dispatcher, args_type) -> int:
+    """Compile (or load) the work item ``dispatcher`` for a pointer to ``args_type`` and an int64,
+    record it in :data:`KERNELS`; return its key."""
+    key = kernel_key(dispatcher, args_type)
+    if not KERNELS.get(key):
+        KERNELS.register(key, native_address(dispatcher, (types.CPointer(args_type), types.int64)))
+    return key

@@ -1,113 +1,133 @@
-"""The kernels from your own ``@numba.njit`` code: a plan built once in Python, calls in njit::
+"""numbafa from your own ``@numba.njit`` code: a plan made once in Python, the passes called in njit::
 
     import numba, numbafa.nb
 
-    plan = numbafa.nb.plan(q, k, v, use_causal_mask=True)      # Python, once: validates
+    plan = numbafa.nb.plan(q, k, v, use_causal_mask=True, bias=bias, return_dbias=True)   # Python, once
 
     @numba.njit
-    def step(plan, q, k, v, o, lse, dy, dq, dk, dv):
-        numbafa.nb.attention_fwd(plan, q, k, v, o, lse)
+    def step(plan, q, k, v, o, lse, dy, dq, dk, dv, bias, dbias):
+        numbafa.nb.attention_fwd(plan, q, k, v, o, lse, bias=bias)
         ...                                                    # the loss, dy = dL/do
-        numbafa.nb.attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv)
+        numbafa.nb.attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv, bias=bias, dbias=dbias)
 
-:func:`plan` validates the shapes, dtypes and options exactly as
-:func:`numbafa.attention_bwd` does and returns a :data:`NbPlan`, a named tuple
-Numba passes around. :func:`attention_fwd` and :func:`attention_bwd` are
-jitted functions (callable from Python too) that write preallocated outputs
-in the Neuron layout, exactly the bits :func:`numbafa.attention_fwd` and
-:func:`numbafa.attention_bwd` return for the same inputs. Inside njit code
-nothing is validated again but the arrays' shapes and dtypes against the
-plan: a mismatch raises a ``ValueError`` before anything is written.
+:func:`plan` takes every argument :func:`numbafa.attention_fwd` and :func:`numbafa.attention_bwd`
+take and checks them as they do (arrays given to it fix shapes and dtypes; their values are not
+kept, but the packing bounds'). :func:`attention_fwd` and :func:`attention_bwd` run the same
+compiled entries the Python API runs (``numbafa.kernels.entry``): the same value checks
+(non-finite inputs raise ``ValueError`` naming the array), the same exact rescale or
+``FloatingPointError`` past float32's range, and exactly the bits of the Python API for the same
+inputs and options, in float32, bf16, float16 and float64. They write preallocated outputs.
 
-Arrays: ``q, dq`` ``[bs, nheads, d_head, seqlen_q]``; ``o, dy`` ``[bs, nheads, d_head_v,
-seqlen_q]``; ``k, dk`` ``[bs, nheads_kv, d_head, seqlen_k]``; ``v, dv`` ``[bs, nheads_kv,
-d_head_v, seqlen_k]`` (``d_head_v``, the value head dim, may differ from ``d_head``); float32, or uint16 holding bf16
-bit patterns (``x.view(numpy.uint16)`` of an ``ml_dtypes.bfloat16`` array)
-for a plan made from bf16 inputs. ``lse`` is float32 ``[bs, nheads, 128,
-seqlen_q // 128]`` (the Neuron packing: ``seqlen_q`` must be a multiple of
-128). A plan made with ``with_sinks=True`` takes ``sinks`` (float32 ``[bs,
-nheads]`` or ``[bs, nheads, num_sinks]``) after ``lse`` in the forward, and
-``sinks, dsinks`` (same shape) after ``dv`` in the backward.
+Arrays (the Neuron layout): ``q, dq`` ``[bs, nheads, d_head, seqlen_q]``; ``o, dy`` ``[bs, nheads,
+d_head_v, seqlen_q]``; ``k, dk`` ``[bs, nheads_kv, d_head, seqlen_k]``; ``v, dv`` ``[bs, nheads_kv,
+d_head_v, seqlen_k]``; float32 or float64 as the plan's inputs, or uint16 holding the bits of bf16
+(``x.view(numpy.uint16)`` of an ``ml_dtypes.bfloat16`` array) or float16 (of a ``numpy.float16``
+array) for a plan made from bf16 or float16 inputs (Numba has no 16-bit float arrays). ``lse``: the
+accumulator dtype (float32; float64 for float64 plans) in the plan's ``lse_layout``: the Neuron one
+``[bs, nheads, 128, seqlen_q // 128]`` (``seqlen_q`` a multiple of 128) or the natural ``[bs,
+nheads, seqlen_q]``. ``sinks``/``dsinks``, ``bias``/``dbias``, ``alibi_slopes``: the shapes the plan
+was made with, the accumulator dtype (``sinks`` may also be bf16/fp16 bits for such plans), given
+exactly when the plan has them. ``dbias`` is written when the plan was made with
+``return_dbias=True``.
 
-Threads: the passes run their ``prange`` launchers, on
-``numba.get_num_threads()`` threads. The tile GEMMs inside call BLAS from
-every thread: wrap your loop in ``with numbafa.nb.single_threaded_blas():``
-(what the Python API does around each call) so that a multi-threaded
-OpenBLAS does not oversubscribe the cores; it changes no bit. Under Numba's
-``workqueue`` threading layer only one launch may run at a time in the
-process (Numba's rule; the Python API serialises its own calls).
+Every misuse is an error naming the argument, with the expected and the actual value, raised
+before anything is written: a shape, dtype or rank the plan does not have, a read-only output,
+outputs that share memory with each other or with an input still needed. A plan is checked on
+every call against this process's record of the plans it made (its fields and a random token):
+a plan changed since, built from another plan's fields, or made in another process (pickled,
+a container whose PID repeats) raises ``ValueError``; no value in a plan is an address. Attention
+dropout is set in the plan (``dropout_p``, ``seed``, ``seed_offset``); :func:`with_seed_offset`
+gives the plan of another step's mask, in njit code too.
 
-A plan holds addresses of compiled code of this process: it is valid only
-in the process that made it (a plan from another process, e.g. unpickled,
-raises ``ValueError``). Attention dropout is set in the plan
-(``dropout_p``, ``seed``, ``seed_offset``); :func:`with_seed_offset` gives the
-plan of another step's mask, in njit code too.
+Threads: the passes run their ``prange`` launcher, on ``numba.get_num_threads()`` threads. The
+tile GEMMs inside call BLAS from every thread: wrap your loop in ``with
+numbafa.nb.single_threaded_blas():`` (what the Python API does around each call) so that a
+multi-threaded OpenBLAS does not oversubscribe the cores; it changes no bit. Under Numba's
+``workqueue`` threading layer only one launch may run at a time in the process (Numba's rule;
+the Python API serialises its own calls).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import sys
 from collections import namedtuple
 
 import numba
 import numpy as np
 from numba import types
-from numba.core.errors import TypingError
 from numba.extending import overload
 
+from . import core
 from .blas import single_threaded_blas
-from .dtypes import bf16_dtype, is_bf16
+from .dtypes import ROUND_FP16, bf16_dtype, f32_to_bf16_bits, is_bf16, widen
 from .jit import jit
-from .kernels.backward import BwdStats, bwd_finish_unit, bwd_work_item, flash_attn_bwd
-from .kernels.bundles import BwdEntries, BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, Plan, make_plan
-from .kernels.dropout import Dropout, philox_words
-from .kernels.forward import flash_attn_fwd, fwd_work_item
-from .kernels.launch import work_item_address
+from .kernels.backward import BwdStats
+from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, Plan, make_plan
+from .kernels.dropout import Dropout, dropout_plugins, philox_words
+from .kernels.entry import (EXACT_SCORES, LSE_VALUES, NONFINITE, OUTPUT, SCALED_Q, SCORES, SCORES_WITH_BIAS,
+                            STATUS_WORDS, SUMS, backward_entry, exact_scores_plugin, forward_entry)
+from .kernels.launch import prepare_backward, prepare_forward
+from .kernels.scores import ScoreMods, score_plugins, serial_flags
+from .kernels.table import ensure_plugins, kernel_address
+from .linking import KERNELS
 from .options import AttentionOptions, Caller
-from .runtime import kernel_call
+from .records import replaced
 from .tiling import Q_TILE
 from .validation import validate_fwd_inputs
 
-__all__ = ["NbPlan", "plan", "attention_fwd", "attention_bwd", "with_seed_offset", "single_threaded_blas"]
+__all__ = ["NbPlan", "plan", "attention_fwd", "attention_bwd", "with_seed_offset", "single_threaded_blas",
+           "to_bf16_bits", "from_bf16_bits"]
 
-#: A validated problem for the njit functions: ``fwd``/``bwd`` the kernels' plans of each pass,
-#: ``shape`` ``(bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_head_v)``, ``bf16`` (arrays are uint16
-#: bf16 bits), ``with_sinks``, ``fwd_item``/``bwd_item``/``bwd_finish`` the work items' addresses,
-#: ``fwd_key``/``bwd_key`` (a hash of the argument types the work items were compiled for: a call
-#: whose types differ is refused, never run), ``seed`` (the dropout seed as two 32-bit words) and
-#: ``pid`` (the process the addresses belong to).
-NbPlan = namedtuple("NbPlan", ["fwd", "bwd", "shape", "bf16", "with_sinks", "fwd_item", "bwd_item",
-                               "bwd_finish", "fwd_key", "bwd_key", "seed", "pid"])
+#: The inputs' storage, as a plan records it: float32, bf16 bits, fp16 bits, float64.
+FLOAT32, BF16, FP16, FLOAT64 = 0, 1, 2, 3
 
-_CALLER = Caller({"q_ref": "q", "k_ref": "k", "v_ref": "v"})
-_getpid = types.ExternalFunction("_getpid" if sys.platform == "win32" else "getpid", types.int32())
+#: A problem made ready for the njit calls by :func:`plan`: ``fwd``/``bwd`` the kernels' plans of
+#: each pass; ``dims`` ``(bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_head_v)``; ``kind``
+#: (:data:`FLOAT32`, :data:`BF16`, :data:`FP16`, :data:`FLOAT64`); ``sinks_shape`` ``(ndim, ...)``
+#: (ndim 0: none), ``bias_shape``, ``alibi_shape`` likewise; ``return_dbias``; ``lse_natural``
+#: (the lse layout); ``seed`` (the dropout seed as two 32-bit words, for :func:`with_seed_offset`);
+#: ``token``, a random number this process recorded the plan with.
+NbPlan = namedtuple("NbPlan", ["fwd", "bwd", "dims", "kind", "sinks_shape", "bias_shape", "alibi_shape",
+                               "return_dbias", "lse_natural", "seed", "token"])
+
+_CALLER = Caller({"q_ref": "q", "k_ref": "k", "v_ref": "v", "sinks_ref": "sinks"})
+_U64 = np.uint64
 
 
-def _as_bf16_view(x):
-    """uint16 arrays are bf16 bit patterns here; other arrays pass unchanged."""
+def _padded(shape, n: int) -> tuple:
+    """``(len(shape), *shape)`` padded with zeros to ``n + 1`` ints (``shape`` None: all zeros)."""
+    if shape is None:
+        return (0,) * (n + 1)
+    shape = tuple(int(x) for x in shape)
+    return (len(shape),) + shape + (0,) * (n - len(shape))
+
+
+def _as_numpy_dtype(x):
+    """uint16 arrays as bf16 (the njit calls' bits); other arrays as they are."""
     return x.view(bf16_dtype()) if isinstance(x, np.ndarray) and x.dtype == np.uint16 else x
 
 
-def plan(q, k, v, *, use_causal_mask=False, sliding_window=None, bound_min=None, bound_max=None,
-         softmax_scale=None, mixed_precision=False, with_sinks=False, dropout_p=0.0, seed=None,
-         seed_offset=0) -> NbPlan:
-    """Validate a problem once, for :func:`attention_fwd` and :func:`attention_bwd` in njit code.
+def plan(q, k, v, *, sinks=None, bound_min=None, bound_max=None, use_causal_mask=False, mixed_precision=False,
+         softmax_scale=None, sliding_window=None, dropout_p=0.0, seed=None, seed_offset=0, bias=None,
+         alibi_slopes=None, softcap=None, return_dbias=False, with_sinks=None, lse_layout="neuron") -> NbPlan:
+    """Check a problem once, for :func:`attention_fwd` and :func:`attention_bwd` in njit code.
 
     Parameters
     ----------
-    q : ndarray ``[bs, nheads, d_head, seqlen_q]``
-        float32, ``ml_dtypes.bfloat16``, or uint16 (bf16 bits); ``seqlen_q % 128 == 0``.
-    k, v : ndarray ``[bs, nheads_kv, d_head, seqlen_k]`` and ``[bs, nheads_kv, d_head_v, seqlen_k]``,
-        same dtype. Their values are checked (finite) here, as :func:`numbafa.attention_fwd` does; the
-        njit calls may pass other values of the same shapes and dtype.
-    use_causal_mask, sliding_window, bound_min, bound_max, softmax_scale, mixed_precision
-        As in :func:`numbafa.attention_bwd`.
-    with_sinks : bool
-        The calls pass attention-sink logits (and the backward their gradient).
-    dropout_p, seed, seed_offset
-        Attention dropout, as in :func:`numbafa.attention_bwd`; :func:`with_seed_offset`.
+    q, k, v : ndarray
+        As :func:`numbafa.attention_fwd` (float32, ``ml_dtypes.bfloat16``, float16, float64; uint16
+        is taken as bf16 bits): they fix the shapes and the dtype of the calls; their values are
+        not kept.
+    sinks, bias, alibi_slopes : ndarray, optional
+        Fix the shapes of the calls' arrays of that name (``bias`` and ``alibi_slopes`` must be in
+        the accumulator dtype: float32, float64 for float64 inputs).
+    bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale, sliding_window,
+    dropout_p, seed, seed_offset, softcap, return_dbias
+        As in :func:`numbafa.attention_bwd` (the bounds' values are kept: they set the mask).
+    with_sinks : bool, optional
+        A shorthand: sinks ``[bs, nheads]`` without giving an array.
+    lse_layout : {"neuron", "natural"}
+        The calls' lse: ``[bs, nheads, 128, seqlen_q // 128]`` or ``[bs, nheads, seqlen_q]``.
 
     Returns
     -------
@@ -118,352 +138,966 @@ def plan(q, k, v, *, use_causal_mask=False, sliding_window=None, bound_min=None,
     Raises
     ------
     TypeError, ValueError
-        As :func:`numbafa.attention_bwd`, naming ``q``, ``k``, ``v``; ``seqlen_q`` not a
-        multiple of 128; ``with_sinks`` not a bool; float64 or float16 arrays (the Python API takes them).
+        As :func:`numbafa.attention_bwd`, naming ``q``, ``k``, ``v``, ...; a bias or slopes not
+        in the accumulator dtype; the Neuron lse layout with ``seqlen_q`` not a multiple of 128.
     """
-    if not isinstance(with_sinks, (bool, np.bool_)):
+    if with_sinks is not None and not isinstance(with_sinks, (bool, np.bool_)):
         raise TypeError(f"with_sinks must be a bool, got {type(with_sinks).__name__}")
-    q, k, v = (_as_bf16_view(x) for x in (q, k, v))
-    options = AttentionOptions(None, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
-                               sliding_window, dropout_p, seed, seed_offset)
+    q, k, v = (_as_numpy_dtype(x) for x in (q, k, v))
+    if with_sinks and sinks is None:
+        sinks = np.zeros(q.shape[:2], np.float32)
+    options = AttentionOptions(sinks=_as_numpy_dtype(sinks), bound_min=bound_min, bound_max=bound_max,
+                               use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
+                               softmax_scale=softmax_scale, sliding_window=sliding_window, dropout_p=dropout_p,
+                               seed=seed, seed_offset=seed_offset, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
+                               return_dbias=return_dbias)
     prob = validate_fwd_inputs(q, k, v, options, _CALLER)
-    if prob.dtype in (np.float64, np.float16):
-        raise TypeError(f"numbafa.nb takes float32 or bf16 arrays, got q of {prob.dtype}; {prob.dtype} runs "
-                        f"through numbafa.attention_fwd / attention_bwd")
-    bs, nheads, d_head, seqlen_q = prob.q.shape
-    nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
-    if seqlen_q % Q_TILE:
-        raise ValueError(f"numbafa.nb takes lse in the Neuron layout [bs, nheads, {Q_TILE}, seqlen_q // "
-                         f"{Q_TILE}]: seqlen_q must be a multiple of {Q_TILE}, got {seqlen_q}")
-    # Start Numba's threading layer: a user's function loaded from Numba's cache may run a
-    # launcher without doing it (its cached code does not always carry the reload hook).
-    numba.get_num_threads()
-    fwd = make_plan(prob, backward=False)
-    bwd = make_plan(prob, backward=True)
-    kind = np.uint16 if prob.is_bf16 else np.float32
-    q4 = np.empty((0, 0, 0, 0), kind)
-    f4, f3 = np.empty((0, 0, 0, 0), np.float32), np.empty((0, 0, 0), np.float32)
-    fwd_args = (FwdInputs(q4, q4, q4, f3), FwdOutputs(f4, f3), fwd)
-    bwd_args = (BwdInputs(q4, q4, q4, q4, q4, f3, f3), BwdOutputs(f4, f4, f4, f3, f4, f4),
-                _stats_like(f3), bwd)
-    with kernel_call("forward" if fwd.dropout is None else "forward (with dropout)", prob.dtype.name):
-        fwd_item = work_item_address(fwd_work_item, fwd_args)
-    with kernel_call("backward" if bwd.dropout is None else "backward (with dropout)", prob.dtype.name):
-        bwd_item = work_item_address(bwd_work_item, bwd_args)
-        # The finish runs only for split units or sinks (as in launch.run_backward); 0: never called.
-        needs_finish = bwd.tiling.q_chunks > 1 or with_sinks
-        bwd_finish = work_item_address(bwd_finish_unit, bwd_args) if needs_finish else 0
-    return NbPlan(fwd, bwd, (bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, prob.v.shape[2]),
-                  bool(prob.is_bf16),
-                  bool(with_sinks), fwd_item, bwd_item, bwd_finish, _type_key(numba.typeof(fwd_args)),
-                  _type_key(numba.typeof(bwd_args)), (prob.seed & 0xFFFFFFFF, prob.seed >> 32), os.getpid())
+    core.check_lse_layout(lse_layout, prob.q.shape[3])
+    _check_score_dtypes(prob, bias, alibi_slopes)
+    kind = FLOAT64 if prob.dtype.char == "d" else FP16 if prob.is_fp16 else BF16 if prob.is_bf16 else FLOAT32
+    fwd, bwd = make_plan(prob, backward=False), make_plan(prob, backward=True)
+    nb_plan = NbPlan(fwd=_without_arrays(fwd), bwd=_without_arrays(bwd),
+                     dims=(prob.q.shape[0], prob.q.shape[1], prob.k.shape[1], prob.q.shape[2], prob.q.shape[3],
+                           prob.k.shape[3], prob.v.shape[2]),
+                     kind=kind, sinks_shape=_padded(prob.sinks_shape, 3), bias_shape=_padded(prob.bias_shape, 4),
+                     alibi_shape=_padded(None if prob.alibi is None else np.shape(alibi_slopes), 2),
+                     return_dbias=bool(prob.return_dbias), lse_natural=lse_layout == "natural",
+                     seed=(prob.seed & 0xFFFFFFFF, prob.seed >> 32),
+                     token=int.from_bytes(os.urandom(8), "little") >> 2)
+    _prepare(prob, fwd, bwd)
+    KERNELS.register(int(plan_digest(nb_plan)), 1)
+    return nb_plan
 
 
-def _type_key(numba_type) -> int:
-    """A 63-bit hash of a Numba type's name (the same in Python and at njit typing time)."""
-    return int(hashlib.sha256(str(numba_type).encode()).hexdigest()[:15], 16)
+def _check_score_dtypes(prob, bias, alibi_slopes) -> None:
+    acc = np.float64 if prob.dtype.char == "d" else np.float32
+    for name, x in (("bias", bias), ("alibi_slopes", alibi_slopes)):
+        if x is not None and x.dtype != acc:
+            raise TypeError(f"numbafa.nb takes {name} in the accumulator dtype, {np.dtype(acc)} for {prob.dtype} "
+                            f"inputs, got {x.dtype}")
 
 
-def _stats_like(f3):
-    return BwdStats(f3, f3)
+def _without_arrays(kernel_plan):
+    """A kernel plan whose score variants hold no arrays (the calls give them)."""
+    scores = kernel_plan.scores
+    empty4, empty2 = np.zeros((0, 0, 0, 0), scores.bias.dtype), np.zeros((0, 0), scores.bias.dtype)
+    return kernel_plan._replace(scores=scores._replace(bias=empty4, alibi=empty2, dbias=empty4))
 
 
-# --- checks and conversions inside njit code ---------------------------------------------------
+def _prepare(prob, fwd, bwd) -> None:
+    """Compile (or load) and register every kernel the calls of this problem's types can need."""
+    numba.get_num_threads()   # start the threading layer: a user's function loaded from Numba's cache
+    storage = prob.q          # may launch before anything else did
+    acc = fwd.acc.dtype
+    q4 = np.empty((0,) * 4, storage.dtype)
+    a4, a3 = np.empty((0,) * 4, acc), np.empty((0,) * 3, acc)
+    fwd_ins, fwd_outs = FwdInputs(q4, q4, q4, a3), FwdOutputs(a4, a3)
+    bwd_ins = BwdInputs(q4, q4, q4, q4, q4, a3, a3)
+    bwd_outs, stats = BwdOutputs(a4, a4, a4, a3, a4, a4), BwdStats(a3, a3)
+    with core.kernel_call("forward", core._dtype_name(fwd_ins, fwd)):
+        prepare_forward(fwd_ins, fwd_outs, fwd)
+        ensure_plugins(exact_scores_plugin(fwd_ins, fwd))
+    with core.kernel_call("backward", core._dtype_name(bwd_ins, bwd)):
+        prepare_backward(bwd_ins, bwd_outs, stats, bwd, finish=True)
+    for kernel_plan in (fwd, bwd):
+        if kernel_plan.dropout.active:
+            ensure_plugins(dropout_plugins(kernel_plan))
+        if kernel_plan.scores.active:
+            ensure_plugins(score_plugins(kernel_plan))
 
-def _is_bits(x):  # pragma: no cover - replaced inside njit code
-    raise NotImplementedError
+
+# --- the plan's record ---------------------------------------------------------------------
+
+@jit()
+def _mix(h, word):
+    """One step of FNV-1a over 64-bit words."""
+    return (h ^ _U64(word)) * _U64(0x100000001B3)
 
 
-@overload(_is_bits)
-def _is_bits_overload(x):
-    """True for uint16 arrays (bf16 bits), False for float32 ones; anything else: a typing error."""
-    if not isinstance(x, types.Array) or x.ndim == 0:
-        raise TypingError("numbafa.nb: arrays must be NumPy arrays")
-    if x.dtype == types.uint16:
-        return lambda x: True
-    if x.dtype == types.float32:
-        return lambda x: False
-    raise TypingError(f"numbafa.nb: arrays must be float32, or uint16 holding bf16 bits, got {x.dtype}")
+@jit()
+def _plan_words(h, p):
+    """:func:`_mix` every field of a kernel plan but the dropout's key (which
+    :func:`with_seed_offset` changes) into ``h``."""
+    t = p.tiling
+    for x in (t.q_tile, t.k_tile, t.k_sub_tile, t.q_tile_group, t.d_tile, t.section_len, t.q_chunks):
+        h = _mix(h, x)
+    m = p.mask
+    h = _mix(_mix(_mix(h, m.causal), m.window), m.use_packing)
+    h = _mix(h, m.key_lo.size)
+    for i in range(m.key_lo.size):
+        h = _mix(_mix(h, m.key_lo[i]), m.key_hi[i])
+    h = _mix(_mix(h, p.precision.round_kernel), p.precision.round_acc)
+    h = _mix(h, np.float64(p.softmax_scale).view(np.int64))
+    h = _mix(_mix(h, p.gemm.onednn), p.gemm.bits)
+    d = p.dropout
+    h = _mix(_mix(_mix(h, d.active), d.threshold), np.float64(d.scale).view(np.int64))
+    h = _mix(_mix(h, d.batch0), d.head0)
+    s = p.scores
+    h = _mix(_mix(_mix(h, s.active), np.float64(s.softcap).view(np.int64)), np.float64(s.inv_softcap).view(np.int64))
+    h = _mix(_mix(_mix(h, s.offset), s.serial_batch), s.serial_heads)
+    return _mix(h, s.bias.size + s.alibi.size + s.dbias.size)
 
+
+@jit(entry=True)
+def plan_digest(plan):
+    """A 63-bit digest of every field of an :data:`NbPlan` (its token included) that the calls
+    trust; :func:`plan` records it, every call looks it up (:func:`_check_plan`)."""
+    h = _U64(0xCBF29CE484222325)
+    for x in plan.dims:
+        h = _mix(h, x)
+    h = _mix(h, plan.kind)
+    for x in plan.sinks_shape + plan.bias_shape + plan.alibi_shape:
+        h = _mix(h, x)
+    h = _mix(_mix(_mix(h, plan.return_dbias), plan.lse_natural), plan.token)
+    h = _plan_words(_plan_words(h, plan.fwd), plan.bwd)
+    return np.int64(h >> _U64(1)) | np.int64(1)
+
+
+@jit()
+def _check_plan(plan):
+    if kernel_address(plan_digest(plan)) != 1:
+        raise ValueError("numbafa.nb: this plan was not made by numbafa.nb.plan in this process, or was changed "
+                         "since (a field replaced, or taken from another plan); make it with numbafa.nb.plan here")
+
+
+# --- the calls' arguments, checked when they are typed (the message raised when called) -----
+
+_NAMES = ("q", "k", "v", "o", "dy", "lse", "dq", "dk", "dv", "sinks", "dsinks", "bias", "dbias", "alibi_slopes")
+_STORAGE = {types.float32: "float32", types.uint16: "uint16 (bf16 or float16 bits)", types.float64: "float64"}
+
+
+def _type_problem(arrays: dict, outputs: tuple) -> str | None:
+    """What is wrong with the Numba types of a call's arrays (``arrays``: name -> type, None for
+    an argument not given), or None: the arrays are arrays, q's dtype is a storage dtype and every
+    other tensor's is q's, the optional ones are the accumulator dtype, ``outputs`` are writable."""
+    q = arrays["q"]
+    if not isinstance(q, types.Array) or q.dtype not in _STORAGE:
+        got = q.dtype if isinstance(q, types.Array) else q
+        return f"numbafa.nb: q must be a float32, float64 or uint16 (bf16 or float16 bits) array, got {got}"
+    acc = types.float64 if q.dtype == types.float64 else types.float32
+    for name, t in arrays.items():
+        if t is None or isinstance(t, (types.NoneType, types.Omitted)):
+            continue
+        if not isinstance(t, types.Array):
+            return f"numbafa.nb: {name} must be a NumPy array, got {t}"
+        expected = q.dtype if name in ("q", "k", "v", "o", "dy", "dq", "dk", "dv") else acc
+        allowed = (expected, types.uint16) if name == "sinks" and q.dtype == types.uint16 else (expected,)
+        if t.dtype not in allowed:
+            return f"numbafa.nb: {name} must be {' or '.join(map(str, allowed))} (q is {q.dtype}), got {t.dtype}"
+        if name in outputs and not t.mutable:
+            return f"numbafa.nb: {name} must be writable, got a read-only array"
+    return None
+
+
+def _given(t) -> bool:
+    return t is not None and not isinstance(t, (types.NoneType, types.Omitted))
+
+
+def _fail(message):
+    """An implementation that raises ``message`` (the typing-time verdict, raised when called)."""
+    def fail(*args):
+        raise TypeError(message)
+    return fail
+
+
+# --- conversions inside njit code ----------------------------------------------------------
 
 def _kernel_input(x):  # pragma: no cover - replaced inside njit code
+    """An input array as the kernels take it: C-contiguous and of a writable type (a read-only
+    array is typed as a writable one, no copy: the kernels never write their inputs; a strided
+    one is copied)."""
     raise NotImplementedError
 
 
 @overload(_kernel_input)
 def _kernel_input_overload(x):
-    """``x`` as the kernels take it: C-contiguous and of a writable type (a copy otherwise)."""
-    if x.layout == "C" and x.mutable:
-        return lambda x: x
-    return lambda x: x.copy()
+    if x.layout != "C":
+        return lambda x: np.ascontiguousarray(x)
+    if not x.mutable:
+        return lambda x: _as_mutable(x)
+    return lambda x: x
 
 
-def _kernel_output(x):  # pragma: no cover - replaced inside njit code
+from numba.extending import intrinsic  # noqa: E402
+
+
+@intrinsic
+def _as_mutable(typingctx, x):
+    """A read-only array typed as a writable one (the same data; the kernels never write inputs)."""
+    if not isinstance(x, types.Array):
+        return None
+    retty = x.copy(readonly=False)
+
+    def codegen(context, builder, sig, args):
+        context.nrt.incref(builder, sig.args[0], args[0])
+        return args[0]
+
+    return retty(x), codegen
+
+
+@jit()
+def _widen_fp16(x):
+    """fp16 bits (uint16) as a new C-contiguous float32 array of their exact values."""
+    out = np.empty(x.shape, dtype=np.float32)
+    src = np.ascontiguousarray(x).reshape(-1)
+    dst = out.reshape(-1)
+    for i in range(src.size):
+        dst[i] = _fp16_value(src[i])
+    return out
+
+
+@intrinsic
+def _fp16_value(typingctx, bits):
+    if bits != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        import llvmlite.ir as ir
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _fp16_bits(typingctx, x):
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        import llvmlite.ir as ir
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+def _store(y, x, kind):  # pragma: no cover - replaced inside njit code
+    """Write the kernels' output ``y`` (C, the accumulator dtype, values of the output dtype) into
+    the caller's ``x`` (its storage: float32/float64 values, bf16 or fp16 bits), unless ``y`` is
+    ``x`` itself."""
     raise NotImplementedError
 
 
-@overload(_kernel_output)
-def _kernel_output_overload(x):
-    """A float32 C-contiguous array the kernel writes: ``x`` itself if it is one, else a new one."""
-    if x.dtype == types.float32 and x.layout == "C" and x.mutable:
+@overload(_store)
+def _store_overload(y, x, kind):
+    if x.dtype == types.uint16:
+        def bits(y, x, kind):
+            src = y.reshape(-1)
+            out = np.empty(y.size, dtype=np.uint16)
+            if kind == FP16:
+                for i in range(src.size):
+                    out[i] = _fp16_bits(src[i])
+            else:   # bf16 values: their upper half (exact)
+                for i in range(src.size):
+                    out[i] = np.uint16(np.float32(src[i]).view(np.uint32) >> np.uint32(16))
+            x[...] = out.reshape(x.shape)
+        return bits
+
+    def values(y, x, kind):
+        if y.ctypes.data != x.ctypes.data:
+            x[...] = y
+    return values
+
+
+def _output(x):  # pragma: no cover - replaced inside njit code
+    """An array the kernels may write in place of the caller's output ``x`` (``x`` itself when it
+    is C-contiguous in the accumulator dtype), else a new one."""
+    raise NotImplementedError
+
+
+@overload(_output)
+def _output_overload(x):
+    if x.dtype in (types.float32, types.float64) and x.layout == "C":
         return lambda x: x
     return lambda x: np.empty(x.shape, dtype=np.float32)
 
 
-def _store_output(y, x):  # pragma: no cover - replaced inside njit code
+@jit()
+def _extent(x):
+    """``(first, last)`` byte addresses an array's elements span."""
+    lo = x.ctypes.data
+    hi = lo + x.itemsize
+    for axis in range(x.ndim):
+        span = (x.shape[axis] - 1) * x.strides[axis]
+        if x.shape[axis] == 0:
+            return lo, lo
+        if span < 0:
+            lo += span
+        else:
+            hi += span
+    return lo, hi
+
+
+@jit()
+def _overlap(a, b):
+    """Whether two arrays may share memory (their byte extents intersect)."""
+    a0, a1 = _extent(a)
+    b0, b1 = _extent(b)
+    return a0 < a1 and b0 < b1 and a0 < b1 and b0 < a1
+
+
+@jit()
+def _shape_text(x):
+    text = "("
+    for axis in range(x.ndim):
+        text += str(x.shape[axis]) + (", " if axis + 1 < x.ndim else "")
+    return text + ")"
+
+
+@jit()
+def _expect_shape(x, name, expected):
+    """Raise unless ``x``'s shape is the tuple ``expected`` (its rank too)."""
+    same = x.ndim == len(expected)
+    if same:
+        for axis in range(x.ndim):
+            same = same and x.shape[axis] == expected[axis]
+    if not same:
+        text = "("
+        for axis in range(len(expected)):
+            text += str(expected[axis]) + (", " if axis + 1 < len(expected) else "")
+        raise ValueError("numbafa.nb: " + name + " must have shape " + text + ") as the plan's, got "
+                         + _shape_text(x))
+
+
+def _acc_of(plan_type):
+    """The accumulator dtype (a Numba type) of an :data:`NbPlan` type."""
+    kernel_plan = plan_type.types[plan_type.fields.index("fwd")]
+    return kernel_plan.types[kernel_plan.fields.index("acc")].dtype
+
+
+def _element(x, b, h, s):  # pragma: no cover - replaced inside njit code
+    """Element ``(b, h, s)`` of sinks ``[nheads]``, ``[bs, nheads]`` or ``[bs, nheads, n]``."""
     raise NotImplementedError
 
 
-@overload(_store_output)
-def _store_output_overload(y, x):
-    """Write the kernel's float32 ``y`` into the caller's ``x`` (bf16 values: exact bits)."""
-    if x.dtype == types.float32 and x.layout == "C" and x.mutable:
-        return lambda y, x: None   # the kernel wrote x itself
-    if x.dtype == types.uint16:
-        def store_bits(y, x):
-            src = y.reshape(-1).view(np.uint32)
-            dst = x.reshape(x.size) if x.flags.c_contiguous else np.empty(x.size, np.uint16)
-            for i in range(src.size):
-                dst[i] = np.uint16(src[i] >> np.uint32(16))
-            if not x.flags.c_contiguous:
-                x[...] = dst.reshape(x.shape)
-        return store_bits
-    return lambda y, x: _assign(x, y)
+@overload(_element)
+def _element_overload(x, b, h, s):
+    if x.ndim == 1:
+        return lambda x, b, h, s: x[h]
+    if x.ndim == 2:
+        return lambda x, b, h, s: x[b, h]
+    return lambda x, b, h, s: x[b, h, s]
 
 
-def _key_of(value):  # pragma: no cover - replaced inside njit code
+def _value(x, kind):  # pragma: no cover - replaced inside njit code
+    """One stored element as a float: bf16 or fp16 bits (by ``kind``) widened, floats as they are."""
     raise NotImplementedError
 
 
-@overload(_key_of)
-def _key_of_overload(value):
-    """:func:`_type_key` of ``value``'s type, a constant of the compiled code."""
-    key = _type_key(value)
-    return lambda value: key
+@overload(_value)
+def _value_overload(x, kind):
+    if x == types.uint16:
+        return lambda x, kind: _fp16_value(x) if kind == FP16 else widen(x)
+    return lambda x, kind: x
 
+
+def _kernel_sinks(plan, sinks):  # pragma: no cover - replaced inside njit code
+    """The call's sinks as the kernels take them: ``[bs, nheads, num_sinks]`` in the accumulator
+    dtype (``num_sinks`` 0 without sinks), after checking them against the plan."""
+    raise NotImplementedError
+
+
+@overload(_kernel_sinks)
+def _kernel_sinks_overload(plan, sinks):
+    acc = np.float64 if _acc_of(plan) == types.float64 else np.float32
+    if not _given(sinks):
+        def none(plan, sinks):
+            if plan.sinks_shape[0] != 0:
+                raise ValueError("numbafa.nb: the plan was made with sinks: pass sinks")
+            return np.zeros((plan.dims[0], plan.dims[1], 0), dtype=acc)
+        return none
+    ndim = sinks.ndim
+
+    def given(plan, sinks):
+        if plan.sinks_shape[0] == 0:
+            raise ValueError("numbafa.nb: the plan was made without sinks: make it with sinks (or with_sinks=True)")
+        if plan.sinks_shape[0] != ndim:
+            raise ValueError("numbafa.nb: sinks must have the rank of the plan's sinks (" + str(plan.sinks_shape[0])
+                             + "), got " + str(ndim))
+        _expect_planned(sinks, "sinks", plan.sinks_shape)
+        bs, nheads = plan.dims[0], plan.dims[1]
+        n = sinks.shape[2] if ndim == 3 else 1
+        out = np.empty((bs, nheads, n), dtype=acc)
+        for b in range(bs):
+            for h in range(nheads):
+                for i in range(n):
+                    out[b, h, i] = _value(_element(sinks, b, h, i), plan.kind)
+        return out
+    return given
+
+
+def _padded4(x):  # pragma: no cover - replaced inside njit code
+    """A bias-shaped array (1 to 4 dims) as a 4-D C-contiguous one, leading axes of 1 added (``x``'s
+    memory when it is C-contiguous, else a copy)."""
+    raise NotImplementedError
+
+
+@overload(_padded4)
+def _padded4_overload(x):
+    reshape = {1: lambda c: c.reshape((1, 1, 1, c.shape[0])),
+               2: lambda c: c.reshape((1, 1, c.shape[0], c.shape[1])),
+               3: lambda c: c.reshape((1, c.shape[0], c.shape[1], c.shape[2])),
+               4: lambda c: c}[x.ndim]
+    reshape = jit()(reshape)
+    return lambda x: reshape(np.ascontiguousarray(x))
+
+
+def _expect_planned(x, name, planned):  # pragma: no cover - replaced inside njit code
+    """Raise unless ``x`` has the rank and shape ``planned`` (``(ndim, *dims)``, zero-padded)
+    records."""
+    raise NotImplementedError
+
+
+@overload(_expect_planned)
+def _expect_planned_overload(x, name, planned):
+    ndim = x.ndim
+    dims = jit()({1: lambda p: (p[1],), 2: lambda p: (p[1], p[2]), 3: lambda p: (p[1], p[2], p[3]),
+                  4: lambda p: (p[1], p[2], p[3], p[4])}[ndim])
+
+    def impl(x, name, planned):
+        if planned[0] != ndim:
+            raise ValueError("numbafa.nb: " + name + " must have " + str(planned[0]) + " dims as the plan's, got "
+                             + str(ndim))
+        _expect_shape(x, name, dims(planned))
+    return impl
+
+
+def _call_scores(scores, plan, bias, alibi, dbias, backward):  # pragma: no cover - replaced inside njit code
+    """The plan's :data:`~numbafa.kernels.scores.ScoreMods` with the call's bias, slopes and dbias
+    (checked against the plan's shapes; dbias zeroed: the kernels add into it; the backward of a
+    plan made with ``return_dbias`` needs one)."""
+    raise NotImplementedError
+
+
+@overload(_call_scores)
+def _call_scores_overload(scores, plan, bias, alibi, dbias, backward):
+    has_bias, has_alibi, has_dbias = _given(bias), _given(alibi), _given(dbias)
+
+    def impl(scores, plan, bias, alibi, dbias, backward):
+        if (plan.bias_shape[0] != 0) != has_bias:
+            raise ValueError("numbafa.nb: pass bias exactly when the plan was made with a bias")
+        if (plan.alibi_shape[0] != 0) != has_alibi:
+            raise ValueError("numbafa.nb: pass alibi_slopes exactly when the plan was made with them")
+        if has_dbias and not plan.return_dbias:
+            raise ValueError("numbafa.nb: the plan was made without return_dbias: pass no dbias")
+        out = scores
+        if has_bias:
+            _expect_planned(bias, "bias", plan.bias_shape)
+            out = replaced(out, "bias", _padded4(bias))
+        if has_alibi:
+            _expect_planned(alibi, "alibi_slopes", plan.alibi_shape)
+            out = replaced(out, "alibi", _padded2(alibi))
+        if has_dbias:
+            _expect_planned(dbias, "dbias", plan.bias_shape)
+            kernel_dbias = np.zeros(out.bias.shape, dtype=out.bias.dtype)
+            out = replaced(out, "dbias", kernel_dbias)
+        elif backward and plan.return_dbias:
+            raise ValueError("numbafa.nb: the plan was made with return_dbias=True: pass dbias")
+        return out
+    return impl
+
+
+def _padded2(x):  # pragma: no cover - replaced inside njit code
+    """ALiBi slopes ``[nheads]`` or ``[bs, nheads]`` as a 2-D C-contiguous array."""
+    raise NotImplementedError
+
+
+@overload(_padded2)
+def _padded2_overload(x):
+    if x.ndim == 1:
+        return lambda x: np.ascontiguousarray(x).reshape((1, x.shape[0]))
+    return lambda x: np.ascontiguousarray(x)
+
+
+# --- the plan's fields back in the kernels' types -------------------------------------------
 
 def _canonical(kernel_plan):  # pragma: no cover - replaced inside njit code
+    """A kernel plan with its float fields in the accumulator dtype again (a plan that went back to
+    Python from njit code comes back with float64 ones: Numba boxes float32 as a Python float)."""
     raise NotImplementedError
 
 
 @overload(_canonical)
 def _canonical_overload(kernel_plan):
-    """A kernel plan with its float32 fields float32 again (a plan that went back to Python
-    from njit code comes back with float64 ones: Numba boxes float32 as a Python float)."""
+    cast = np.float64 if kernel_plan.types[kernel_plan.fields.index("acc")].dtype == types.float64 else np.float32
+
     def impl(kernel_plan):
         p = kernel_plan
-        return Plan(p.tiling, p.mask, p.precision, np.float32(p.softmax_scale), p.gemm, p.operand,
-                    _canonical_dropout(p.dropout), p.acc, p.scores)
+        d, s = p.dropout, p.scores
+        return Plan(tiling=p.tiling, mask=p.mask, precision=p.precision, softmax_scale=cast(p.softmax_scale),
+                    gemm=p.gemm, dropout=Dropout(active=d.active, threshold=d.threshold, scale=cast(d.scale), key0=d.key0,
+                                                 key1=d.key1, batch0=d.batch0, head0=d.head0),
+                    acc=p.acc, scores=ScoreMods(active=s.active, softcap=cast(s.softcap), inv_softcap=cast(s.inv_softcap),
+                                                bias=s.bias, alibi=s.alibi, offset=s.offset, dbias=s.dbias,
+                                                serial_batch=s.serial_batch, serial_heads=s.serial_heads))
     return impl
 
 
-def _canonical_dropout(dropout):  # pragma: no cover - replaced inside njit code
+# --- the checks of a call ---------------------------------------------------------------------
+
+_STORAGE_NAMES = ("float32", "bf16 bits (uint16)", "float16 bits (uint16)", "float64")
+
+
+def _storage_kind(q, plan):  # pragma: no cover - replaced inside njit code
+    """Raise unless the arrays' dtype is the plan's (:data:`FLOAT32`, bits for :data:`BF16` and
+    :data:`FP16`, :data:`FLOAT64`)."""
     raise NotImplementedError
 
 
-@overload(_canonical_dropout)
-def _canonical_dropout_overload(dropout):
-    if isinstance(dropout, types.NoneType):
-        return lambda dropout: None
-    return lambda dropout: Dropout(dropout.threshold, np.float32(dropout.scale), dropout.key0,
-                                   dropout.key1, dropout.batch0, dropout.head0)
+@overload(_storage_kind)
+def _storage_kind_overload(q, plan):
+    kinds = {types.float32: (FLOAT32, FLOAT32), types.uint16: (BF16, FP16), types.float64: (FLOAT64, FLOAT64)}[q.dtype]
+    name = _STORAGE[q.dtype]
+
+    def impl(q, plan):
+        if plan.kind != kinds[0] and plan.kind != kinds[1]:
+            raise TypeError("numbafa.nb: the arrays must be " + _STORAGE_NAMES[plan.kind] + " as the plan's inputs, "
+                            "got " + name)
+    return impl
+
+
+def _expect_lse(lse, plan):  # pragma: no cover - replaced inside njit code
+    """Raise unless ``lse`` has the plan's layout and shape."""
+    raise NotImplementedError
+
+
+@overload(_expect_lse)
+def _expect_lse_overload(lse, plan):
+    ndim = lse.ndim
+
+    def impl(lse, plan):
+        bs, nheads, sq = plan.dims[0], plan.dims[1], plan.dims[4]
+        if plan.lse_natural:
+            if ndim != 3:
+                raise ValueError("numbafa.nb: lse must be 3-D [bs, nheads, seqlen_q] (the plan's lse_layout='natural'), "
+                                 "got " + str(ndim) + " dims")
+            _expect_shape(lse, "lse", (bs, nheads, sq))
+        else:
+            if ndim != 4:
+                raise ValueError("numbafa.nb: lse must be 4-D [bs, nheads, 128, seqlen_q // 128] (the plan's "
+                                 "lse_layout='neuron'), got " + str(ndim) + " dims")
+            _expect_shape(lse, "lse", (bs, nheads, Q_TILE, sq // Q_TILE))
+    return impl
 
 
 @jit()
-def _check_key(key, expected):
-    if key != expected:
-        raise ValueError("numbafa.nb: the plan's kernels were compiled for other argument types than "
-                         "this call's (a plan changed after numbafa.nb.plan made it?); make it again")
+def _apart(a, name_a, b, name_b):
+    """Raise if the arrays ``a`` (an output) and ``b`` may share memory."""
+    if _overlap(a, b):
+        raise ValueError("numbafa.nb: " + name_a + " shares memory with " + name_b + ": outputs must not overlap "
+                         "each other or the inputs")
+
+
+def _apart_if(a, name_a, b, name_b):  # pragma: no cover - replaced inside njit code
+    raise NotImplementedError
+
+
+@overload(_apart_if)
+def _apart_if_overload(a, name_a, b, name_b):
+    if not (_given(a) and _given(b)):
+        return lambda a, name_a, b, name_b: None
+    return lambda a, name_a, b, name_b: _apart(a, name_a, b, name_b)
+
+
+# --- the outputs ---------------------------------------------------------------------------
+
+def _store_lse(natural, lse):  # pragma: no cover - replaced inside njit code
+    """The kernels' natural lse into the caller's (its layout: checked before)."""
+    raise NotImplementedError
+
+
+@overload(_store_lse)
+def _store_lse_overload(natural, lse):
+    if lse.ndim == 3:
+        def same(natural, lse):
+            lse[...] = natural
+        return same
+
+    def neuron(natural, lse):
+        bs, nheads, tile, n_tiles = lse.shape
+        for b in range(bs):
+            for h in range(nheads):
+                for t in range(n_tiles):
+                    for p in range(tile):
+                        lse[b, h, p, t] = natural[b, h, t * tile + p]
+    return neuron
+
+
+def _store_dsinks(dsinks, out):  # pragma: no cover - replaced inside njit code
+    """The kernels' dsinks ``[bs, nheads, n]`` into the caller's (the sinks' shape: ``[nheads]`` is
+    summed over the batch in the accumulator dtype)."""
+    raise NotImplementedError
+
+
+@overload(_store_dsinks)
+def _store_dsinks_overload(dsinks, out):
+    if not _given(out):
+        return lambda dsinks, out: None
+    if out.ndim == 1:
+        def heads(dsinks, out):
+            for h in range(out.size):
+                total = dsinks[0, h, 0]
+                for b in range(1, dsinks.shape[0]):
+                    total += dsinks[b, h, 0]
+                out[h] = total
+        return heads
+    if out.ndim == 2:
+        def rows(dsinks, out):
+            for b in range(out.shape[0]):
+                for h in range(out.shape[1]):
+                    out[b, h] = dsinks[b, h, 0]
+        return rows
+
+    def whole(dsinks, out):
+        out[...] = dsinks
+    return whole
+
+
+def _store_dbias(kernel_dbias, dbias):  # pragma: no cover - replaced inside njit code
+    raise NotImplementedError
+
+
+@overload(_store_dbias)
+def _store_dbias_overload(kernel_dbias, dbias):
+    if not _given(dbias):
+        return lambda kernel_dbias, dbias: None
+    return lambda kernel_dbias, dbias: _copy_flat(kernel_dbias, dbias)
 
 
 @jit()
-def _assign(x, y):
-    x[...] = y
+def _copy_flat(src, dst):
+    """``dst`` (any layout) gets the elements of the C-contiguous ``src`` of its size, in C order."""
+    dst[...] = src.reshape(dst.shape)
+
+
+# --- the status of a failed entry, raised --------------------------------------------------
+
+_INPUT_NAMES = ("q", "k", "v", "o", "dy", "sinks", "bias", "alibi_slopes", "lse")
+_OUTPUT_NAMES = ("o", "dq", "dk", "dv", "dsinks", "dbias")
 
 
 @jit()
-def _check_plan(plan, bits):
-    if plan.pid != _getpid():
-        raise ValueError("numbafa.nb: this plan was made in another process; make it again with "
-                         "numbafa.nb.plan in this one")
-    if bits != plan.bf16:
-        raise ValueError("numbafa.nb: the arrays' dtype is not the plan's (float32, or uint16 bf16 bits "
-                         "for a plan made from bf16 inputs)")
+def _raise_status(status):
+    """Raise the exception a compiled entry's ``status`` stands for, in :mod:`numbafa.nb`'s words
+    (:func:`numbafa.core.raise_status` is the Python API's)."""
+    code, which, count = status[0], status[1], status[2]
+    if code == NONFINITE:
+        if which == 6:
+            raise ValueError("numbafa.nb: bias must not contain NaN or +inf (-inf masks a score), got " + str(count)
+                             + " such element(s)")
+        raise ValueError("numbafa.nb: " + _INPUT_NAMES[which] + " must be finite, got " + str(count)
+                         + " NaN/inf element(s)")
+    if code == LSE_VALUES:
+        raise ValueError("numbafa.nb: lse must not contain NaN or -inf, got " + str(count) + " such element(s)")
+    if code == SCALED_Q:
+        raise FloatingPointError("numbafa.nb: the attention scores overflow the kernel dtype: the kernels scale the "
+                                 "queries at load and softmax_scale * q does not fit; scale q down, or make the plan "
+                                 "with a smaller softmax_scale")
+    if code == SCORES:
+        raise FloatingPointError("numbafa.nb: the attention scores softmax_scale * q^T k overflow the arithmetic's "
+                                 "range (the log-sum-exp is at least the largest score); scale q or k down, or "
+                                 "make the plan with a smaller softmax_scale")
+    if code == SCORES_WITH_BIAS:
+        raise FloatingPointError("numbafa.nb: the attention scores plus bias and the ALiBi terms overflow the "
+                                 "arithmetic's range; scale bias down")
+    if code == SUMS:
+        raise FloatingPointError("numbafa.nb: the sums of the pass overflow float64 beyond an exact rescale: scale the "
+                                 "inputs down")
+    if code == OUTPUT:
+        if count == 1:
+            raise FloatingPointError("numbafa.nb: " + _OUTPUT_NAMES[which] + " overflows float16 at one of the "
+                                     "kernels' float16 rounding points (float16's largest value is 65504): scale "
+                                     "the inputs down, or compute in float32 or bfloat16")
+        raise FloatingPointError("numbafa.nb: " + _OUTPUT_NAMES[which] + " overflows the arithmetic's range: some of "
+                                 "its exact values exceed its largest value")
+    if code == EXACT_SCORES:
+        raise RuntimeError("numbafa.nb: the exact score check was not compiled in this process: make the plan "
+                           "with numbafa.nb.plan in this process")
+    raise RuntimeError("numbafa.nb: unknown status")
 
 
-@jit()
-def _check_shape(x, d0, d1, d2, d3):
-    s = x.shape
-    if x.ndim != 4 or s[0] != d0 or s[1] != d1 or s[2] != d2 or s[3] != d3:
-        raise ValueError("numbafa.nb: an array's shape is not the plan's")
+# --- the passes ----------------------------------------------------------------------------
+
+def _run_forward(plan, kernel_plan, q, k, v, sinks, outs, status):  # pragma: no cover - replaced inside njit
+    """The forward entry on the kernel forms of the call's arrays: bf16 bits as they are, float16
+    bits widened to float32 (the kernels' fp16 inputs), floats C-contiguous."""
+    raise NotImplementedError
 
 
-@jit()
-def _check_dtypes(bits, a, b, c):
-    if _is_bits(a) != bits or _is_bits(b) != bits or _is_bits(c) != bits:
-        raise ValueError("numbafa.nb: every array must have q's dtype")
+@overload(_run_forward)
+def _run_forward_overload(plan, kernel_plan, q, k, v, sinks, outs, status):
+    def items(plan, kernel_plan):
+        return np.arange(plan.dims[0] * plan.dims[2] * kernel_plan.tiling.q_chunks)
+    items = jit()(items)
+    if q.dtype == types.uint16:
+        def bits(plan, kernel_plan, q, k, v, sinks, outs, status):
+            if plan.kind == FP16:
+                ins = FwdInputs(_widen_fp16(q), _widen_fp16(k), _widen_fp16(v), sinks)
+                forward_entry(ins, outs, kernel_plan, items(plan, kernel_plan), -1, status)
+            else:
+                ins = FwdInputs(_kernel_input(q), _kernel_input(k), _kernel_input(v), sinks)
+                forward_entry(ins, outs, kernel_plan, items(plan, kernel_plan), -1, status)
+        return bits
+
+    def values(plan, kernel_plan, q, k, v, sinks, outs, status):
+        ins = FwdInputs(_kernel_input(q), _kernel_input(k), _kernel_input(v), sinks)
+        forward_entry(ins, outs, kernel_plan, items(plan, kernel_plan), -1, status)
+    return values
 
 
-@jit()
-def _check_lse(lse, bs, nheads, seqlen_q):
-    s = lse.shape
-    if lse.ndim != 4 or s[0] != bs or s[1] != nheads or s[2] != 128 or s[3] * 128 != seqlen_q:
-        raise ValueError("numbafa.nb: lse must be [bs, nheads, 128, seqlen_q // 128] float32")
+def _forward(plan, q, k, v, o, lse, sinks, bias, alibi_slopes):
+    _check_plan(plan)
+    _storage_kind(q, plan)
+    bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_v = plan.dims
+    _expect_shape(q, "q", (bs, nheads, d_head, seqlen_q))
+    _expect_shape(k, "k", (bs, nheads_kv, d_head, seqlen_k))
+    _expect_shape(v, "v", (bs, nheads_kv, d_v, seqlen_k))
+    _expect_shape(o, "o", (bs, nheads, d_v, seqlen_q))
+    _expect_lse(lse, plan)
+    for out, name in ((o, "o"),):
+        _apart(out, name, q, "q")
+        _apart(out, name, k, "k")
+        _apart(out, name, v, "v")
+    _apart(o, "o", lse, "lse")
+    _apart(lse, "lse", q, "q")
+    _apart(lse, "lse", k, "k")
+    _apart(lse, "lse", v, "v")
+    kernel_plan = _canonical(plan.fwd)
+    kernel_plan = replaced(kernel_plan, "scores", _call_scores(kernel_plan.scores, plan, bias, alibi_slopes, None, False))
+    o_k = _output(o)
+    lse_k = np.empty((bs, nheads, seqlen_q), dtype=kernel_plan.acc.dtype)
+    status = np.zeros(STATUS_WORDS, dtype=np.int64)
+    _run_forward(plan, kernel_plan, q, k, v, _kernel_sinks(plan, sinks), FwdOutputs(o_k, lse_k), status)
+    if status[0] != 0:
+        _raise_status(status)
+    _store(o_k, o, plan.kind)
+    _store_lse(lse_k, lse)
 
 
-@jit()
-def _kernel_sinks(plan, sinks):
-    """The sinks as the kernels take them: float32 ``[bs, nheads, num_sinks]`` (empty without)."""
-    bs, nheads = plan.shape[0], plan.shape[1]
-    if sinks is None:
-        if plan.with_sinks:
-            raise ValueError("numbafa.nb: the plan was made with_sinks=True: pass sinks")
-        return np.zeros((bs, nheads, 0), dtype=np.float32)
-    if not plan.with_sinks:
-        raise ValueError("numbafa.nb: the plan was made without sinks: make it with with_sinks=True")
-    if sinks.shape[0] != bs or sinks.shape[1] != nheads or (sinks.ndim == 3 and sinks.shape[2] < 1):
-        raise ValueError("numbafa.nb: sinks must be [bs, nheads] or [bs, nheads, num_sinks >= 1]")
-    flat = np.ascontiguousarray(sinks).astype(np.float32)
-    return flat.reshape(bs, nheads, flat.size // max(1, bs * nheads))
+def _checked(stub, outputs, names):
+    """An overload of ``stub`` (a call of :mod:`numbafa.nb`): the implementation ``impl`` of a call
+    whose argument types pass :func:`_type_problem`, else one that raises its message."""
+    def decorate(impl):
+        def typer(*args):
+            arrays = {name: t for name, t in zip(names, args[1:])}
+            plan_t = args[0]
+            if not (isinstance(plan_t, types.BaseNamedTuple) and plan_t.instance_class is NbPlan):
+                problem = f"numbafa.nb: plan must be a numbafa.nb.plan(...), got {plan_t}"
+            else:
+                problem = _type_problem(arrays, outputs)
+            if problem is None:
+                return impl
+            source = (f"def fail({', '.join(impl.__code__.co_varnames[:impl.__code__.co_argcount])}):\n"
+                      f"    raise {'ValueError' if 'writable' in problem else 'TypeError'}(message)\n")
+            namespace = {"message": problem}
+            exec(source, namespace)
+            return namespace["fail"]
+        overload(stub, strict=False)(typer)
+        return impl
+    return decorate
 
 
-@jit()
-def _lse_to_natural(lse):
-    bs, nheads, tile, n_tiles = lse.shape
-    out = np.empty((bs, nheads, tile * n_tiles), dtype=np.float32)
-    for b in range(bs):
-        for h in range(nheads):
-            for t in range(n_tiles):
-                for p in range(tile):
-                    out[b, h, t * tile + p] = lse[b, h, p, t]
-    return out
+def _fwd_stub(plan, q, k, v, o, lse, sinks, bias, alibi_slopes):  # pragma: no cover - replaced inside njit
+    raise NotImplementedError
 
 
-@jit()
-def _lse_from_natural(natural, lse):
-    bs, nheads, tile, n_tiles = lse.shape
-    for b in range(bs):
-        for h in range(nheads):
-            for t in range(n_tiles):
-                for p in range(tile):
-                    lse[b, h, p, t] = natural[b, h, t * tile + p]
-
-
-# --- the passes ---------------------------------------------------------------------------------
-
-@jit()
-def _check_problem(plan, q, k, v, o, lse):
-    """The checks both passes make of the plan, q, k, v, o and lse; True for bf16 bits."""
-    bits = _is_bits(q)
-    _check_plan(plan, bits)
-    _check_dtypes(bits, k, v, o)
-    bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_v = plan.shape
-    _check_shape(q, bs, nheads, d_head, seqlen_q)
-    _check_shape(o, bs, nheads, d_v, seqlen_q)
-    _check_shape(k, bs, nheads_kv, d_head, seqlen_k)
-    _check_shape(v, bs, nheads_kv, d_v, seqlen_k)
-    _check_lse(lse, bs, nheads, seqlen_q)
-    return bits
+_checked(_fwd_stub, ("o", "lse"), ("q", "k", "v", "o", "lse", "sinks", "bias", "alibi_slopes"))(_forward)
 
 
 @jit(entry=True)
-def attention_fwd(plan, q, k, v, o, lse, sinks=None):
+def attention_fwd(plan, q, k, v, o, lse, sinks=None, bias=None, alibi_slopes=None):
     """The forward of :func:`numbafa.attention_fwd` into ``o`` and ``lse`` (module docstring).
 
-    ``o``: ``q``'s shape with ``v``'s head dim, ``q``'s dtype; ``lse``: float32 ``[bs, nheads, 128, seqlen_q // 128]``;
-    ``sinks`` only (and required) when the plan was made ``with_sinks=True``.
+    ``o``: ``[bs, nheads, d_head_v, seqlen_q]`` in ``q``'s storage; ``lse``: the accumulator dtype
+    in the plan's layout; ``sinks``, ``bias``, ``alibi_slopes`` exactly when the plan has them, of
+    the shapes it was made with. Raises as :func:`numbafa.attention_fwd` (and ``ValueError`` for a
+    plan not made in this process, or changed since), before anything is written.
     """
-    _check_problem(plan, q, k, v, o, lse)
-    bs, nheads, nheads_kv, _, seqlen_q, _, _ = plan.shape
-    ins = FwdInputs(_kernel_input(q), _kernel_input(k), _kernel_input(v), _kernel_sinks(plan, sinks))
-    o32 = _kernel_output(o)
-    lse_natural = np.empty((bs, nheads, seqlen_q), dtype=np.float32)
-    outs = FwdOutputs(o32, lse_natural)
-    kernel_plan = _canonical(plan.fwd)
-    _check_key(_key_of((ins, outs, kernel_plan)), plan.fwd_key)
-    items = np.arange(bs * nheads_kv * kernel_plan.tiling.q_chunks)
-    flash_attn_fwd(ins, outs, kernel_plan, plan.fwd_item, items)
-    _store_output(o32, o)
-    _lse_from_natural(lse_natural, lse)
+    _fwd_stub(plan, q, k, v, o, lse, sinks, bias, alibi_slopes)
 
 
-@jit(entry=True)
-def attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks=None, dsinks=None):
-    """The backward of :func:`numbafa.attention_bwd` into ``dq, dk, dv`` (and ``dsinks``).
+def _run_backward(plan, kernel_plan, raw, outs, stats, status):  # pragma: no cover - replaced inside njit
+    """The backward entry on the kernel forms of the call's arrays ``raw`` (a
+    :data:`~numbafa.kernels.bundles.BwdInputs` of the caller's arrays; as :func:`_run_forward`)."""
+    raise NotImplementedError
 
-    ``dq``: ``q``'s shape, ``dk``: ``k``'s, ``dv``: ``v``'s, all in ``q``'s dtype; ``lse`` as the forward wrote
-    it; ``sinks`` and ``dsinks`` (float32, the sinks' shape) only, and both, with a plan made
-    ``with_sinks=True``.
-    """
-    _check_problem(plan, q, k, v, o, lse)
-    _check_problem(plan, dq, dk, dv, dy, lse)   # the gradients and dy: the plan's dtype, q's, k's, v's, o's shapes
-    bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_v = plan.shape
-    kernel_sinks = _kernel_sinks(plan, sinks)
+
+@overload(_run_backward)
+def _run_backward_overload(plan, kernel_plan, raw, outs, stats, status):
+    def work(plan, kernel_plan, n_sinks):
+        """``(items, units)`` of the backward (:func:`numbafa.kernels.scores.n_backward_items`)."""
+        bs, nheads_kv = plan.dims[0], plan.dims[2]
+        scores, chunks = kernel_plan.scores, kernel_plan.tiling.q_chunks
+        if scores.serial_batch or scores.serial_heads:
+            n_items = (1 if scores.serial_batch else bs) * (1 if scores.serial_heads else nheads_kv)
+        else:
+            n_items = bs * nheads_kv * chunks
+        finish = chunks > 1 or n_sinks > 0
+        return np.arange(n_items), np.arange(bs * nheads_kv if finish else 0)
+    work = jit()(work)
+    if raw.types[raw.fields.index("q")].dtype == types.uint16:
+        def bits(plan, kernel_plan, raw, outs, stats, status):
+            items, units = work(plan, kernel_plan, raw.sinks.shape[2])
+            if plan.kind == FP16:
+                ins = BwdInputs(_widen_fp16(raw.q), _widen_fp16(raw.k), _widen_fp16(raw.v), _widen_fp16(raw.o),
+                                _widen_fp16(raw.dy), raw.lse, raw.sinks)
+                backward_entry(ins, outs, stats, kernel_plan, items, units, -1, status)
+            else:
+                ins = BwdInputs(_kernel_input(raw.q), _kernel_input(raw.k), _kernel_input(raw.v),
+                                _kernel_input(raw.o), _kernel_input(raw.dy), raw.lse, raw.sinks)
+                backward_entry(ins, outs, stats, kernel_plan, items, units, -1, status)
+        return bits
+
+    def values(plan, kernel_plan, raw, outs, stats, status):
+        items, units = work(plan, kernel_plan, raw.sinks.shape[2])
+        ins = BwdInputs(_kernel_input(raw.q), _kernel_input(raw.k), _kernel_input(raw.v), _kernel_input(raw.o),
+                        _kernel_input(raw.dy), raw.lse, raw.sinks)
+        backward_entry(ins, outs, stats, kernel_plan, items, units, -1, status)
+    return values
+
+
+def _natural_lse(lse):  # pragma: no cover - replaced inside njit code
+    """The caller's lse in the natural layout ``[bs, nheads, seqlen_q]``, C-contiguous."""
+    raise NotImplementedError
+
+
+@overload(_natural_lse)
+def _natural_lse_overload(lse):
+    if lse.ndim == 3:
+        return lambda lse: _kernel_input(lse)
+
+    def neuron(lse):
+        bs, nheads, tile, n_tiles = lse.shape
+        out = np.empty((bs, nheads, tile * n_tiles), dtype=lse.dtype)
+        for b in range(bs):
+            for h in range(nheads):
+                for t in range(n_tiles):
+                    for p in range(tile):
+                        out[b, h, t * tile + p] = lse[b, h, p, t]
+        return out
+    return neuron
+
+
+def _backward(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks, bias, dbias, alibi_slopes):
+    _check_plan(plan)
+    _storage_kind(q, plan)
+    bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_v = plan.dims
+    for x, name, shape in ((q, "q", (bs, nheads, d_head, seqlen_q)), (dq, "dq", (bs, nheads, d_head, seqlen_q)),
+                           (k, "k", (bs, nheads_kv, d_head, seqlen_k)), (dk, "dk", (bs, nheads_kv, d_head, seqlen_k)),
+                           (v, "v", (bs, nheads_kv, d_v, seqlen_k)), (dv, "dv", (bs, nheads_kv, d_v, seqlen_k)),
+                           (o, "o", (bs, nheads, d_v, seqlen_q)), (dy, "dy", (bs, nheads, d_v, seqlen_q))):
+        _expect_shape(x, name, shape)
+    _expect_lse(lse, plan)
     if (sinks is None) != (dsinks is None):
         raise ValueError("numbafa.nb: pass sinks and dsinks together")
-    ins = BwdInputs(_kernel_input(q), _kernel_input(k), _kernel_input(v), _kernel_input(o),
-                    _kernel_input(dy), _lse_to_natural(lse), kernel_sinks)
-    q_chunks = plan.bwd.tiling.q_chunks
-    n_units = bs * nheads_kv
-    split = q_chunks > 1
-    parts_k = (n_units, q_chunks - 1, d_head, seqlen_k) if split else (1, 1, d_head, 0)
-    parts_v = (n_units, q_chunks - 1, d_v, seqlen_k) if split else (1, 1, d_v, 0)
-    dq32, dk32, dv32 = _kernel_output(dq), _kernel_output(dk), _kernel_output(dv)
-    dsinks32 = np.empty(kernel_sinks.shape, dtype=np.float32)
-    outs = BwdOutputs(dq32, dk32, dv32, dsinks32, np.empty(parts_k, dtype=np.float32),
-                      np.empty(parts_v, dtype=np.float32))
-    stats_shape = (n_units, nheads // nheads_kv, seqlen_q)
-    stats = BwdStats(np.empty(stats_shape, dtype=np.float32), np.empty(stats_shape, dtype=np.float32))
-    n_finish = n_units if q_chunks > 1 or kernel_sinks.shape[2] > 0 else 0
+    _check_backward_memory(q, k, v, o, dy, lse, dq, dk, dv)
+    _apart_if(dsinks, "dsinks", dq, "dq")
+    _apart_if(dbias, "dbias", dq, "dq")
+    _apart_if(dbias, "dbias", bias, "bias")
     kernel_plan = _canonical(plan.bwd)
-    _check_key(_key_of((ins, outs, stats, kernel_plan)), plan.bwd_key)
-    flash_attn_bwd(ins, outs, stats, kernel_plan, BwdEntries(plan.bwd_item, plan.bwd_finish),
-                   np.arange(n_units * q_chunks), np.arange(n_finish))
-    _store_output(dq32, dq)
-    _store_output(dk32, dk)
-    _store_output(dv32, dv)
+    kernel_plan = replaced(kernel_plan, "scores", _call_scores(kernel_plan.scores, plan, bias, alibi_slopes, dbias, True))
+    kernel_sinks = _kernel_sinks(plan, sinks)
     if dsinks is not None:
-        _store_sinks(dsinks32, dsinks)
+        _expect_planned(dsinks, "dsinks", plan.sinks_shape)
+    acc = kernel_plan.acc.dtype
+    chunks = kernel_plan.tiling.q_chunks
+    lead, keys = ((bs * nheads_kv, chunks - 1), seqlen_k) if chunks > 1 else ((1, 1), 0)
+    outs = BwdOutputs(_output(dq), _output(dk), _output(dv), np.empty(kernel_sinks.shape, dtype=acc),
+                      np.empty(lead + (d_head, keys), dtype=acc), np.empty(lead + (d_v, keys), dtype=acc))
+    shape = (bs * nheads_kv, nheads // nheads_kv, seqlen_q)
+    stats = BwdStats(np.empty(shape, dtype=acc), np.empty(shape, dtype=acc))
+    status = np.zeros(STATUS_WORDS, dtype=np.int64)
+    raw = BwdInputs(q, k, v, o, dy, _natural_lse(lse), kernel_sinks)
+    _run_backward(plan, kernel_plan, raw, outs, stats, status)
+    if status[0] != 0:
+        _raise_status(status)
+    _store(outs.dq, dq, plan.kind)
+    _store(outs.dk, dk, plan.kind)
+    _store(outs.dv, dv, plan.kind)
+    _store_dsinks(outs.dsinks, dsinks)
+    _store_dbias(kernel_plan.scores.dbias, dbias)
 
 
 @jit()
-def _store_sinks(dsinks32, dsinks):
-    if dsinks.size != dsinks32.size:
-        raise ValueError("numbafa.nb: dsinks must have the sinks' shape")
-    flat = dsinks32.reshape(-1)
-    out = dsinks.reshape(dsinks.size) if dsinks.flags.c_contiguous else np.empty(dsinks.size, np.float32)
-    for i in range(flat.size):
-        out[i] = flat[i]
-    if not dsinks.flags.c_contiguous:
-        _assign(dsinks, out.reshape(dsinks.shape))
+def _check_backward_memory(q, k, v, o, dy, lse, dq, dk, dv):
+    """The gradients must not share memory with each other or with an input (all are read until the end)."""
+    for grad, name in ((dq, "dq"), (dk, "dk"), (dv, "dv")):
+        _apart(grad, name, q, "q")
+        _apart(grad, name, o, "o")
+        _apart(grad, name, dy, "dy")
+        _apart(grad, name, lse, "lse")
+    for grad, name in ((dq, "dq"), (dk, "dk"), (dv, "dv")):
+        _apart(grad, name, k, "k")
+        _apart(grad, name, v, "v")
+    _apart(dq, "dq", dk, "dk")
+    _apart(dq, "dq", dv, "dv")
+    _apart(dk, "dk", dv, "dv")
+
+
+def _bwd_stub(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks, bias, dbias,
+              alibi_slopes):  # pragma: no cover - replaced inside njit code
+    raise NotImplementedError
+
+
+_checked(_bwd_stub, ("dq", "dk", "dv", "dsinks", "dbias"),
+         ("q", "k", "v", "o", "dy", "lse", "dq", "dk", "dv", "sinks", "dsinks", "bias", "dbias", "alibi_slopes"))(
+    _backward)
+
+
+@jit(entry=True)
+def attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks=None, dsinks=None, bias=None, dbias=None,
+                  alibi_slopes=None):
+    """The backward of :func:`numbafa.attention_bwd` into ``dq, dk, dv`` (and ``dsinks``, ``dbias``).
+
+    ``dq``: ``q``'s shape, ``dk``: ``k``'s, ``dv``: ``v``'s, all in ``q``'s storage; ``lse`` as the
+    forward wrote it; ``sinks`` and ``dsinks`` (the sinks' shape, the accumulator dtype) together,
+    with a plan made with sinks; ``bias`` (and ``dbias``, its shape, with ``return_dbias=True``)
+    and ``alibi_slopes`` exactly when the plan has them. Raises as :func:`numbafa.attention_bwd`
+    (and ``ValueError`` for a plan not made in this process, or changed since; outputs that share
+    memory with each other or with an input), before anything is written.
+    """
+    _bwd_stub(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks, bias, dbias, alibi_slopes)
 
 
 @jit(entry=True)
 def with_seed_offset(plan, seed_offset):
     """The plan with the dropout mask of ``seed_offset`` (e.g. the training step), same seed;
     callable in njit code. A plan without dropout is returned unchanged."""
-    return NbPlan(_with_offset(plan.fwd, plan.seed, seed_offset),
-                  _with_offset(plan.bwd, plan.seed, seed_offset), plan.shape, plan.bf16, plan.with_sinks,
-                  plan.fwd_item, plan.bwd_item, plan.bwd_finish, plan.fwd_key, plan.bwd_key, plan.seed,
-                  plan.pid)
+    return replaced(replaced(plan, "fwd", _with_offset(plan.fwd, plan.seed, seed_offset)), "bwd",
+                    _with_offset(plan.bwd, plan.seed, seed_offset))
 
 
-def _with_offset(kernel_plan, seed, seed_offset):  # pragma: no cover - replaced inside njit code
-    raise NotImplementedError
+@jit()
+def _with_offset(kernel_plan, seed, seed_offset):
+    """``kernel_plan`` with the dropout key of ``(seed, seed_offset)`` (numbafa.kernels.dropout.derive_key)."""
+    d = kernel_plan.dropout
+    if not d.active:
+        return kernel_plan
+    offset = np.uint64(seed_offset)
+    words = philox_words(offset & np.uint64(0xFFFFFFFF), offset >> np.uint64(32), np.uint64(0), np.uint64(0),
+                         np.uint64(seed[0]), np.uint64(seed[1]))
+    return replaced(kernel_plan, "dropout", replaced(replaced(d, "key0", np.int64(words[0])), "key1", np.int64(words[1])))
 
 
-@overload(_with_offset)
-def _with_offset_overload(kernel_plan, seed, seed_offset):
-    if isinstance(kernel_plan.types[kernel_plan.fields.index("dropout")], types.NoneType):
-        return lambda kernel_plan, seed, seed_offset: kernel_plan
+# --- bf16 storage from njit code ------------------------------------------------------------
 
-    def impl(kernel_plan, seed, seed_offset):
-        # numbafa.kernels.dropout.derive_key, in njit code
-        offset = np.uint64(seed_offset)
-        words = philox_words(offset & np.uint64(0xFFFFFFFF), offset >> np.uint64(32), np.uint64(0),
-                             np.uint64(0), np.uint64(seed[0]), np.uint64(seed[1]))
-        d = kernel_plan.dropout
-        dropout = Dropout(d.threshold, d.scale, np.int64(words[0]), np.int64(words[1]), d.batch0, d.head0)
-        return Plan(kernel_plan.tiling, kernel_plan.mask, kernel_plan.precision, kernel_plan.softmax_scale,
-                    kernel_plan.gemm, kernel_plan.operand, dropout, kernel_plan.acc, kernel_plan.scores)
-    return impl
+@jit(entry=True)
+def to_bf16_bits(x):
+    """A float32 array (any layout) as the uint16 bits of bf16, rounded to nearest, ties to even
+    (the rounding of ``ml_dtypes.bfloat16``): a new C-contiguous array of ``x``'s shape, the
+    storage of a bf16 plan's arrays."""
+    flat = np.ascontiguousarray(x).ravel()
+    out = np.empty(flat.size, dtype=np.uint16)
+    for i in range(flat.size):
+        out[i] = f32_to_bf16_bits(np.float32(flat[i]))
+    return out.reshape(x.shape)
+
+
+@jit(entry=True)
+def from_bf16_bits(bits):
+    """The float32 values (exact) of a uint16 array of bf16 bits: a new C-contiguous array of the
+    same shape."""
+    flat = np.ascontiguousarray(bits).ravel()
+    out = np.empty(flat.size, dtype=np.float32)
+    for i in range(flat.size):
+        out[i] = widen(np.uint16(flat[i]))
+    return out.reshape(bits.shape)

@@ -61,7 +61,7 @@ import threading
 from .cpu import cpu_flags
 
 __all__ = ["gemm_path", "choose_gemm_path", "library_path", "GEMM_PATHS", "forced_gemm_path",
-           "active_gemm_path", "bf16_units", "load_library"]
+           "active_gemm_path", "bf16_units", "load_library", "ensure_symbols", "SYMBOLS"]
 
 #: Values of ``NUMBAFA_GEMM``.
 GEMM_PATHS = ("auto", "onednn", "blas")
@@ -184,6 +184,36 @@ def load_library() -> bool:
             llvmlite.binding.load_library_permanently(library)
             _loaded.append(library)
     return True
+
+
+#: The symbols of oneDNN and libgomp the compiled GEMM refers to (numbafa.kernels.matmul).
+SYMBOLS = ("dnnl_gemm_bf16bf16f32", "dnnl_sgemm", "omp_set_num_threads", "omp_get_max_threads")
+_stand_ins: list = []   # the ctypes functions standing in for missing symbols (kept alive)
+
+
+def ensure_symbols() -> None:
+    """Make every symbol of :data:`SYMBOLS` resolvable in this process, before code that refers
+    to it is compiled or loaded: oneDNN's library (and libgomp with it) where it is installed,
+    else stand-ins that return an error status (a plan takes the oneDNN path only where the
+    library loads, so they are never called but by a kernel that then raises). Once per process."""
+    if _stand_ins or load_library() or _stand_ins:
+        return
+    import ctypes
+
+    import llvmlite.binding as llvm
+
+    with _load_lock:
+        if _stand_ins:
+            return
+        fail = ctypes.CFUNCTYPE(ctypes.c_int)(lambda: 3)          # dnnl_unimplemented
+        one = ctypes.CFUNCTYPE(ctypes.c_int)(lambda: 1)
+        nothing = ctypes.CFUNCTYPE(None, ctypes.c_int)(lambda n: None)
+        stand_in = {"dnnl_gemm_bf16bf16f32": fail, "dnnl_sgemm": fail, "omp_set_num_threads": nothing,
+                    "omp_get_max_threads": one}
+        for name in SYMBOLS:
+            if not llvm.address_of_symbol(name):
+                llvm.add_symbol(name, ctypes.cast(stand_in[name], ctypes.c_void_p).value)
+        _stand_ins.extend(stand_in.values())
 
 
 @functools.lru_cache(maxsize=1)

@@ -45,7 +45,7 @@ import numba
 import numpy as np
 
 from .api import attention_bwd, attention_fwd
-from .core import lse_out, run_bwd, run_fwd, to_dtype, user_dsinks
+from .core import lse_out, raise_status, run_bwd, run_fwd, to_dtype, user_dsinks
 from .dtypes import bf16_dtype, is_bf16
 from .jit import source_hash
 from .kernels.backward import BwdStats
@@ -53,10 +53,10 @@ from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs
 from .kernels.dropout import with_origin
 from .kernels.launch import needs_finish
 from .kernels.loops import group_rows, n_q_groups, owns_group
-from .kernels.scores import n_backward_items, serial_flags
+from .kernels.scores import make_scores, n_backward_items, serial_flags
 from .onednn import gemm_path
 from .options import KERNEL_CALLER, AttentionOptions
-from .ranges import in_range, unscaled_output
+from .ranges import check, scaled_input, unscaled_output
 from .validation import kernel_view, validate_bwd_inputs, validate_fwd_inputs
 from .version import __version__
 
@@ -158,12 +158,14 @@ def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
     o : ``[nb, nheads, d_head_v, rows]`` in ``out_dtype``;  lse : float32 ``[nb, nheads, rows]``,
     the chunk's rows (all rows when units are not split).
     """
-    plan = at_origin(plan, origin)._replace(scores=scores)
+    plan = at_origin(plan, origin)._replace(scores=make_scores(None, plan.acc.dtype) if scores is None else scores)
     rows = owned_rows(seqlen_q, plan.tiling, chunk)
     q = _unpack_rows(ins.q, rows if packed else None, seqlen_q)
     ins = FwdInputs(kernel_view(q), kernel_view(ins.k), kernel_view(ins.v), kernel_view(ins.sinks))
     items = _chunk_items(q.shape[0] * ins.k.shape[1], plan.tiling.q_chunks, chunk)
-    outs = run_fwd(ins, plan, items, n_threads)
+    outs, _, status = run_fwd(ins, plan, items, n_threads, exponent=0)   # (checked and rescaled by the caller)
+    if status[0]:
+        raise_status(status, None, KERNEL_CALLER, plan)
     return to_dtype(pack_rows(outs.o, rows), out_dtype), pack_rows(outs.lse, rows)
 
 
@@ -196,7 +198,7 @@ def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
     ``out_dtype`` (dsinks float32 ``[nb, nheads, num_sinks]``; dbias the block's, in the
     accumulator dtype, or None); else a :data:`BwdShard` for :func:`bwd_merge`.
     """
-    plan = at_origin(plan, origin)._replace(scores=scores)
+    plan = at_origin(plan, origin)._replace(scores=make_scores(None, plan.acc.dtype) if scores is None else scores)
     rows = owned_rows(seqlen_q, plan.tiling, chunk)
 
     def full(x):
@@ -209,8 +211,11 @@ def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
     finish = q_chunks == 1 and needs_finish(ins, plan)
     items = _chunk_items(n_units, q_chunks, chunk)
     if q_chunks == 1:   # (the items of a bias's gradient: groups of units, numbafa.kernels.scores)
-        items = np.arange(n_backward_items(ins.q.shape[0], ins.k.shape[1], 1, scores), dtype=np.int64)
-    outs, stats = run_bwd(ins, plan, items, np.arange(n_units if finish else 0, dtype=np.int64), n_threads)
+        items = np.arange(n_backward_items(ins.q.shape[0], ins.k.shape[1], 1, plan.scores), dtype=np.int64)
+    outs, stats, _, status = run_bwd(ins, plan, items, np.arange(n_units if finish else 0, dtype=np.int64), n_threads,
+                                     exponent=0)   # (checked and rescaled by the caller)
+    if status[0]:
+        raise_status(status, None, KERNEL_CALLER, plan)
     if q_chunks == 1:
         dbias = scores.dbias if scores is not None and scores.dbias.size else None
         return (to_dtype(outs.dq, out_dtype), to_dtype(outs.dk, out_dtype),
@@ -263,7 +268,10 @@ def bwd_merge(plan, sinks: np.ndarray, shards, seqlen_q: int, out_dtype):
     outs = BwdOutputs(np.empty((nb, nheads, 0, 0), dtype=acc), np.array(first.dk, order="C"),
                       np.array(first.dv, order="C"), np.empty(sinks.shape, dtype=acc),
                       np.ascontiguousarray(parts[0]), np.ascontiguousarray(parts[1]))
-    run_bwd(ins, plan, np.empty(0, dtype=np.int64), np.arange(n_units, dtype=np.int64), state=(outs, stats))
+    *_, status = run_bwd(ins, plan, np.empty(0, dtype=np.int64), np.arange(n_units, dtype=np.int64),
+                         state=(outs, stats), exponent=0)
+    if status[0]:
+        raise_status(status, None, KERNEL_CALLER, plan)
     return dq, to_dtype(outs.dk, out_dtype), to_dtype(outs.dv, out_dtype), outs.dsinks
 
 
@@ -285,7 +293,8 @@ def fwd_block(plan, share: tuple, options: AttentionOptions, lse_layout: str, te
     """
     chunk, origin = share
     prob = validate_fwd_inputs(*tensors, _block_options(options, extras))
-    prob, e = in_range(prob, KERNEL_CALLER, backward=False)
+    e = check(prob, KERNEL_CALLER, backward=False)
+    prob = scaled_input(prob, e, backward=False)
     seqlen_q = prob.q.shape[3]
     o, lse = fwd_chunk(plan, FwdInputs(prob.q, prob.k, prob.v, prob.sinks), False, seqlen_q, chunk,
                        prob.dtype, origin)
@@ -314,7 +323,8 @@ def bwd_block(plan, share: tuple, options: AttentionOptions, tensors: tuple, ext
     """
     chunk, origin = share
     prob = validate_bwd_inputs(*tensors, _block_options(options, extras))
-    prob, e = in_range(prob, KERNEL_CALLER, backward=True)
+    e = check(prob, KERNEL_CALLER, backward=True)
+    prob = scaled_input(prob, e, backward=True)
     ins = BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks)
     out = bwd_chunk(plan, ins, False, prob.q.shape[3], chunk, prob.dtype, origin)
     if plan.tiling.q_chunks > 1:

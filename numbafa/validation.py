@@ -12,7 +12,9 @@ Three steps: :func:`check_options` checks the scalar options into an
 tensors' and the option arrays' shapes and dtypes (anything with ``shape``
 and ``dtype``: the torch and JAX adapters call it at trace time);
 :func:`validate_fwd_inputs` / :func:`validate_bwd_inputs` run it on NumPy
-arrays, check their values and return the kernels' :class:`Problem`.
+arrays and return the kernels' :class:`Problem`. The values (finite inputs,
+the lse, the bias; the range of the scores) are checked in compiled code,
+by the entries every front door runs (:mod:`numbafa.kernels.entry`).
 
 Conventions shared with the upstream NKI kernel:
 
@@ -55,9 +57,8 @@ from typing import Optional
 
 import numpy as np
 
-from .jit import jit
 from .tiling import Q_TILE
-from .dtypes import accumulator_dtype, from_bf16_array, from_fp16_array, is_bf16, widen
+from .dtypes import accumulator_dtype, from_bf16_array, from_fp16_array, is_bf16
 from .memo import Memo
 from .options import KERNEL_CALLER, AttentionOptions, Caller
 
@@ -104,14 +105,12 @@ class Problem:
     dropout_p: float = 0.0     # attention dropout, [0, 1)
     seed: int = 0              # the dropout mask's seed and offset (numbafa.kernels.dropout)
     seed_offset: int = 0
-    max_abs: Optional[dict] = None  # the largest |element| of q, k, v (o, dy), by kernel name: range checks
     bias: Optional[np.ndarray] = None     # [bs or 1, nheads or 1, seqlen_q or 1, seqlen_k], lse's dtype
     bias_shape: Optional[tuple] = None    # the caller's bias shape and dtype (dbias is returned in them)
     bias_dtype: Optional[np.dtype] = None
     alibi: Optional[np.ndarray] = None    # ALiBi slopes [bs or 1, nheads], lse's dtype
     softcap: float = 0.0                  # 0: none
     return_dbias: bool = False
-    max_abs_bias: float = 0.0             # the largest |finite bias|, plus the largest ALiBi term: range checks
 
     @property
     def has_score_mods(self) -> bool:
@@ -124,80 +123,6 @@ class Problem:
     @property
     def is_fp16(self) -> bool:
         return self.dtype.char == "e"
-
-
-@jit(entry=True)
-def _count_nonfinite(flat):
-    """``(number of NaN/inf elements, largest finite |element|)`` of float32 or bf16-bits ``flat``.
-
-    On the bits: ``|x|``'s float32 bit pattern orders as an unsigned int, so both reductions
-    are integer ones (a float max reduction does not vectorise without fast-math)."""
-    n = 0
-    largest = np.uint32(0)
-    for i in range(flat.size):
-        u = np.float32(widen(flat[i])).view(np.uint32) & np.uint32(0x7FFFFFFF)
-        bad = u >= np.uint32(0x7F800000)        # inf or NaN
-        n += bad
-        largest = np.uint32(max(largest, np.uint32(0) if bad else u))
-    return n, np.uint32(largest).view(np.float32)
-
-
-@jit(entry=True)
-def _largest_bits(flats):
-    """Per array of ``flats`` (a tuple of one type: float32 viewed as uint32, or bf16 bits as
-    uint16), the float32 bit pattern of its largest ``|element|``; ``>= 0x7F800000`` when it
-    holds an inf or a NaN (they order above every finite value). One unsigned max reduction
-    per array, the cheapest scan there is: counting comes only when something is wrong."""
-    out = np.zeros(len(flats), dtype=np.uint32)
-    for j in range(len(flats)):
-        flat = flats[j]
-        shift = np.uint32(32 - 8 * flat.itemsize)   # bf16 bits are a float32's upper half
-        largest = np.uint32(0)
-        for i in range(flat.size):
-            largest = max(largest, (np.uint32(flat[i]) << shift) & np.uint32(0x7FFFFFFF))
-        out[j] = largest
-    return out
-
-
-@jit(entry=True)
-def _count_nan_or_neg_inf(flat):
-    n = 0
-    for i in range(flat.size):
-        x = flat[i]
-        if math.isnan(x) or x == -math.inf:
-            n += 1
-    return n
-
-
-@jit(entry=True)
-def _bias_range(flat):
-    """``(number of NaN/+inf elements, largest finite |element|)`` of a float32 or float64 bias
-    (``-inf`` is allowed: a masked score)."""
-    n = 0
-    largest = 0.0
-    for i in range(flat.size):
-        x = np.float64(flat[i])
-        bad = not (x < math.inf)        # NaN or +inf
-        n += bad
-        a = abs(x)
-        largest = max(largest, a if a < math.inf else 0.0)
-    return n, largest
-
-
-@jit(entry=True)
-def _bias_range_bits(bits):
-    """:func:`_bias_range` of a float32 bias viewed as uint32, by integer reductions (which
-    vectorise: 10x the float loop): ``|x|``'s bits order as unsigned ints; ``+inf`` is
-    ``0x7F800000``, NaN above it (either sign), ``-inf`` ``0xFF800000``."""
-    n = 0
-    largest = np.uint32(0)
-    inf = np.uint32(0x7F800000)
-    for i in range(bits.size):
-        u = bits[i]
-        a = u & np.uint32(0x7FFFFFFF)
-        n += (a > inf) | (u == inf)
-        largest = max(largest, a if a < inf else np.uint32(0))
-    return n, np.uint32(largest).view(np.float32)
 
 
 class _WritableView:
@@ -266,32 +191,6 @@ def _require_shape(name: str, shape: tuple, expected: tuple, why: str = "") -> N
     if tuple(shape) != tuple(expected):
         suffix = f" ({why})" if why else ""
         raise ValueError(f"{name} must have shape {tuple(expected)}{suffix}, got {tuple(shape)}")
-
-
-def _require_all_finite(c: Caller, arrays: dict) -> dict:
-    """:func:`_require_finite` of every array of ``arrays`` (kernel arrays of one type, by kernel
-    name) in one jitted call; the largest |element| of each, by name."""
-    if next(iter(arrays.values())).dtype.char == "d":   # float64, the reference path: NumPy's reductions
-        return {key: _require_finite(c(key), x) for key, x in arrays.items()}
-    flats = tuple(x.reshape(-1).view(np.uint32) if x.dtype == np.float32 else x.reshape(-1)
-                  for x in arrays.values())
-    largest = _largest_bits(flats)
-    if max(largest.tolist()) >= 0x7F800000:   # (a ufunc reduction costs a few us more)
-        for key, x in arrays.items():
-            _require_finite(c(key), x)
-    return dict(zip(arrays, largest.view(np.float32).tolist()))
-
-
-def _require_finite(name: str, arr: np.ndarray) -> float:
-    """Raise unless every element is finite; return the largest |element|."""
-    if arr.dtype.char == "d":   # float64
-        bad = arr.size - int(np.count_nonzero(np.isfinite(arr)))
-        big = 0.0 if bad else float(np.abs(arr).max(initial=0.0))
-    else:
-        bad, big = _count_nonfinite(arr.reshape(-1))
-    if bad:
-        raise ValueError(f"{name} must be finite, got {bad} NaN/inf element(s) of {arr.size}")
-    return float(big)
 
 
 def _require_uint64(name: str, x, what: str) -> int:
@@ -581,15 +480,13 @@ def check_tensors(tensors: dict, options: AttentionOptions, caller: Caller = KER
 
 # --- values: the kernels' arrays -----------------------------------------------------------
 
-def _kernel_lse(c: Caller, lse: np.ndarray, dims: Dims) -> np.ndarray:
+def _kernel_lse(lse: np.ndarray, dims: Dims) -> np.ndarray:
+    """The lse in the natural layout ``[bs, nheads, seqlen_q]`` (its values: checked in the
+    compiled entry)."""
     natural = (dims.bs, dims.nheads, dims.seqlen_q)
     if lse.ndim == 4:  # lse[b, h, p, t] is row t * 128 + p
         lse = np.ascontiguousarray(lse.transpose(0, 1, 3, 2)).reshape(natural)
-    out = kernel_view(lse)
-    bad = _count_nan_or_neg_inf(out.reshape(-1))
-    if bad:
-        raise ValueError(f"{c('lse_ref')} must not contain NaN or -inf, got {bad} such element(s)")
-    return out
+    return kernel_view(lse)
 
 
 def _kernel_bounds(c: Caller, options: AttentionOptions):
@@ -604,24 +501,22 @@ def _kernel_bounds(c: Caller, options: AttentionOptions):
 
 def _kernel_sinks(c: Caller, sinks, dims: Dims, dtype) -> np.ndarray:
     """``[bs, nheads, num_sinks]`` in the accumulator dtype of inputs of ``dtype`` (float32, or
-    float64; num_sinks 0 without sinks; ``[nheads]`` broadcast)."""
+    float64; num_sinks 0 without sinks; ``[nheads]`` broadcast); values checked in the compiled
+    entry."""
     acc = accumulator_dtype(dtype)
     if sinks is None:
         return np.zeros((dims.bs, dims.nheads, 0), dtype=acc)
     num_sinks = sinks.shape[2] if sinks.ndim == 3 else 1  # explicit: -1 is ambiguous when bs == 0
     s32 = np.broadcast_to(sinks, (dims.bs, dims.nheads)) if sinks.ndim == 1 else sinks
-    s32 = s32.astype(acc, order="C").reshape(dims.bs, dims.nheads, num_sinks)
-    _require_finite(c("sinks_ref"), s32)
-    return s32
+    return s32.astype(acc, order="C").reshape(dims.bs, dims.nheads, num_sinks)
 
 
-def _kernel_bias(c: Caller, bias, dims: Dims, dtype):
-    """``(bias, largest finite |element|)``: ``[bs or 1, nheads or 1, seqlen_q or 1, seqlen_k]``
-    C-contiguous in the accumulator dtype (float32 bias of float32, bf16 or float16 inputs and
-    float64 bias of float64 inputs are used in place; others are widened, a copy), or
-    ``(None, 0.0)``."""
+def _kernel_bias(bias, dtype):
+    """The bias ``[bs or 1, nheads or 1, seqlen_q or 1, seqlen_k]`` C-contiguous in the accumulator
+    dtype (float32 bias of float32, bf16 or float16 inputs and float64 bias of float64 inputs
+    are used in place; others are widened, a copy), or None."""
     if bias is None:
-        return None, 0.0
+        return None
     acc = accumulator_dtype(dtype)
     b4 = bias.reshape((1,) * (4 - bias.ndim) + tuple(bias.shape))
     if b4.dtype == acc:
@@ -632,22 +527,15 @@ def _kernel_bias(c: Caller, bias, dims: Dims, dtype):
         b4 = from_fp16_array(np.ascontiguousarray(b4))
     else:
         b4 = np.ascontiguousarray(b4, dtype=acc)
-    flat = b4.reshape(-1)
-    bad, largest = _bias_range_bits(flat.view(np.uint32)) if flat.dtype == np.float32 else _bias_range(flat)
-    if bad:
-        raise ValueError(f"{c('bias')} must not contain NaN or +inf (-inf masks a score), got {bad} such "
-                         f"element(s) of {b4.size}")
-    return b4, float(largest)
+    return b4
 
 
-def _kernel_alibi(c: Caller, slopes, dims: Dims, dtype):
+def _kernel_alibi(slopes, dtype):
     """The ALiBi slopes ``[bs or 1, nheads]`` in the accumulator dtype, or None."""
     if slopes is None:
         return None
-    a = np.ascontiguousarray(slopes.reshape((1,) * (2 - slopes.ndim) + tuple(slopes.shape)),
-                             dtype=accumulator_dtype(dtype))
-    _require_finite(c("alibi_slopes"), a)
-    return a
+    return np.ascontiguousarray(slopes.reshape((1,) * (2 - slopes.ndim) + tuple(slopes.shape)),
+                                dtype=accumulator_dtype(dtype))
 
 
 #: Metadata that passed its checks: :func:`_metadata_key` -> (checked options without arrays, Dims).
@@ -696,24 +584,23 @@ def _metadata(c: Caller, tensors: dict, options: AttentionOptions):
 
 def _validate(c: Caller, tensors: dict, options: AttentionOptions) -> Problem:
     opts, dims = _metadata(c, tensors, options)
+    dtype = np.dtype(tensors["q_ref"].dtype)
     bmin, bmax = _kernel_bounds(c, opts)
-    sinks = _kernel_sinks(c, opts.sinks, dims, tensors["q_ref"].dtype)
     arrays = {key: _as_kernel_array(x) for key, x in tensors.items() if key != "lse_ref"}
-    max_abs = _require_all_finite(c, arrays)
-    lse = _kernel_lse(c, tensors["lse_ref"], dims) if "lse_ref" in tensors else None
-    bias, largest_bias = _kernel_bias(c, opts.bias, dims, np.dtype(tensors["q_ref"].dtype))
-    alibi = _kernel_alibi(c, opts.alibi_slopes, dims, np.dtype(tensors["q_ref"].dtype))
-    if alibi is not None:   # the largest ALiBi term |slope| * (distance < max(seqlen_q, seqlen_k))
-        largest_bias += float(np.abs(alibi).max(initial=0.0)) * max(dims.seqlen_q, dims.seqlen_k)
-    return Problem(arrays["q_ref"], arrays["k_ref"], arrays["v_ref"], arrays.get("o_ref"), arrays.get("dy_ref"),
-                   lse, sinks, None if opts.sinks is None else tuple(opts.sinks.shape),
-                   None if opts.sinks is None else opts.sinks.dtype, bmin, bmax, opts.bound_min is not None,
-                   opts.use_causal_mask, min(opts.sliding_window, dims.seqlen_k),
-                   resolve_scale(opts.softmax_scale, dims.d_head), np.dtype(tensors["q_ref"].dtype),
-                   opts.mixed_precision, opts.dropout_p, opts.seed, opts.seed_offset, max_abs, bias,
-                   None if opts.bias is None else tuple(opts.bias.shape),
-                   None if opts.bias is None else opts.bias.dtype, alibi, opts.softcap, opts.return_dbias,
-                   largest_bias)
+    return Problem(q=arrays["q_ref"], k=arrays["k_ref"], v=arrays["v_ref"], o=arrays.get("o_ref"),
+                   dy=arrays.get("dy_ref"), lse=_kernel_lse(tensors["lse_ref"], dims) if "lse_ref" in tensors else None,
+                   sinks=_kernel_sinks(c, opts.sinks, dims, dtype),
+                   sinks_shape=None if opts.sinks is None else tuple(opts.sinks.shape),
+                   sinks_dtype=None if opts.sinks is None else opts.sinks.dtype, bound_min=bmin, bound_max=bmax,
+                   use_packing=opts.bound_min is not None, use_causal_mask=opts.use_causal_mask,
+                   window=min(opts.sliding_window, dims.seqlen_k),
+                   softmax_scale=resolve_scale(opts.softmax_scale, dims.d_head), dtype=dtype,
+                   mixed_precision=opts.mixed_precision, dropout_p=opts.dropout_p, seed=opts.seed,
+                   seed_offset=opts.seed_offset, bias=_kernel_bias(opts.bias, dtype),
+                   bias_shape=None if opts.bias is None else tuple(opts.bias.shape),
+                   bias_dtype=None if opts.bias is None else opts.bias.dtype,
+                   alibi=_kernel_alibi(opts.alibi_slopes, dtype), softcap=opts.softcap,
+                   return_dbias=opts.return_dbias)
 
 
 def validate_fwd_inputs(q_ref, k_ref, v_ref, options: AttentionOptions = AttentionOptions(),

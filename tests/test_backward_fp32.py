@@ -180,15 +180,15 @@ def _unaligned(x):
 
 def test_read_only_and_unaligned_inputs_compile_no_second_kernel():
     """JAX hands read-only buffers to its callbacks: they, and unaligned arrays, take the kernels
-    compiled for ordinary arrays (the launchers' and the work items' signatures do not grow)."""
-    from numbafa.kernels import backward, forward
+    compiled for ordinary arrays (the entries' and the work items' signatures do not grow)."""
+    from numbafa.kernels import backward, entry, forward
 
     case = Case(nheads=2, nheads_kv=1, causal=True, num_sinks=1, packing=(100, 156))
     inputs = make_inputs(case)
     expected = numbafa.attention_bwd(**inputs)
     o_expected = numbafa.attention_fwd(inputs["q_ref"], inputs["k_ref"], inputs["v_ref"],
                                        inputs["sinks_ref"], lse_layout="natural", **case.kwargs())
-    kernels = (backward.flash_attn_bwd, backward.bwd_work_item, forward.flash_attn_fwd, forward.fwd_work_item)
+    kernels = (entry.backward_entry, backward.bwd_work_item, entry.forward_entry, forward.fwd_work_item)
     before = [len(k.signatures) for k in kernels]
     frozen = {}
     for name, arr in inputs.items():

@@ -253,13 +253,14 @@ def test_bf16_is_numbafa_bit_for_bit():
 
 def test_the_callbacks_read_only_buffers_compile_no_second_kernel():
     """pure_callback hands the host read-only buffers: the kernels compiled for the NumPy API's
-    arrays run them (no second specialization of a launcher or a work item)."""
-    from numbafa.kernels import backward, forward
+    arrays run them (no second specialization of an entry, the launcher or a work item)."""
+    from numbafa.kernels import backward, entry, forward, launch
 
     q, k, v, do = make(seed=3)
     o_np, ctx = numbafa.attention(q, k, v, use_causal_mask=True, layout="bshd")
     expected = ctx.backward(do)
-    kernels = (backward.flash_attn_bwd, backward.bwd_work_item, forward.flash_attn_fwd, forward.fwd_work_item)
+    kernels = (entry.backward_entry, backward.bwd_work_item, entry.forward_entry, forward.fwd_work_item,
+               launch.run_items)
     before = [len(kernel.signatures) for kernel in kernels]
     o, got = vjp(jax.jit(lambda q, k, v: nj.attention(q, k, v, causal=True, layout="bshd")), q, k, v, do)
     assert [len(kernel.signatures) for kernel in kernels] == before

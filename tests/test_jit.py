@@ -79,7 +79,7 @@ PUBLIC_SIGNATURES = {
     "distributed.py": {"attention_fwd", "attention_bwd"},
     "functional.py": {"attention"},
     "golden.py": {"attention_fwd", "attention_bwd", "attention_bwd_rounded"},
-    "nb.py": {"plan", "attention_bwd"},
+    "nb.py": {"plan", "attention_bwd", "_backward", "_bwd_stub"},   # (the public call's body and typing stub)
     "jax.py": {"attention"},
     # the operators' schemas, and the Function that calls the backward operator with them
     "torch.py": {"attention", "_attention_fwd", "_attention_fwd_fake", "_attention_bwd", "_attention_bwd_fake",

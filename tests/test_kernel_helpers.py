@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from numbafa.dtypes import ROUND_BF16, ROUND_FP16, ROUND_NONE
 from numbafa.jit import callable_from_python, jit
-from numbafa.dtypes import widened
 from numbafa.kernels import common
 from numbafa.kernels.forward import _row_max as _kernel_row_max
+from numbafa.kernels.loops import input_operand
 
 # The kernels' own helpers, compiled with a Python wrapper (kernel code calls them without one).
 load_scaled = callable_from_python(common.load_scaled)
@@ -33,15 +34,25 @@ def _source(rng, dtype, shape):
     return x, x
 
 
+def _rounded(x, code):
+    """``x`` rounded to the format ``code`` names, NumPy only."""
+    if code == ROUND_BF16:
+        return _bf16_round(x)
+    if code == ROUND_FP16:
+        return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+    return x
+
+
 def _expected(values, scale, round_kernel):
     if scale == 1.0:
         return values                       # an exact copy, never rounded
     y = (values * scale).astype(np.float32)  # one float32 product, as in the kernel
-    return _bf16_round(y) if round_kernel else y
+    return _rounded(y, round_kernel)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bf16"])
-@pytest.mark.parametrize("scale, round_kernel", [(np.float32(1.0), True), (SCALE, False), (SCALE, True)])
+@pytest.mark.parametrize("scale, round_kernel", [(np.float32(1.0), ROUND_BF16), (SCALE, ROUND_NONE),
+                                                 (SCALE, ROUND_BF16), (SCALE, ROUND_FP16)])
 @pytest.mark.parametrize("d_head, start, count", [(128, 0, 2048), (64, 37, 201), (5, 3, 17), (128, 5, 0)])
 def test_load_scaled_matches_numpy(dtype, scale, round_kernel, d_head, start, count):
     rng = np.random.default_rng(d_head + count)
@@ -54,19 +65,19 @@ def test_load_scaled_matches_numpy(dtype, scale, round_kernel, d_head, start, co
     assert np.isnan(out_s[:, count:]).all()
 
 
-@pytest.mark.parametrize("round_out", [False, True])
+@pytest.mark.parametrize("round_out", [ROUND_NONE, ROUND_BF16, ROUND_FP16])
 @pytest.mark.parametrize("d_head, start, count", [(128, 0, 512), (64, 19, 33), (3, 1, 1)])
 def test_store_transposed_matches_numpy(round_out, d_head, start, count):
     rng = np.random.default_rng(count)
     src = rng.standard_normal((count + 2, d_head)).astype(np.float32)
     dst = np.full((d_head, start + count + 4), np.nan, np.float32)
     store_transposed(src, count, dst, start, round_out)
-    want = _bf16_round(src[:count].T) if round_out else src[:count].T
+    want = _rounded(src[:count].T, round_out)
     np.testing.assert_array_equal(dst[:, start:start + count], want)
     assert np.isnan(dst[:, :start]).all() and np.isnan(dst[:, start + count:]).all()
 
 
-@pytest.mark.parametrize("round_out", [False, True])
+@pytest.mark.parametrize("round_out", [ROUND_NONE, ROUND_BF16, ROUND_FP16])
 @pytest.mark.parametrize("d_head, start, count", [(128, 0, 512), (64, 19, 33), (3, 1, 1), (4, 2, 0)])
 def test_store_matches_numpy(round_out, d_head, start, count):
     """dQ's store: ``[d, rows]`` (a column slice of a wider tile) into ``[d, seq]``, same layout."""
@@ -75,26 +86,33 @@ def test_store_matches_numpy(round_out, d_head, start, count):
     src = wide[:, :count + 2]
     dst = np.full((d_head, start + count + 4), np.nan, np.float32)
     store(src, count, dst, start, round_out)
-    want = _bf16_round(src[:, :count]) if round_out else src[:, :count]
+    want = _rounded(src[:, :count], round_out)
     np.testing.assert_array_equal(dst[:, start:start + count], want)
     assert np.isnan(dst[:, :start]).all() and np.isnan(dst[:, start + count:]).all()
 
 
 @jit(entry=True)
-def _widened_and_identity(x):
-    w = widened(x)
-    return w, w.ctypes.data == x.ctypes.data
+def _operand_of(x, plan):
+    op = input_operand(x, plan, np.empty((0, 0), np.float32), np.empty((0, 0), np.uint16))
+    return op.f.copy(), op.bits.copy(), op.f.ctypes.data == x.ctypes.data or op.bits.ctypes.data == x.ctypes.data
 
 
-def test_widened_is_a_view_for_float32_and_a_widened_copy_for_bf16_bits():
+def test_input_operands_are_views_but_bf16_bits_widened_for_float32_gemms():
+    """float32 inputs are their own operand; bf16 bits are too on the bf16 path (``plan.gemm.bits``),
+    and are widened into a float32 copy on the others."""
+    from collections import namedtuple
+    Gemm, Plan = namedtuple("Gemm", ["onednn", "bits"]), namedtuple("P", ["gemm"])
     rng = np.random.default_rng(3)
     values, bits = _source(rng, "bf16", (6, 9))
-    w, same = _widened_and_identity(values)
-    assert same and w.dtype == np.float32
-    np.testing.assert_array_equal(w, values)
-    w, same = _widened_and_identity(bits)
-    assert not same and w.dtype == np.float32
-    np.testing.assert_array_equal(w, values)
+    f, b, same = _operand_of(values, Plan(Gemm(False, False)))
+    assert same and b.size == 0
+    np.testing.assert_array_equal(f, values)
+    f, b, same = _operand_of(bits, Plan(Gemm(True, True)))
+    assert same and f.size == 0
+    np.testing.assert_array_equal(b, bits)
+    f, b, same = _operand_of(bits, Plan(Gemm(False, False)))
+    assert not same and b.size == 0 and f.dtype == np.float32
+    np.testing.assert_array_equal(f, values)
 
 
 @jit(entry=True)

@@ -1,5 +1,5 @@
-"""numbafa.kernels.matmul: the one matmul seam (sgemm, dgemm, gemv; oneDNN's sgemm and bf16
-GEMM) on row-major tiles."""
+"""numbafa.kernels.matmul: the one matmul seam (sgemm, dgemm; oneDNN's sgemm and bf16 GEMM; the
+row sums' gemv) on row-major tiles."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from numba.core.errors import TypingError
 
 from numbafa import onednn
 from numbafa.jit import jit
-from numbafa.kernels.matmul import ONEDNN, matmul
+from numbafa.kernels.bundles import Gemm
+from numbafa.kernels.matmul import bits_operand, gemm as seam, row_sums, values_operand
 
 #: dnnl_sgemm runs on any x86-64 CPU where the library loads (the oneDNN path can be forced there).
 needs_onednn = pytest.mark.skipif(not onednn.load_library(), reason="oneDNN is not installed here")
@@ -22,13 +23,28 @@ needs_bf16_units = pytest.mark.skipif(not onednn.bf16_units(), reason="no bf16 u
 @jit(entry=True)
 def gemm(a, b, c, trans_a, trans_b, alpha, beta):
     """The seam is only callable from njit code; this is the tests' way in (BLAS path)."""
-    matmul(a, b, c, trans_a, trans_b, alpha, beta, None)
+    none = np.empty((0, 0), np.uint16)
+    seam(values_operand(a, none), values_operand(b, none), c, trans_a, trans_b, alpha, beta, Gemm(False, False))
 
 
 @jit(entry=True)
 def gemm_onednn(a, b, c, trans_a, trans_b, alpha, beta):
     """The same on the oneDNN path (only called where :func:`onednn.load_library` loaded it)."""
-    matmul(a, b, c, trans_a, trans_b, alpha, beta, ONEDNN)
+    none = np.empty((0, 0), np.uint16)
+    seam(values_operand(a, none), values_operand(b, none), c, trans_a, trans_b, alpha, beta, Gemm(True, False))
+
+
+@jit(entry=True)
+def gemm_bits(a, b, c, trans_a, trans_b, alpha, beta, bits):
+    """bf16 bits as operands: on the bf16 path (``bits``) oneDNN's bf16 GEMM; else the values are
+    read, which bits-only operands do not have."""
+    none = np.empty((0, 0), np.float32)
+    seam(bits_operand(a, none), bits_operand(b, none), c, trans_a, trans_b, alpha, beta, Gemm(True, bits))
+
+
+@jit(entry=True)
+def sums(a, b, c):
+    row_sums(a, b, c)
 
 
 def _operand(rng, shape, transposed, dtype=np.float32):
@@ -58,19 +74,17 @@ def test_matches_float64_product(trans_a, trans_b, alpha, beta, dtype, atol, pat
     np.testing.assert_allclose(c, expected, rtol=0, atol=atol * np.abs(expected).max())
 
 
-def test_matrix_vector_product_is_np_dot():
+def test_row_sums_are_np_dot():
     rng = np.random.default_rng(2)
     a = rng.standard_normal((31, 45)).astype(np.float32)
     b = rng.standard_normal(45).astype(np.float32)
     c = np.full(31, np.nan, np.float32)
-    gemm(a, b, c, False, False, np.float32(1.0), np.float32(0.0))
+    sums(a, b, c)
     np.testing.assert_array_equal(c, np.dot(a, b))
-    with pytest.raises(ValueError, match="matrix-vector"):
-        gemm(a, b, c, False, False, np.float32(1.0), np.float32(1.0))
 
 
 def test_unsupported_operand_types_do_not_compile():
-    x16 = np.ones((2, 2), np.float16)
+    x16 = np.ones((2, 2), np.int16)
     x32 = np.ones((2, 2), np.float32)
     for a, b, c in ((x16, x16, x16), (x32, x32, x32.astype(np.float64))):
         with pytest.raises(TypingError):
@@ -125,13 +139,13 @@ def test_bf16_operands_on_onednn_are_exact_products_summed_in_float32(trans_a, t
     b64 = (b.T if trans_b else b).astype(np.float64)
     expected = 0.5 * (a64 @ b64) + c
     bound = 2 * (k + 1) * 2.0 ** -24 * (0.5 * (np.abs(a64) @ np.abs(b64)) + np.abs(c))
-    gemm_onednn(a.view(np.uint16), b.view(np.uint16), c, trans_a, trans_b, np.float32(0.5), np.float32(1.0))
+    gemm_bits(a.view(np.uint16), b.view(np.uint16), c, trans_a, trans_b, np.float32(0.5), np.float32(1.0), True)
     assert (np.abs(c - expected) <= bound).all()
 
 
-def test_bf16_operands_need_the_onednn_marker():
-    """uint16 tiles exist only on the oneDNN path: on the BLAS path they are a typing error,
-    not a silent reinterpretation of their bits."""
+def test_bf16_operands_need_the_bf16_path():
+    """Bits-only operands on a float32 path: the values are read, and there are none -- an error,
+    not a silent reinterpretation of the bits."""
     bits = np.ones((2, 2), np.uint16)
-    with pytest.raises(TypingError):
-        gemm(bits, bits, np.zeros((2, 2), np.float32), False, False, np.float32(1.0), np.float32(0.0))
+    with pytest.raises(ValueError, match="shapes"):
+        gemm_bits(bits, bits, np.zeros((2, 2), np.float32), False, False, np.float32(1.0), np.float32(0.0), False)

@@ -15,7 +15,9 @@ import pytest
 
 import numbafa
 import numbafa.nb as nb
-from numbafa.linking import CELL_PREFIX
+from numbafa.linking import CELL_PREFIX, TABLE_SYMBOL
+
+from _problems import Case, make_inputs
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_njit.py"
 
@@ -59,7 +61,7 @@ def _nb(plan, q, k, v, dy, sinks, call_fwd=nb.attention_fwd, call_bwd=nb.attenti
     bs, nheads, _, seqlen = q.shape
     o, lse = np.empty_like(dy), np.empty((bs, nheads, 128, seqlen // 128), np.float32)
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
-    if plan.with_sinks:
+    if plan.sinks_shape[0]:
         dsinks = np.empty_like(sinks)
         call_fwd(plan, q, k, v, o, lse, sinks)
         call_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks)
@@ -108,7 +110,7 @@ def test_seed_offset_in_njit_code_is_another_plans_mask():
         got = _nb(moved, q, k, v, dy, sinks)
     for a, e in zip(got, _api(q, k, v, dy, sinks, dict(dropout_p=0.3, seed=11, seed_offset=5))):
         np.testing.assert_array_equal(a, e)
-    assert nb.with_seed_offset(nb.plan(q, k, v), 5).fwd.dropout is None
+    assert not nb.with_seed_offset(nb.plan(q, k, v), 5).fwd.dropout.active
 
 
 def test_strided_and_read_only_arrays_are_taken_too():
@@ -144,7 +146,7 @@ def test_arrays_that_do_not_match_the_plan_raise_before_writing(bad):
         args[2] = np.zeros((1, 2, 16, 128), np.float32)
     elif bad == "lse-shape":
         args[6] = np.zeros((1, 2, 128), np.float32).reshape(1, 2, 1, 128)
-    elif bad == "dtype":
+    elif bad == "dtype":   # bf16 bits for a float32 plan
         args[1:6] = [x.astype(ml_dtypes.bfloat16).view(np.uint16) for x in (q, k, v, o, dy)]
         args[7:] = [x.astype(np.uint16) for x in (dq, dk, dv)]
     elif bad == "no-sinks":
@@ -153,17 +155,10 @@ def test_arrays_that_do_not_match_the_plan_raise_before_writing(bad):
         args[9] = dv = _filled(k.shape)
     elif bad == "dy-head-dim":
         args[5] = _filled(q.shape)
-    with pytest.raises(ValueError, match="numbafa.nb"):
+    with pytest.raises(TypeError if bad == "dtype" else ValueError, match="^numbafa.nb: "):
         nb.attention_bwd(*args)
     for x in args[7:]:
         assert (x == 7).all()
-
-
-def test_a_plan_from_another_process_is_refused():
-    q, k, v, _, _ = _inputs(1, 1, 1, 16, 128, np.float32)
-    plan = nb.plan(q, k, v)._replace(pid=os.getpid() + 1)
-    with pytest.raises(ValueError, match="another process"):
-        nb.attention_fwd(plan, q, k, v, np.empty_like(q), np.empty((1, 1, 128, 1), np.float32))
 
 
 def test_plan_validates_as_the_python_api():
@@ -172,30 +167,42 @@ def test_plan_validates_as_the_python_api():
         nb.plan(q, k[:, :, :8], v)
     with pytest.raises(TypeError, match="q must be float32, float64, float16 or bfloat16"):
         nb.plan(q.astype(np.int32), k, v)
-    with pytest.raises(TypeError, match="^numbafa.nb takes float32 or bf16 arrays, got q of float64"):
-        nb.plan(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))
-    with pytest.raises(ValueError, match="multiple of 128"):
+    with pytest.raises(ValueError, match="lse_layout='neuron' needs seqlen_q divisible by 128"):
         nb.plan(q[..., :100], k[..., :100], v[..., :100])
+    assert nb.plan(q[..., :100], k[..., :100], v[..., :100], lse_layout="natural").lse_natural
+    with pytest.raises(TypeError, match="bias must be float32 or the inputs' dtype \\(float32\\), got bfloat16"):
+        nb.plan(q, k, v, bias=np.zeros((128, 128), ml_dtypes.bfloat16))
     with pytest.raises(ValueError, match="sliding_window=8 requires use_causal_mask=True"):
         nb.plan(q, k, v, sliding_window=8)
     with pytest.raises(TypeError, match="with_sinks must be a bool"):
         nb.plan(q, k, v, with_sinks=1)
     bits = nb.plan(q.astype(ml_dtypes.bfloat16).view(np.uint16), k.astype(ml_dtypes.bfloat16),
                    v.astype(ml_dtypes.bfloat16))
-    assert bits.bf16
+    assert bits.kind == nb.BF16
+    assert nb.plan(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16)).kind == nb.FP16
+
+
+@numba.njit
+def _users_step(plan, q, k, v, o, lse, dy, sinks, dq, dk, dv, dsinks):
+    nb.attention_fwd(plan, q, k, v, o, lse, sinks)
+    nb.attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks)
 
 
 def test_nb_code_reads_no_cell():
-    """A user's function cached by Numba holds numbafa.nb's code: it must call the work items
-    by the plan's addresses, never through a cell only numbafa's own cache knows how to fill."""
+    """A user's function cached by Numba holds numbafa.nb's code: it must find the launcher and the
+    work items in the process's kernel table (numbafa.linking.KERNELS: one symbol, which
+    numbafa.nb.plan defines), never through a cell only numbafa's own cache knows how to fill."""
     q, k, v, dy, sinks = _inputs(1, 2, 1, 16, 128, np.float32)
     plan = nb.plan(q, k, v, with_sinks=True)
-    _nb(plan, q, k, v, dy, sinks)
-    for function in (nb.attention_fwd, nb.attention_bwd):
-        for cres in function.overloads.values():
-            cells = [gv.name for gv in cres.library._final_module.global_variables
-                     if gv.name.startswith(CELL_PREFIX)]
-            assert not cells, cells
+
+    o, lse = np.empty_like(q), np.empty((1, 2, 128, 1), np.float32)
+    grads = (np.empty_like(q), np.empty_like(k), np.empty_like(v), np.empty_like(sinks))
+    _users_step(plan, q, k, v, o, lse, dy, sinks, *grads)
+    (cres,) = _users_step.overloads.values()
+    module = cres.library._final_module
+    cells = [gv.name for gv in module.global_variables if gv.name.startswith(CELL_PREFIX)]
+    assert not cells, cells
+    assert any(gv.name == TABLE_SYMBOL for gv in module.global_variables)
 
 
 USER_CACHED = '''\
@@ -239,33 +246,26 @@ def _example():
     return module
 
 
-def test_the_njit_training_example_takes_the_python_apis_gradients_and_learns():
+@pytest.mark.parametrize("dtype", ["float32", "bf16"])
+def test_the_njit_training_example_takes_the_python_apis_gradients_and_learns(dtype):
     ex = _example()
     params = ex.init_params(len(set(ex.TEXT)))
     bsz, seq = 2, 128
-    plan = ex.make_plan(params, seq, bsz)
+    plan = ex.make_plan(params, seq, bsz, dtype=dtype)
+    slopes, (narrow, widen) = ex.alibi_slopes(4), ex.STORAGE[dtype]
     rng = np.random.default_rng(1)
     x = rng.standard_normal((bsz * seq, 64)).astype(np.float32)
     da = rng.standard_normal((bsz * seq, 64)).astype(np.float32)
     with nb.single_threaded_blas():
-        q, k, v, o, dy, dq, dk, dv = ex.attention_step(plan, x, *params[1:4], da, bsz, seq)
-    o_ref, lse_ref = numbafa.attention_fwd(q, k, v, use_causal_mask=True)
-    np.testing.assert_array_equal(o, o_ref)
-    for a, e in zip((dq, dk, dv), numbafa.attention_bwd(q, k, v, o_ref, dy, lse_ref, use_causal_mask=True)):
-        np.testing.assert_array_equal(a, e)
-    losses = ex.train(steps=30, bsz=4, log_every=0)
+        got = ex.attention_step(plan, x, *params[1:4], da, bsz, seq, slopes, narrow, widen)
+    q, k, v, o, dy, dq, dk, dv = (a.view(ml_dtypes.bfloat16) if dtype == "bf16" else a for a in got)
+    kw = dict(use_causal_mask=True, alibi_slopes=slopes, mixed_precision=dtype == "bf16")
+    o_ref, lse_ref = numbafa.attention_fwd(q, k, v, **kw)
+    np.testing.assert_array_equal(o.view(np.uint8), o_ref.view(np.uint8))
+    for a, e in zip((dq, dk, dv), numbafa.attention_bwd(q, k, v, o_ref, dy, lse_ref, **kw)):
+        np.testing.assert_array_equal(a.view(np.uint8), e.view(np.uint8))
+    losses = ex.train(steps=30, bsz=4, log_every=0, dtype=dtype)
     assert losses[-1] < losses[0] - 0.8
-
-
-def test_a_plan_whose_types_changed_is_refused():
-    """The work items' addresses hold code compiled for the plan's types: a call with other
-    types would run it on wrongly laid out data, so it is refused before anything runs."""
-    q, k, v, _, _ = _inputs(1, 1, 1, 16, 128, np.float32)
-    plan = nb.plan(q, k, v)
-    changed = plan._replace(fwd=plan.fwd._replace(mask=plan.fwd.mask._replace(
-        key_lo=plan.fwd.mask.key_lo.astype(np.int64))))
-    with pytest.raises(ValueError, match="other argument types"):
-        nb.attention_fwd(changed, q, k, v, np.empty_like(q), np.empty((1, 1, 128, 1), np.float32))
 
 
 def test_a_plan_back_from_njit_code_still_works():
@@ -278,3 +278,240 @@ def test_a_plan_back_from_njit_code_still_works():
         got = _nb(plan, q, k, v, dy, sinks)
     for a, e in zip(got, _api(q, k, v, dy, sinks, dict(dropout_p=0.3, seed=11, seed_offset=2))):
         np.testing.assert_array_equal(a, e)
+
+
+# ---------------------------------------------------------------------------
+# Every feature and dtype of the Python API, bit for bit
+# ---------------------------------------------------------------------------
+
+def _api_all(inputs, fwd_kw, bwd_kw):
+    """The Python API's ``(o, lse, grads...)`` of a ``make_inputs`` dict (lse natural)."""
+    q, k, v, dy = (inputs[key] for key in ("q_ref", "k_ref", "v_ref", "dy_ref"))
+    o, lse = numbafa.attention_fwd(q, k, v, lse_layout="natural", **fwd_kw)
+    return (o, lse) + tuple(numbafa.attention_bwd(q, k, v, o, dy, lse, **bwd_kw))
+
+
+def _storage(x):
+    """The bits of 16-bit floats (nb's arrays for them), other arrays as they are."""
+    return x.view(np.uint16) if x.dtype.itemsize == 2 else x
+
+
+def _nb_all(plan, inputs, call_kw, sinks, bias_out):
+    """``numbafa.nb``'s ``(o, lse, grads...)`` of the same problem, lse natural."""
+    q, k, v, dy = (_storage(inputs[key]) for key in ("q_ref", "k_ref", "v_ref", "dy_ref"))
+    bs, nheads, d_v, seqlen = dy.shape
+    acc = np.float64 if q.dtype == np.float64 else np.float32
+    o, lse = np.empty_like(dy), np.empty((bs, nheads, seqlen), acc)
+    nb.attention_fwd(plan, q, k, v, o, lse, sinks=sinks, **call_kw)
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    extra = {}
+    if sinks is not None:
+        extra.update(sinks=sinks, dsinks=np.empty(sinks.shape, acc))
+    if bias_out is not None:
+        extra["dbias"] = bias_out
+    nb.attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv, **call_kw, **extra)
+    grads = (dq, dk, dv) + ((extra["dsinks"],) if sinks is not None else ()) + ((bias_out,) if bias_out is not None
+                                                                              else ())
+    return (o, lse) + grads
+
+
+FEATURES = {
+    # bias with its gradient, ALiBi and a soft cap together
+    "variants": (Case(bs=2, nheads=4, nheads_kv=2, d_head=32, causal=True), np.float32,
+                 dict(bias=(4, 256, 256), alibi=True, softcap=20.0)),
+    "dropout-sinks": (Case(nheads=2, nheads_kv=1, d_head=16, causal=True, num_sinks=1), np.float32,
+                      dict(dropout_p=0.2, seed=3, seed_offset=9)),
+    "float64-sinks": (Case(nheads=2, nheads_kv=1, d_head=16, causal=True, num_sinks=2), np.float64, {}),
+    "float16-window": (Case(nheads=2, nheads_kv=1, d_head=16, causal=True, window=64), np.float16,
+                       dict(mixed_precision=True)),
+    "bf16-variants-not-mixed": (Case(nheads=2, nheads_kv=2, d_head=32, causal=True), ml_dtypes.bfloat16,
+                                dict(bias=(2, 256, 256), alibi=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_every_feature_and_dtype_gives_the_python_apis_bits(name):
+    case, dtype, spec = FEATURES[name]
+    inputs = make_inputs(case, dtype)
+    rng = np.random.default_rng(5)
+    acc = np.float64 if dtype == np.float64 else np.float32
+    options = {key: spec[key] for key in ("dropout_p", "seed", "seed_offset", "softcap", "mixed_precision")
+               if key in spec}
+    options.update(case.kwargs())
+    call = {}
+    if "bias" in spec:
+        call["bias"] = rng.standard_normal(spec["bias"]).astype(acc)
+    if spec.get("alibi"):
+        call["alibi_slopes"] = (2.0 ** -np.arange(1, case.nheads + 1)).astype(acc)
+    sinks = inputs.get("sinks_ref")
+    dbias = np.empty(call["bias"].shape, acc) if "bias" in call else None
+    plan = nb.plan(inputs["q_ref"], inputs["k_ref"], inputs["v_ref"], sinks=sinks, lse_layout="natural",
+                   return_dbias=dbias is not None, **options, **call)
+    got = _nb_all(plan, inputs, call, sinks, dbias)
+    expected = _api_all(inputs, dict(options, sinks_ref=sinks, **call),
+                        dict(options, sinks_ref=sinks, return_dbias=dbias is not None, **call))
+    assert len(got) == len(expected)
+    for a, e in zip(got, expected):
+        np.testing.assert_array_equal(a, _storage(np.asarray(e)))
+
+
+# ---------------------------------------------------------------------------
+# The Python API's guarantees, in compiled code
+# ---------------------------------------------------------------------------
+
+def _small(dtype=np.float32, **options):
+    q, k, v, dy, sinks = _inputs(1, 2, 1, 16, 256, dtype)
+    return q, k, v, dy, nb.plan(q, k, v, **options)
+
+
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_a_nan_input_is_an_error_naming_it(where):
+    q, k, v, dy, plan = _small(use_causal_mask=True)
+    bad = {"q": q.copy(), "k": k.copy()}[where]
+    bad[0, 0, 3, 5] = np.nan
+    args = dict(q=q, k=k)
+    args[where] = bad
+    o, lse = np.full_like(q, 7), np.full((1, 2, 128, 2), 7, np.float32)
+    with pytest.raises(ValueError, match=f"^numbafa.nb: {where} must be finite, got 1 NaN/inf element"):
+        nb.attention_fwd(plan, args["q"], args["k"], v, o, lse)
+    assert (o == 7).all() and (lse == 7).all()
+
+
+def test_a_nan_sink_is_an_error_naming_it():
+    q, k, v, dy, sinks = _inputs(1, 2, 1, 16, 256, np.float32)
+    plan = nb.plan(q, k, v, with_sinks=True)
+    sinks[0, 1] = np.nan
+    with pytest.raises(ValueError, match="^numbafa.nb: sinks must be finite"):
+        nb.attention_fwd(plan, q, k, v, np.empty_like(q), np.empty((1, 2, 128, 2), np.float32), sinks)
+
+
+def test_scores_beyond_float32_raise_and_a_large_v_is_rescaled_exactly():
+    q, k, v, dy, plan = _small()
+    o, lse = np.empty_like(q), np.empty((1, 2, 128, 2), np.float32)
+    with pytest.raises(FloatingPointError, match="^numbafa.nb: the attention scores"):
+        nb.attention_fwd(plan, q * np.float32(1e19), k * np.float32(1e19), v, o, lse)
+    big = v * np.float32(1e37)
+    nb.attention_fwd(plan, q, k, big, o, lse)
+    o_ref, lse_ref = numbafa.attention_fwd(q, k, big)
+    assert np.isfinite(o).all()
+    np.testing.assert_array_equal(o, o_ref)
+    np.testing.assert_array_equal(lse, lse_ref)
+
+
+@pytest.mark.parametrize("lse_dtype", [np.int32, np.int64, np.float64])
+def test_an_lse_of_another_dtype_is_a_type_error(lse_dtype):
+    q, k, v, dy, plan = _small()
+    o, lse = np.empty_like(q), np.zeros((1, 2, 128, 2), lse_dtype)
+    with pytest.raises(TypeError, match=f"^numbafa.nb: lse must be float32 .*, got {np.dtype(lse_dtype)}"):
+        nb.attention_bwd(plan, q, k, v, o, dy, lse, np.empty_like(q), np.empty_like(k), np.empty_like(v))
+
+
+def test_misuse_is_a_one_line_error_naming_the_argument():
+    q, k, v, dy, sinks = _inputs(1, 2, 1, 16, 256, np.float32)
+    plan = nb.plan(q, k, v, with_sinks=True)
+    o, lse = np.empty_like(q), np.empty((1, 2, 128, 2), np.float32)
+    nb.attention_fwd(plan, q, k, v, o, lse, sinks)
+    frozen = o.copy()
+    frozen.flags.writeable = False
+    grads = (np.empty_like(q), np.empty_like(k), np.empty_like(v))
+    cases = [
+        (ValueError, "^numbafa.nb: o must be writable", lambda: nb.attention_fwd(plan, q, k, v, frozen, lse, sinks)),
+        (ValueError, r"^numbafa.nb: sinks must have the rank of the plan's sinks \(2\), got 1",
+         lambda: nb.attention_fwd(plan, q, k, v, o, lse, sinks[0])),
+        (ValueError, r"^numbafa.nb: lse must be 4-D",
+         lambda: nb.attention_fwd(plan, q, k, v, o, lse.reshape(1, 2, 256), sinks)),
+        (TypeError, r"^numbafa.nb: dsinks must be float32 \(q is float32\), got float64",
+         lambda: nb.attention_bwd(plan, q, k, v, o, dy, lse, *grads, sinks, sinks.astype(np.float64))),
+        (ValueError, r"^numbafa.nb: dsinks must have shape \(1, 2\)",
+         lambda: nb.attention_bwd(plan, q, k, v, o, dy, lse, *grads, sinks, np.empty((2, 1), np.float32))),
+        (ValueError, "^numbafa.nb: dk shares memory with dv: outputs must not overlap",
+         lambda: nb.attention_bwd(plan, q, k, v, o, dy, lse, grads[0], grads[1], grads[1], sinks,
+                                  np.empty_like(sinks))),
+        (ValueError, "^numbafa.nb: dq shares memory with dy",
+         lambda: nb.attention_bwd(plan, q, k, v, o, dy, lse, dy, grads[1], grads[2], sinks, np.empty_like(sinks))),
+    ]
+    for error, match, call in cases:
+        with pytest.raises(error, match=match):
+            call()
+
+
+def test_a_changed_plan_is_refused():
+    """Any field the calls trust, replaced (or taken from another plan), is a ValueError, never a
+    jump or an out-of-bounds access."""
+    q, k, v, dy, plan = _small(use_causal_mask=True)
+    other = nb.plan(q, k, v)
+    o, lse = np.empty_like(q), np.empty((1, 2, 128, 2), np.float32)
+    tiling = plan.fwd.tiling._replace(k_tile=10 ** 9)
+    changed = [plan._replace(fwd=other.fwd), plan._replace(dims=(1, 2, 1, 16, 256, 256, 16)[:6] + (8,)),
+               plan._replace(token=plan.token + 1), plan._replace(fwd=plan.fwd._replace(tiling=tiling)),
+               plan._replace(fwd=plan.fwd._replace(mask=plan.fwd.mask._replace(key_hi=plan.fwd.mask.key_hi + 10 ** 6)))]
+    for bad in changed:
+        with pytest.raises(ValueError, match="^numbafa.nb: this plan was not made by numbafa.nb.plan in this process"):
+            nb.attention_fwd(bad, q, k, v, o, lse)
+
+
+FOREIGN = r"""
+import pickle, sys
+import numpy as np
+import numbafa.nb as nb
+plan, q, k, v = pickle.load(open(sys.argv[1], "rb"))
+if sys.argv[2] == "own":   # this process made a plan of the same problem: its kernels are ready
+    nb.plan(q, k, v)
+o, lse = np.empty_like(q), np.empty((1, 2, 128, 2), np.float32)
+try:
+    nb.attention_fwd(plan, q, k, v, o, lse)
+except ValueError as exc:
+    print("refused:", exc)
+"""
+
+
+def _foreign(tmp_path, own, prefix=()):
+    import pickle
+
+    q, k, v, dy, plan = _small()
+    path = tmp_path / "plan.pkl"
+    path.write_bytes(pickle.dumps((plan, q, k, v)))
+    return subprocess.run([*prefix, sys.executable, "-c", FOREIGN, str(path), own], capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("own", ["own", "none"])
+def test_a_plan_from_another_process_is_refused(tmp_path, own):
+    """Pickled into a process that made the same plan (its kernels compiled), or none: refused."""
+    out = _foreign(tmp_path, own)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused: numbafa.nb:" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def _pid_namespaces() -> str | None:
+    """Why ``unshare --pid --fork`` cannot run here (None: it can)."""
+    import shutil
+    if shutil.which("unshare") is None:
+        return "no unshare command"
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", "echo $$"], capture_output=True,
+                           text=True)
+    if probe.returncode != 0:
+        return f"unshare --pid cannot run here: {probe.stderr.strip()[:200]}"
+    return None if probe.stdout.strip() == "1" else f"not PID 1 in the new namespace: {probe.stdout!r}"
+
+
+def test_a_plan_from_another_pid_namespace_with_the_same_pid_is_refused(tmp_path):
+    """Both processes PID 1 of their own PID namespace (containers): a PID says nothing."""
+    why = _pid_namespaces()
+    if why is not None:
+        pytest.skip(why)
+    import pickle
+
+    made = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                           "import os, pickle, sys, numpy as np, numbafa.nb as nb\n"
+                           "rng = np.random.default_rng(0)\n"
+                           "q, k, v = (rng.standard_normal((1, 2, 16, 256), dtype=np.float32) for _ in range(3))\n"
+                           "assert os.getpid() == 1\n"
+                           "pickle.dump((nb.plan(q, k, v), q, k, v), open(sys.argv[1], 'wb'))\n",
+                           str(tmp_path / "plan.pkl")], capture_output=True, text=True, timeout=600)
+    assert made.returncode == 0, made.stderr[-2000:]
+    script = "import os\nassert os.getpid() == 1\n" + FOREIGN
+    out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", script,
+                          str(tmp_path / "plan.pkl"), "own"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused: numbafa.nb:" in out.stdout

@@ -86,7 +86,6 @@ def _expected_operand(dtype, path):
 def test_the_forced_path_is_part_of_the_plan(path, dtype):
     """make_plan and the remembered plans (shared_plan) follow forced_gemm_path: a plan of one
     path is never reused for a call on the other."""
-    from numbafa.kernels.matmul import ONEDNN
     if path == "onednn" and not onednn.load_library():
         pytest.skip("oneDNN is not installed here")
     prob = validated(make_inputs(Case(seqlen_q=128, seqlen_k=128), dtype))
@@ -98,8 +97,8 @@ def test_the_forced_path_is_part_of_the_plan(path, dtype):
             bundles.shared_plan(prob, backward=True)   # remembered first, for the other path
     with numbafa.forced_gemm_path(path):
         for plan in (bundles.make_plan(prob, backward=True), bundles.shared_plan(prob, backward=True)):
-            assert plan.gemm == (ONEDNN if path == "onednn" else None)
-            assert plan.operand.dtype == _expected_operand(dtype, path)
+            assert plan.gemm.onednn == (path == "onednn")
+            assert plan.gemm.bits == (_expected_operand(dtype, path) == np.uint16)
 
 
 def test_forced_paths_are_per_thread():
@@ -117,7 +116,7 @@ def test_forced_paths_are_per_thread():
 def test_float32_inputs_never_take_bf16_operands():
     inputs = make_inputs(Case(seqlen_q=128, seqlen_k=128))
     plan = bundles.make_plan(validated(inputs), backward=True)
-    assert plan.operand.dtype == np.float32
+    assert not plan.gemm.bits
 
 
 needs_onednn_library = pytest.mark.skipif(not onednn.load_library(), reason="oneDNN is not installed here")

@@ -75,26 +75,31 @@ SERIALISED = '''\
 import threading, time
 import numpy as np
 import numbafa
-from numbafa.kernels import launch
+from numbafa import core
 
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 2, 32, 256), dtype=np.float32) for _ in range(3))
 numbafa.attention_fwd(q, k, v)
 inside, overlap = [0], [0]
 lock = threading.Lock()
-launcher = launch.flash_attn_fwd
+entry = core.forward_entry
 
 class Counting:
+    """The forward entry, counting how many calls are inside it at once (launch.call_entry calls
+    it, under the launch lock where there is one)."""
+    overloads = {}
+
     def __call__(self, *args):
         with lock:
             inside[0] += 1
             overlap[0] = max(overlap[0], inside[0])
         time.sleep(0.01)
-        launcher(*args)
+        result = entry(*args)
         with lock:
             inside[0] -= 1
+        return result
 
-launch.flash_attn_fwd = Counting()
+core.forward_entry = Counting()
 
 def calls():
     for _ in range(5):
@@ -318,36 +323,20 @@ def test_packing_plans_are_never_shared():
 
 
 def test_repeated_calls_launch_the_remembered_overload_with_the_same_bits():
-    """From the second call of a dtype on, the launchers are entered through the compiled
-    overload the first call ran (no dispatcher typing): same results, bit for bit."""
-    from numbafa.kernels import launch
+    """From the second call of a dtype on, the entries are called through the compiled overload
+    the first call ran (no dispatcher typing): same results, bit for bit."""
+    from numbafa.kernels import entry, launch
 
     rng = np.random.default_rng(5)
     q = rng.standard_normal((1, 3, 16, 200)).astype(np.float32)
     o, lse = numbafa.attention_fwd(q, q, q, lse_layout="natural")
     grads = numbafa.attention_bwd(q, q, q, o, q, lse)
-    for launcher in (launch.flash_attn_fwd, launch.flash_attn_bwd):
-        assert any(key[0] is launcher and key[1][1] == np.float32 for key in launch._entries)
+    for compiled in (entry.forward_entry, entry.backward_entry):
+        assert any(key[0] is compiled and key[1] == ("core", "f") for key in launch._entries)
     o2, lse2 = numbafa.attention_fwd(q, q, q, lse_layout="natural")
     grads2 = numbafa.attention_bwd(q, q, q, o, q, lse)
     for a, b in zip((o, lse) + grads, (o2, lse2) + grads2):
         np.testing.assert_array_equal(a, b)
-
-
-def test_the_signature_address_is_the_fingerprint_address():
-    from numbafa import core
-    from numbafa.kernels import launch
-    from numbafa.kernels.bundles import FwdInputs, FwdOutputs, shared_plan
-    from numbafa.options import AttentionOptions
-    from numbafa.validation import validate_fwd_inputs
-
-    q = np.ones((1, 1, 8, 128), np.float32)
-    prob = validate_fwd_inputs(q, q, q, AttentionOptions())
-    plan = shared_plan(prob, False)
-    args = (FwdInputs(prob.q, prob.k, prob.v, prob.sinks),
-            FwdOutputs(np.empty(q.shape, np.float32), np.empty((1, 1, 128), np.float32)), plan)
-    assert launch.work_item_address(launch.fwd_work_item, args, core._signature(prob, plan)) == \
-        launch.work_item_address(launch.fwd_work_item, args)
 
 
 @pytest.mark.parametrize("units", [1, 2], ids=["one-item-on-the-calling-thread", "prange"])
@@ -367,5 +356,7 @@ def test_a_failing_work_item_raises_its_own_exception(units):
     assert bad.flags.c_contiguous and bad.strides[-1] != bad.itemsize
     ins = FwdInputs(prob.q, bad, prob.v, prob.sinks)
     outs = FwdOutputs(np.empty(good.shape, np.float32), np.empty((units, 1, 1), np.float32))
+    plan = make_plan(prob, backward=False)
+    launch.prepare_forward(ins, outs, plan)
     with single_threaded_blas(), pytest.raises(ValueError, match="matmul: operands need a unit inner stride"):
-        launch.run_forward(ins, outs, make_plan(prob, backward=False))
+        launch.forward_items(ins, outs, plan, np.arange(units, dtype=np.int64))

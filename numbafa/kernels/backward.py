@@ -17,18 +17,28 @@ here is a line number of that file in neuronx_cc 2.24.5133.0+58f8de22)::
 Shape of the code, as upstream splits ``flash_attn_bwd`` from
 ``_flash_attn_bwd_core``: the schedule is in one place, the math in another.
 
-* :func:`flash_attn_bwd` -- the launcher: a ``prange`` over the work items
-  (:mod:`.loops`), each :func:`bwd_work_item` called by address
-  (:mod:`numbafa.linking`), then per unit :func:`bwd_finish_unit`: the
-  fixed-order sum of split units' dK/dV partials and the sink gradients;
-* :func:`bwd_work_item` -- KV sections (dK/dV section accumulators summed
-  over every q-head of the GQA group) -> q-heads -> the item's Q groups;
-* :func:`bwd_q_group` -- one Q group of 4 x 128 rows: dQ zeroed on the
-  first section and reloaded from the output on later ones (the HBM round
-  trip), Q scaled at load, D on the first section only, then the K tiles;
-* :func:`_flash_attn_bwd_core` -- one (Q group, K tile) pair: tile
-  skipping, then per block :func:`recompute_p_ds` (Steps 2-4) and
-  :func:`update_gradients` (Steps 3.1, 5.1, 5.2).
+* the launcher (:func:`numbafa.kernels.launch.run_items`, upstream's SPMD
+  shards): a ``prange`` over the work items, each :func:`bwd_work_item` called
+  by address; then per unit :func:`bwd_finish_unit`: the fixed-order sum of
+  split units' dK/dV partials and the sink gradients;
+* :func:`bwd_work_item` -- the loop nest of upstream ``flash_attn_bwd``: the
+  item's units, KV sections (:func:`load_kv_section`; dK/dV section
+  accumulators summed over every q-head of the GQA group) -> q-heads -> the
+  item's Q groups of 4 x 128 rows, each loaded by :func:`load_q_group` (dQ
+  zeroed on the first section and reloaded from the output on later ones:
+  the HBM round trip; Q scaled at load; -LSE and D on the first section only)
+  and run by :func:`bwd_k_tiles`;
+* :func:`bwd_k_tiles` -- every K tile of the section against one Q group, each
+  (Q group, K tile) pair by :func:`_flash_attn_bwd_core`: tile skipping, then
+  per block :func:`recompute_p_ds` (Steps 2-4) and :func:`update_gradients`
+  (Steps 3.1, 5.1, 5.2).
+
+Compile units: :func:`bwd_work_item`, :func:`load_kv_section`,
+:func:`load_q_group` and :func:`compute_rowsum` read the input arrays, so they
+are compiled per input storage (float32, bf16 bits, float64); :func:`bwd_k_tiles`
+and everything it calls, the stores and :func:`bwd_finish_unit` take float32
+tiles (float64 for float64 inputs) and are compiled once for every input
+dtype, option and GEMM path (:mod:`numbafa.kernels.bundles`).
 
 CPU layout. The Neuron tensors are ``[d_head, seq]`` and stay so: K, V and
 dO are used in place (float32 inputs; bf16 bits are widened once per section
@@ -37,7 +47,7 @@ whichever operand it needs transposed. The dK and dV accumulators are
 ``[seq, d_head]`` (dK^T, dV^T), stored transposed into the outputs; dQ's is
 ``[d_head, rows]``, the output's layout. The score-shaped tiles of one block
 are kept as ``[keys, queries]`` (S^T, P^T, dP^T, dS^T), so every product is
-one call of the matmul seam (:func:`numbafa.kernels.matmul.matmul`) and no
+one call of the matmul seam (:func:`numbafa.kernels.matmul.gemm`) and no
 tile is transposed by copying:
 
 * ``S^T  = K^T Q_scaled``          ``dP^T = V^T dO``
@@ -47,7 +57,7 @@ tile is transposed by copying:
 
 Numerics (docs/numerics.md): all arithmetic is float32; the
 :class:`~numbafa.kernels.bundles.Precision` bundle says which written tiles
-are rounded to bf16. Products of bf16-valued float32 operands are exact, so
+are rounded, and to what (bf16 or fp16). Products of bf16-valued float32 operands are exact, so
 sgemm is "bf16 in, fp32 accumulate". The kernel writes float32 outputs whose
 values are already rounded to the output dtype; the API converts them.
 
@@ -59,21 +69,21 @@ from __future__ import annotations
 from collections import namedtuple
 
 import numpy as np
-from numba import prange
 
-from ..dtypes import as_operand, narrowed, round_inplace_if, widen
+from ..dtypes import ROUND_NONE, round_inplace, rounded, widen
 from ..jit import jit
-from ..linking import call_or_raise, call_status, pack, unpack
+from ..linking import _plugin_key, call_or_raise, pack, unpack
 from ..tiling import FLOAT32_MIN
-from .common import load_scaled, round_if, store, store_transposed
+from .common import load_scaled, store, store_transposed
 from .dropout import drop_probabilities, drop_scores
 from .fastexp import exp_of
-from .loops import group_rows, n_q_groups, owns_group, raise_failed
+from .loops import columns, group_rows, input_operand, n_q_groups, owns_group, tile_operand
 from .mask import cut_by_mask, queries_seeing_key, required_q_rows
-from .matmul import matmul
-from .scores import item_units, modify_scores_t, score_gradients, score_scratch_size
+from .matmul import any_layout, gemm
+from .scores import item_units, modify_scores_t, score_gradients
+from .table import plugin_address
 
-__all__ = ["flash_attn_bwd", "bwd_work_item", "bwd_finish_unit", "new_bwd_stats"]
+__all__ = ["bwd_work_item", "bwd_finish_unit", "new_bwd_stats", "BwdStats", "FinishArgs"]
 
 _F32_MIN = np.float32(FLOAT32_MIN)
 _ONE = np.float32(1.0)
@@ -87,22 +97,20 @@ Head = namedtuple("Head", ["batch", "q_head", "neg_lse", "d_sum"])
 #: Per-row statistics of every q-head, ``[n_units, n_rep, seqlen_q]`` float32: the -LSE bias
 #: and D, written on the first KV section by the item owning the rows.
 BwdStats = namedtuple("BwdStats", ["neg_lse", "d_sum"])
+#: What the unit finish reads (:func:`bwd_finish_unit`): the outputs, the statistics, the sinks
+#: (``[bs, nheads, num_sinks]``, accumulator dtype) and the plan -- no input array, so the finish
+#: is compiled once for every input dtype.
+FinishArgs = namedtuple("FinishArgs", ["outs", "stats", "sinks", "plan"])
 #: One loaded Q group: first row, rows, Q_scaled ``[d, rows]`` and dO ``[d, rows]`` (GEMM
 #: operands), the dQ accumulator ``[d, rows]``, the head's -LSE and D rows, batch and q-head.
 QGroup = namedtuple("QGroup", ["start", "rows", "q_s", "dy", "dq", "neg_lse", "d_sum", "batch", "q_head"])
 #: A block of a K tile: keys ``k0:k0+n_k`` (section-relative), Q rows ``r0:r1`` (group-relative).
 Block = namedtuple("Block", ["k0", "n_k", "r0", "r1"])
-#: Per-item scratch, sized for the largest tiles.
+#: Per-item scratch, sized for the largest tiles (``*_bits``: bf16 operand tiles, the bf16 path
+#: only; ``mult``: dropout multipliers; ``tanh``: the soft cap's tile; ``no_values`` / ``no_bits``:
+#: the empty members of operands).
 Scratch = namedtuple("Scratch", ["q_s", "dq", "s_t", "dp_t", "kd_psum", "dq_psum", "dk_acc", "dv_acc",
-                                 "q_op", "p_op", "ds_op", "mult", "tanh"])
-
-
-@jit()
-def load_neg_lse(lse_h, start, count, bf16_accumulators, neg_lse):
-    """The -LSE bias of rows ``start:start+count`` of one q-head, in mixed_dtype (upstream 1149-1160):
-    rounded to bf16 when mixed_dtype is (``bf16_accumulators``)."""
-    for i in range(start, start + count):
-        neg_lse[i] = round_if(-lse_h[i], bf16_accumulators)
+                                 "q_bits", "p_bits", "ds_bits", "mult", "tanh", "no_values", "no_bits"])
 
 
 @jit(apart=True)
@@ -116,21 +124,30 @@ def compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum, precision):
     """
     d_head = o_h.shape[0]
     round_kernel = precision.round_kernel
-    bf16_accumulators = precision.bf16_accumulators
+    round_acc = precision.round_acc
     total = np.zeros(count, dtype=d_sum.dtype)
     partial = np.empty(count, dtype=d_sum.dtype)
+    prod = np.empty(count, dtype=d_sum.dtype)
     for d0 in range(0, d_head, d_tile):
         partial[:] = _ZERO
         for i_d in range(d0, min(d0 + d_tile, d_head)):
             o_row = o_h[i_d]
             dy_row = dy_h[i_d]
+            if round_kernel == ROUND_NONE:   # float32: the product and the sum may fuse (FMA)
+                for i in range(count):
+                    partial[i] += widen(o_row[start + i]) * widen(dy_row[start + i])
+                continue
             for i in range(count):
-                prod = round_if(widen(o_row[start + i]) * widen(dy_row[start + i]), round_kernel)
-                partial[i] += prod
+                prod[i] = widen(o_row[start + i]) * widen(dy_row[start + i])
+            round_inplace(prod, round_kernel)
+            for i in range(count):
+                partial[i] += prod[i]
+        round_inplace(partial, round_acc)
         for i in range(count):
-            total[i] += round_if(partial[i], bf16_accumulators)
+            total[i] += partial[i]
+    round_inplace(total, round_acc)
     for i in range(count):
-        d_sum[start + i] = round_if(total[i], bf16_accumulators)
+        d_sum[start + i] = total[i]
 
 
 @jit()
@@ -146,13 +163,13 @@ def _softmax_backward_row(s, dp, neg_lse, d_sum, k_abs, key_lo, key_hi, use_pack
         if use_packing:
             x = _F32_MIN if (k_abs < key_lo[i]) | (k_abs >= key_hi[i]) else x
         s[i] = exp_of(x + neg_lse[i])
-    round_inplace_if(s, round_kernel)
+    round_inplace(s, round_kernel)
     for i in range(s.size):
         dp[i] = (dp[i] - d_sum[i]) * s[i]
-    round_inplace_if(dp, round_kernel)
+    round_inplace(dp, round_kernel)
 
 
-@jit()
+@jit(apart=True)
 def recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, qg, plan):
     """Steps 2.3, 2.4 and 4 on one ``[keys, queries]`` tile, in place.
 
@@ -191,8 +208,8 @@ def recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, qg, plan):
 
 
 @jit(contract=False)
-def accumulate(acc, psum, scale, bf16_accumulators):
-    """``acc = psum * scale + acc`` written in mixed_dtype.
+def accumulate(acc, psum, scale, round_acc):
+    """``acc = psum * scale + acc`` written in mixed_dtype (rounded to the format ``round_acc`` names).
 
     Upstream's ``scalar_tensor_tensor`` (lines 1558-1565): the product is an
     fp32 value, then the sum, then the one rounding to mixed_dtype -- two
@@ -207,15 +224,16 @@ def accumulate(acc, psum, scale, bf16_accumulators):
         p = psum[r]
         if scale == _ONE:
             for i in range(a.size):
-                a[i] = round_if(a[i] + p[i], bf16_accumulators)
+                a[i] = a[i] + p[i]
         else:
             for i in range(a.size):
-                a[i] = round_if(p[i] * scale + a[i], bf16_accumulators)
+                a[i] = p[i] * scale + a[i]
+        round_inplace(a, round_acc)
 
 
 @jit(apart=True)
 def recompute_p_ds(plan, sec, qg, blk, scratch):
-    """Steps 2-4 of one block: returns ``(P^T, dS^T)``, ``[keys, queries]`` GEMM operands in scratch.
+    """Steps 2-4 of one block: returns ``(P^T, dS^T)``, ``[keys, queries]`` GEMM operands.
 
     Step 2.1 ``S^T = K^T Q_s`` and Step 3.2 ``dP^T = V^T dO`` (fp32 PSUM),
     then :func:`recompute_softmax_backward` turns them into P^T and dS^T.
@@ -233,19 +251,30 @@ def recompute_p_ds(plan, sec, qg, blk, scratch):
     n_q = blk.r1 - blk.r0
     s_t = scratch.s_t[:blk.n_k * n_q].reshape(blk.n_k, n_q)
     dp_t = scratch.dp_t[:blk.n_k * n_q].reshape(blk.n_k, n_q)
-    keys = slice(blk.k0, blk.k0 + blk.n_k)
     k_abs0 = sec.start + blk.k0
     q_abs0 = qg.start + blk.r0
-    matmul(sec.k[:, keys], qg.q_s[:, blk.r0:blk.r1], s_t, True, False, _ONE, _ZERO, plan.gemm)
-    matmul(sec.v[:, keys], qg.dy[:, blk.r0:blk.r1], dp_t, True, False, _ONE, _ZERO, plan.gemm)
-    drop_scores(scratch.mult, dp_t, k_abs0, q_abs0, qg.q_head, qg.batch, plan.dropout)
-    modify_scores_t(s_t, scratch.tanh, k_abs0, q_abs0, qg.batch, qg.q_head, plan.scores)
+    k_cols = columns(sec.k, blk.k0, blk.k0 + blk.n_k)
+    gemm(k_cols, columns(qg.q_s, blk.r0, blk.r1), s_t, True, False, _ONE, _ZERO, plan.gemm)
+    gemm(columns(sec.v, blk.k0, blk.k0 + blk.n_k), columns(qg.dy, blk.r0, blk.r1), dp_t, True, False, _ONE, _ZERO,
+         plan.gemm)
+    if plan.dropout.active:
+        drop_args = (scratch.mult, dp_t, k_abs0, q_abs0, qg.q_head, qg.batch, plan.dropout)
+        call_or_raise(plugin_address(_plugin_key(drop_scores, drop_args)), (pack(drop_args), np.int64(0)))
+    if plan.scores.active:
+        score_args = (s_t, scratch.tanh, k_abs0, q_abs0, qg.batch, qg.q_head, plan.scores)
+        call_or_raise(plugin_address(_plugin_key(modify_scores_t, score_args)), (pack(score_args), np.int64(0)))
     recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, qg, plan)
-    score_gradients(dp_t, scratch.tanh, k_abs0, q_abs0, qg.batch, qg.q_head, plan.scores,
-                    plan.precision.round_kernel)
-    drop_probabilities(scratch.mult, s_t, plan.dropout, plan.precision.round_kernel)
-    # P and dS are bf16-valued here when the inputs are bf16: the oneDNN path takes their bits.
-    return narrowed(s_t, scratch.p_op, plan.operand), narrowed(dp_t, scratch.ds_op, plan.operand)
+    if plan.scores.active:
+        grad_args = (dp_t, scratch.tanh, k_abs0, q_abs0, qg.batch, qg.q_head, plan.scores,
+                     plan.precision.round_kernel)
+        call_or_raise(plugin_address(_plugin_key(score_gradients, grad_args)), (pack(grad_args), np.int64(0)))
+    if plan.dropout.active:
+        p_args = (scratch.mult, s_t, plan.precision.round_kernel)
+        call_or_raise(plugin_address(_plugin_key(drop_probabilities, p_args)), (pack(p_args), np.int64(0)))
+    # P and dS are bf16-valued here when the inputs are bf16: the bf16 path takes their bits.
+    bits = plan.gemm.bits
+    return (tile_operand(any_layout(s_t), scratch.p_bits, scratch.no_values, scratch.no_bits, bits),
+            tile_operand(any_layout(dp_t), scratch.ds_bits, scratch.no_values, scratch.no_bits, bits))
 
 
 @jit(apart=True)
@@ -258,34 +287,33 @@ def update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum, cut, scratch):
     into dQ's ``[d, rows]`` accumulator (both operands as they lie: the
     GEMMs measured fastest in this orientation, docs/performance.md).
     float32 inputs add the scaled product into dQ directly (``beta = 1``);
-    bf16 inputs (``round_kernel``) sum the blocks of the K tile into
+    bf16 and fp16 inputs (a rounded kernel_dtype) sum the blocks of the K tile into
     ``dq_psum`` (this block's columns of it), which
     :func:`_flash_attn_bwd_core` adds once. Steps 3.1 ``dV += P^T dO`` and
     5.2 ``dK += Q_s^T dS`` go into the section accumulators (GQA-reduced);
-    bf16 accumulators take their one rounded addition from a PSUM tile.
+    rounded accumulators take their one rounded addition from a PSUM tile.
     """
     prec = plan.precision
     keys = slice(blk.k0, blk.k0 + blk.n_k)
-    k_cols = sec.k[:, keys]
-    q_cols = qg.q_s[:, blk.r0:blk.r1]
-    dy_cols = qg.dy[:, blk.r0:blk.r1]
-    if prec.round_kernel:  # bf16 tiles keep dQ's PSUM apart (dQ is rounded between KV sections)
-        matmul(k_cols, ds_t, dq_psum, False, False, _ONE, _ONE if cut else _ZERO, plan.gemm)
+    k_cols = columns(sec.k, blk.k0, blk.k0 + blk.n_k)
+    q_cols = columns(qg.q_s, blk.r0, blk.r1)
+    dy_cols = columns(qg.dy, blk.r0, blk.r1)
+    if prec.round_kernel != ROUND_NONE:  # rounded tiles keep dQ's PSUM apart (dQ is rounded between sections)
+        gemm(k_cols, ds_t, dq_psum, False, False, _ONE, _ONE if cut else _ZERO, plan.gemm)
     else:
-        matmul(k_cols, ds_t, qg.dq[:, blk.r0:blk.r1], False, False, plan.softmax_scale, _ONE,
-               plan.gemm)
-    if prec.bf16_accumulators:
-        d_v = dy_cols.shape[0]
+        gemm(k_cols, ds_t, qg.dq[:, blk.r0:blk.r1], False, False, plan.softmax_scale, _ONE, plan.gemm)
+    d_v = sec.dv_acc.shape[1]
+    d_head = sec.dk_acc.shape[1]
+    if prec.round_acc != ROUND_NONE:
         dv_psum = scratch.kd_psum[:blk.n_k * d_v].reshape(blk.n_k, d_v)
-        matmul(p_t, dy_cols, dv_psum, False, True, _ONE, _ZERO, plan.gemm)
-        accumulate(sec.dv_acc[keys], dv_psum, _ONE, prec.bf16_accumulators)
-        d_head = k_cols.shape[0]
+        gemm(p_t, dy_cols, dv_psum, False, True, _ONE, _ZERO, plan.gemm)
+        accumulate(sec.dv_acc[keys], dv_psum, _ONE, prec.round_acc)
         dk_psum = scratch.kd_psum[:blk.n_k * d_head].reshape(blk.n_k, d_head)
-        matmul(ds_t, q_cols, dk_psum, False, True, _ONE, _ZERO, plan.gemm)
-        accumulate(sec.dk_acc[keys], dk_psum, _ONE, prec.bf16_accumulators)
+        gemm(ds_t, q_cols, dk_psum, False, True, _ONE, _ZERO, plan.gemm)
+        accumulate(sec.dk_acc[keys], dk_psum, _ONE, prec.round_acc)
     else:
-        matmul(p_t, dy_cols, sec.dv_acc[keys], False, True, _ONE, _ONE, plan.gemm)
-        matmul(ds_t, q_cols, sec.dk_acc[keys], False, True, _ONE, _ONE, plan.gemm)
+        gemm(p_t, dy_cols, sec.dv_acc[keys], False, True, _ONE, _ONE, plan.gemm)
+        gemm(ds_t, q_cols, sec.dk_acc[keys], False, True, _ONE, _ONE, plan.gemm)
 
 
 @jit(apart=True)
@@ -307,9 +335,10 @@ def _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch):
         return
     cut = cut_by_mask(mask, k_abs0 + n_k - 1, qg.start + t0)
     sub = min(tiling.k_sub_tile, n_k) if cut else n_k
-    d_head = qg.q_s.shape[0]
+    d_head = qg.dq.shape[0]
     dq_psum = scratch.dq_psum[:d_head * (t1 - t0)].reshape(d_head, t1 - t0)
-    if plan.precision.round_kernel and cut:  # bf16 tiles keep dQ's PSUM apart
+    rounded_tiles = plan.precision.round_kernel != ROUND_NONE
+    if rounded_tiles and cut:  # rounded tiles keep dQ's PSUM apart
         dq_psum[:] = _ZERO
     for kb0 in range(k_tile0, k_tile0 + n_k, sub):
         n_kb = min(sub, k_tile0 + n_k - kb0)
@@ -322,18 +351,26 @@ def _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch):
         blk = Block(kb0, n_kb, r0, r1)
         p_t, ds_t = recompute_p_ds(plan, sec, qg, blk, scratch)
         update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum[:, r0 - t0:r1 - t0], cut, scratch)
-    if plan.precision.round_kernel:  # bf16 tiles keep dQ's PSUM apart: dQ += PSUM * scale
-        accumulate(qg.dq[:, t0:t1], dq_psum, plan.softmax_scale, plan.precision.bf16_accumulators)
+    if rounded_tiles:  # dQ += PSUM * scale
+        accumulate(qg.dq[:, t0:t1], dq_psum, plan.softmax_scale, plan.precision.round_acc)
 
 
 @jit(apart=True)
-def bwd_q_group(ins, outs, plan, sec, head, i_group, scratch):
-    """One Q group of one q-head against one KV section (upstream 1184-1335).
+def bwd_k_tiles(plan, sec, qg, scratch):
+    """Every K tile of a KV section against one loaded Q group (upstream 1274-1325): each by
+    :func:`_flash_attn_bwd_core`. Compiled once for every input dtype (module docstring)."""
+    for k_tile0 in range(0, sec.length, plan.tiling.k_tile):
+        _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch)
+
+
+@jit(apart=True)
+def load_q_group(ins, outs, plan, sec, head, i_group, scratch):
+    """Load one Q group of one q-head for a KV section (upstream 1184-1270): its :data:`QGroup`.
 
     dQ is zeroed on the first section and reloaded from the output on later
-    ones (it round-trips through the output between sections); Q is scaled
-    at load; the -LSE bias and D are computed on the first section only; then every K tile of
-    the section runs :func:`_flash_attn_bwd_core`, and dQ is written back.
+    ones (it round-trips through the output between sections); Q is scaled at
+    load; the -LSE bias (in mixed_dtype, upstream 1149-1160) and D (Step 1,
+    :func:`compute_rowsum`) are computed on the first section only.
     """
     prec = plan.precision
     q_h = ins.q[head.batch, head.q_head]
@@ -342,35 +379,39 @@ def bwd_q_group(ins, outs, plan, sec, head, i_group, scratch):
     dq = scratch.dq[:, :rows]
     if sec.first:
         dq[:] = _ZERO
-    else:
-        load_scaled(dq_h, q_grp0, rows, dq, _ONE, False)
+    else:   # an exact copy
+        for i_d in range(dq.shape[0]):
+            dq_row = dq[i_d]
+            src = dq_h[i_d]
+            for i in range(rows):
+                dq_row[i] = src[q_grp0 + i]
     load_scaled(q_h, q_grp0, rows, scratch.q_s, plan.softmax_scale, prec.round_kernel)
-    q_op = narrowed(scratch.q_s[:, :rows], scratch.q_op, plan.operand)
+    q_op = tile_operand(any_layout(scratch.q_s[:, :rows]), scratch.q_bits, scratch.no_values, scratch.no_bits,
+                        plan.gemm.bits)
     dy_h = ins.dy[head.batch, head.q_head]
-    dy_n = as_operand(dy_h[:, q_grp0:q_grp0 + rows], plan.operand)
+    dy_op = input_operand(dy_h[:, q_grp0:q_grp0 + rows], plan, scratch.no_values, scratch.no_bits)
     if sec.first:
-        load_neg_lse(ins.lse[head.batch, head.q_head], q_grp0, rows, prec.bf16_accumulators, head.neg_lse)
-        compute_rowsum(ins.o[head.batch, head.q_head], dy_h, q_grp0, rows, plan.tiling.d_tile,
-                       head.d_sum, prec)
-    qg = QGroup(q_grp0, rows, q_op, dy_n, dq, head.neg_lse, head.d_sum, head.batch, head.q_head)
-    for k_tile0 in range(0, sec.length, plan.tiling.k_tile):
-        _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch)
-    store(dq, rows, dq_h, q_grp0, prec.round_kernel)
+        lse_h = ins.lse[head.batch, head.q_head]
+        for i in range(q_grp0, q_grp0 + rows):
+            head.neg_lse[i] = rounded(-lse_h[i], prec.round_acc)
+        compute_rowsum(ins.o[head.batch, head.q_head], dy_h, q_grp0, rows, plan.tiling.d_tile, head.d_sum, prec)
+    return QGroup(q_grp0, rows, q_op, dy_op, dq, head.neg_lse, head.d_sum, head.batch, head.q_head)
 
 
 @jit()
 def load_kv_section(ins, plan, batch, kv_head, i_section, scratch):
     """K and V of one section ``[d, keys]`` as GEMM operands (float32 inputs and bf16 bits on
-    the oneDNN path: views; bf16 on the BLAS path: widened), accumulators zeroed."""
+    the bf16 path: views; bf16 on a float32 path: widened), accumulators zeroed (upstream
+    1162-1178)."""
     seqlen_k = ins.k.shape[3]
     section_len = plan.tiling.section_len
     start = i_section * section_len
     length = max(0, min(section_len, seqlen_k - start))
-    k_n = as_operand(ins.k[batch, kv_head][:, start:start + length], plan.operand)
-    v_n = as_operand(ins.v[batch, kv_head][:, start:start + length], plan.operand)
+    k_op = input_operand(ins.k[batch, kv_head][:, start:start + length], plan, scratch.no_values, scratch.no_bits)
+    v_op = input_operand(ins.v[batch, kv_head][:, start:start + length], plan, scratch.no_values, scratch.no_bits)
     scratch.dk_acc[:] = _ZERO
     scratch.dv_acc[:] = _ZERO
-    return KVSection(start, length, i_section == 0, k_n, v_n, scratch.dk_acc, scratch.dv_acc)
+    return KVSection(start, length, i_section == 0, k_op, v_op, scratch.dk_acc, scratch.dv_acc)
 
 
 @jit(apart=True)
@@ -379,85 +420,85 @@ def store_kv_section(outs, plan, sec, unit, chunk, batch, kv_head):
 
     An unsplit unit rounds them to kernel_dtype into the outputs; a split
     unit's chunk 0 keeps its float32 partial in the (float32) outputs, the
-    other chunks in ``part_dk``/``part_dv``, summed by :func:`reduce_unit_partials`.
+    other chunks in ``part_dk``/``part_dv``, summed by :func:`bwd_finish_unit`.
     """
     if plan.tiling.q_chunks == 1:
         round_out = plan.precision.round_kernel
         store_transposed(sec.dk_acc, sec.length, outs.dk[batch, kv_head], sec.start, round_out)
         store_transposed(sec.dv_acc, sec.length, outs.dv[batch, kv_head], sec.start, round_out)
     elif chunk == 0:
-        store_transposed(sec.dk_acc, sec.length, outs.dk[batch, kv_head], sec.start, False)
-        store_transposed(sec.dv_acc, sec.length, outs.dv[batch, kv_head], sec.start, False)
+        store_transposed(sec.dk_acc, sec.length, outs.dk[batch, kv_head], sec.start, ROUND_NONE)
+        store_transposed(sec.dv_acc, sec.length, outs.dv[batch, kv_head], sec.start, ROUND_NONE)
     else:
-        store_transposed(sec.dk_acc, sec.length, outs.part_dk[unit, chunk - 1], sec.start, False)
-        store_transposed(sec.dv_acc, sec.length, outs.part_dv[unit, chunk - 1], sec.start, False)
+        store_transposed(sec.dk_acc, sec.length, outs.part_dk[unit, chunk - 1], sec.start, ROUND_NONE)
+        store_transposed(sec.dv_acc, sec.length, outs.part_dv[unit, chunk - 1], sec.start, ROUND_NONE)
 
 
 @jit()
 def make_scratch(d_head, d_v, seqlen_q, seqlen_k, plan):
     """Per-item scratch buffers (:data:`Scratch`), sized for the largest tiles (Q groups of at
-    most ``seqlen_q`` rows; head dims ``d_head`` of Q/K and ``d_v`` of V/dO); the bf16 operand copies (``q_op``, ``p_op``, ``ds_op``) only on the
-    oneDNN path, the dropout multipliers (``mult``) only with dropout, the soft cap's tanh tile
-    (``tanh``) only with a soft cap."""
+    most ``seqlen_q`` rows; head dims ``d_head`` of Q/K and ``d_v`` of V/dO); the bf16 operand
+    copies (``q_bits``, ``p_bits``, ``ds_bits``) only on the bf16 path, the dropout multipliers
+    (``mult``) only with dropout, the soft cap's tanh tile (``tanh``) only with a soft cap."""
     tiling = plan.tiling
     q_rows = max(1, min(tiling.q_tile * tiling.q_tile_group, seqlen_q))
     sec_cap = min(tiling.section_len, seqlen_k)
-    bits = 1 if plan.operand.itemsize == 2 else 0
-    drop = 0 if plan.dropout is None else 1
+    tile = tiling.k_tile * q_rows
+    bits = tile if plan.gemm.bits else 0
+    drop = tile if plan.dropout.active else 0
+    cap = tile if plan.scores.active and plan.scores.softcap > 0 else 0
     acc = plan.acc.dtype
     return Scratch(np.empty((d_head, q_rows), dtype=acc),
                    np.empty((d_head, q_rows), dtype=acc),
-                   np.empty(tiling.k_tile * q_rows, dtype=acc),
-                   np.empty(tiling.k_tile * q_rows, dtype=acc),
+                   np.empty(tile, dtype=acc),
+                   np.empty(tile, dtype=acc),
                    np.empty(tiling.k_tile * max(d_head, d_v), dtype=acc),
                    np.empty(q_rows * d_head, dtype=acc),
                    np.empty((sec_cap, d_head), dtype=acc),
                    np.empty((sec_cap, d_v), dtype=acc),
-                   np.empty(bits * d_head * q_rows, dtype=np.uint16),
-                   np.empty(bits * tiling.k_tile * q_rows, dtype=np.uint16),
-                   np.empty(bits * tiling.k_tile * q_rows, dtype=np.uint16),
-                   np.empty(drop * tiling.k_tile * q_rows, dtype=acc),
-                   np.empty(score_scratch_size(plan.scores, tiling.k_tile * q_rows), dtype=acc))
+                   np.empty(d_head * q_rows if plan.gemm.bits else 0, dtype=np.uint16),
+                   np.empty(bits, dtype=np.uint16),
+                   np.empty(bits, dtype=np.uint16),
+                   np.empty(drop, dtype=acc),
+                   np.empty(cap, dtype=acc),
+                   np.empty((0, 0), dtype=acc),
+                   np.empty((0, 0), dtype=np.uint16))
 
 
 @jit()
 def bwd_work_item(args, item):
-    """The loop nest of one work item: its units (:func:`~numbafa.kernels.scores.item_units`: one,
-    unless a shared bias's gradient makes several serial), each :func:`bwd_unit`.
+    """The loop nest of one work item (upstream 1143-1353): its units
+    (:func:`~numbafa.kernels.scores.item_units`: one, unless a shared bias's gradient makes
+    several serial), each: KV sections -> q-heads -> the item's Q groups.
 
     ``args`` points to the launcher's ``(ins, outs, stats, plan)`` (:func:`numbafa.linking.pack`);
     ``stats`` (:data:`BwdStats`) is filled in on the first section by whichever item owns the rows.
     """
     ins, outs, stats, plan = unpack(args)
-    d_head, seqlen_q = ins.q.shape[2], ins.q.shape[3]
-    nheads_kv, seqlen_k = ins.k.shape[1], ins.k.shape[3]
-    b0, b1, h0, h1, chunk = item_units(item, plan.tiling.q_chunks, ins.q.shape[0], nheads_kv, plan.scores)
-    scratch = make_scratch(d_head, ins.v.shape[2], seqlen_q, seqlen_k, plan)
-    for batch in range(b0, b1):
-        for kv_head in range(h0, h1):
-            bwd_unit(ins, outs, stats, plan, batch, kv_head, chunk, scratch)
-
-
-@jit()
-def bwd_unit(ins, outs, stats, plan, batch, kv_head, chunk, scratch):
-    """One work unit's share ``chunk``: KV sections -> q-heads -> owned Q groups (upstream 1143-1353)."""
     tiling = plan.tiling
-    nheads, seqlen_q = ins.q.shape[1], ins.q.shape[3]
+    nheads, d_head, seqlen_q = ins.q.shape[1], ins.q.shape[2], ins.q.shape[3]
     nheads_kv, seqlen_k = ins.k.shape[1], ins.k.shape[3]
     n_rep = nheads // nheads_kv
-    unit = batch * nheads_kv + kv_head
+    b0, b1, h0, h1, chunk = item_units(item, tiling.q_chunks, ins.q.shape[0], nheads_kv, plan.scores)
+    scratch = make_scratch(d_head, ins.v.shape[2], seqlen_q, seqlen_k, plan)
     n_groups = n_q_groups(seqlen_q, tiling)
     # A zero-length key sequence still runs one (empty) section, so that D,
     # dQ = 0 and dsinks come from the same code path.
     n_sections = max(1, (seqlen_k + tiling.section_len - 1) // tiling.section_len)
-    for i_section in range(n_sections):
-        sec = load_kv_section(ins, plan, batch, kv_head, i_section, scratch)
-        for r in range(n_rep):
-            head = Head(batch, kv_head * n_rep + r, stats.neg_lse[unit, r], stats.d_sum[unit, r])
-            for i_group in range(n_groups):
-                if owns_group(i_group, n_groups, chunk, tiling.q_chunks):
-                    bwd_q_group(ins, outs, plan, sec, head, i_group, scratch)
-        store_kv_section(outs, plan, sec, unit, chunk, batch, kv_head)
+    for batch in range(b0, b1):
+        for kv_head in range(h0, h1):
+            unit = batch * nheads_kv + kv_head
+            for i_section in range(n_sections):
+                sec = load_kv_section(ins, plan, batch, kv_head, i_section, scratch)
+                for r in range(n_rep):
+                    head = Head(batch, kv_head * n_rep + r, stats.neg_lse[unit, r], stats.d_sum[unit, r])
+                    for i_group in range(n_groups):
+                        if owns_group(i_group, n_groups, chunk, tiling.q_chunks):
+                            qg = load_q_group(ins, outs, plan, sec, head, i_group, scratch)
+                            bwd_k_tiles(plan, sec, qg, scratch)
+                            store(qg.dq, qg.rows, outs.dq[batch, head.q_head], qg.start,
+                                  plan.precision.round_kernel)
+                store_kv_section(outs, plan, sec, unit, chunk, batch, kv_head)
 
 
 @jit()
@@ -469,18 +510,18 @@ def _reduce_partials(out, parts, round_out):
             acc = out[x, j]
             for c in range(parts.shape[0]):
                 acc += parts[c, x, j]
-            out[x, j] = round_if(acc, round_out)
+            out[x, j] = rounded(acc, round_out)
 
 
 @jit()
-def _sink_probability(sink, neg_lse, bf16_accumulators):
+def _sink_probability(sink, neg_lse, round_acc):
     """``p_sink = exp(sink + (-LSE))`` in mixed_dtype, with the kernel's one ``expf`` (compiled
     with the package's flags, as for P, not inside :func:`compute_dsinks`' exact arithmetic)."""
-    return round_if(exp_of(sink + neg_lse), bf16_accumulators)
+    return rounded(exp_of(sink + neg_lse), round_acc)
 
 
-@jit(contract=False)
-def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, bf16_accumulators):
+@jit(contract=False, apart=True)
+def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, round_acc):
     """``dsinks = -sum_q p_sink * D`` for one q-head (upstream 1355-1405), in mixed_dtype.
 
     The sink logits are loaded into a mixed_dtype tile (upstream 1361-1372);
@@ -495,16 +536,16 @@ def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, bf16_accumulators):
     out = np.zeros(sinks_h.size, dtype=neg_lse.dtype)
     acc = np.empty(q_tile, dtype=neg_lse.dtype)
     for i_sink in range(sinks_h.size):
-        sink = round_if(sinks_h[i_sink], bf16_accumulators)
+        sink = rounded(sinks_h[i_sink], round_acc)
         acc[:] = _ZERO
         for q0 in range(0, seqlen_q, q_tile):
             for p in range(min(q_tile, seqlen_q - q0)):
-                p_sink = _sink_probability(sink, neg_lse[q0 + p], bf16_accumulators)
-                acc[p] = round_if(acc[p] - p_sink * d_sum[q0 + p], bf16_accumulators)
+                p_sink = _sink_probability(sink, neg_lse[q0 + p], round_acc)
+                acc[p] = rounded(acc[p] - p_sink * d_sum[q0 + p], round_acc)
         total = _ZERO
         for p in range(q_tile):
             total += acc[p]
-        out[i_sink] = round_if(total, bf16_accumulators)
+        out[i_sink] = rounded(total, round_acc)
     return out
 
 
@@ -512,12 +553,12 @@ def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, bf16_accumulators):
 def bwd_finish_unit(args, unit):
     """After every item: a split unit's dK/dV, then the unit's dsinks (upstream 1355-1405).
 
-    ``args`` as for :func:`bwd_work_item`. A split unit's chunk 0 left its float32 partial in
+    ``args`` points to a :data:`FinishArgs`. A split unit's chunk 0 left its float32 partial in
     the outputs; the other chunks' partials are added in chunk order, then rounded once.
     dsinks needs D and the -LSE bias of every row, so it waits for all items.
     """
-    ins, outs, stats, plan = unpack(args)
-    nheads_kv = ins.k.shape[1]
+    outs, stats, sinks, plan = unpack(args)
+    nheads_kv = outs.dk.shape[1]
     batch = unit // nheads_kv
     kv_head = unit % nheads_kv
     prec = plan.precision
@@ -527,65 +568,12 @@ def bwd_finish_unit(args, unit):
     n_rep = stats.neg_lse.shape[1]
     for r in range(n_rep):
         h = kv_head * n_rep + r
-        dsinks = compute_dsinks(ins.sinks[batch, h], stats.neg_lse[unit, r], stats.d_sum[unit, r],
-                                plan.tiling.q_tile, prec.bf16_accumulators)
+        dsinks = compute_dsinks(sinks[batch, h], stats.neg_lse[unit, r], stats.d_sum[unit, r],
+                                plan.tiling.q_tile, prec.round_acc)
         # Element by element: an array-to-slice assignment would make Numba
         # compile its shape-formatting error path (~4 s of cold compile).
         for i_sink in range(dsinks.size):
             outs.dsinks[batch, h, i_sink] = dsinks[i_sink]
-
-
-@jit(parallel=True, entry=True)
-def flash_attn_bwd(ins, outs, stats, plan, entries, items, units):
-    """Flash-attention backward: the launcher (upstream ``flash_attn_bwd``'s SPMD shards).
-
-    A ``prange`` over the work ``items`` runs :func:`bwd_work_item` for each, on
-    ``numba.get_num_threads()`` threads; then, in order, :func:`bwd_finish_unit` runs for each
-    of the ``units`` (a split unit's dK/dV partials, the sink gradients: O(seqlen) work). Both are called by address
-    (:func:`numbafa.linking.call_status`): they are compiled once, apart, and this loop is
-    all that Numba's parallel backend compiles. Items write disjoint outputs, and every
-    cross-item sum is the later, fixed-order ``units`` pass, so the bits never depend on the
-    thread count or the schedule. :mod:`numbafa.kernels.launch` builds the arguments.
-
-    Parameters
-    ----------
-    ins : :data:`~numbafa.kernels.bundles.BwdInputs`
-        ``q``: float32 or uint16 (bf16 bits) ``[bs, nheads, d_head, seqlen_q]``;
-        ``o, dy``: same dtype ``[bs, nheads, d_head_v, seqlen_q]``;
-        ``k``: same dtype ``[bs, nheads_kv, d_head, seqlen_k]``;
-        ``v``: same dtype ``[bs, nheads_kv, d_head_v, seqlen_k]``;
-        ``lse``: float32 ``[bs, nheads, seqlen_q]`` (natural layout);
-        ``sinks``: float32 ``[bs, nheads, num_sinks]`` (``num_sinks`` may be 0).
-    outs : :data:`~numbafa.kernels.bundles.BwdOutputs`
-        ``dq`` float32 ``[bs, nheads, d_head, seqlen_q]``; ``dk`` (``dv``) float32
-        ``[bs, nheads_kv, d_head (d_head_v), seqlen_k]``; ``dsinks`` float32 ``[bs,
-        nheads, num_sinks]``, all written in full; ``part_dk`` (``part_dv``)
-        float32 ``[bs * nheads_kv, q_chunks - 1, d_head (d_head_v), seqlen_k]``, scratch
-        for the partials of chunks 1.. of split units (used when
-        ``plan.tiling.q_chunks > 1``, which ``plan.precision.bf16_accumulators``
-        excludes: bf16 accumulators cannot be split without changing their
-        rounding).
-    stats : :data:`BwdStats`, filled in by the items.
-    plan : :data:`~numbafa.kernels.bundles.Plan`
-    entries : :data:`~numbafa.kernels.bundles.BwdEntries`
-        Addresses of :func:`bwd_work_item` and :func:`bwd_finish_unit`, compiled for a pointer
-        to exactly the type of ``(ins, outs, stats, plan)``, and an int64.
-    items, units : int64 1-D arrays
-        The work items to run (``unit * q_chunks + chunk``) and the units to finish.
-    """
-    args = pack((ins, outs, stats, plan))
-    status = np.zeros(items.size, dtype=np.int32)
-    if items.size == 1:
-        # One item (one unit, unsplit: batch 1 and one KV head) runs on the calling thread: a
-        # parallel region would only wake the threading layer's workers (~30 us under omp after
-        # Python work; ~0.8 ms under workqueue) for nothing to share.
-        status[0] = call_status(entries.item, (args, items[0]))
-    else:
-        for i in prange(items.size):
-            status[i] = call_status(entries.item, (args, items[i]))
-    raise_failed(entries.item, args, items, status)
-    for i in range(units.size):  # O(seqlen) per unit: not worth a second parallel region
-        call_or_raise(entries.finish, (args, units[i]))
 
 
 def new_bwd_stats(ins):

@@ -2,8 +2,8 @@
 
 Numba compiles named tuples as typed records, so the kernels take a few
 bundles instead of dozens of loose, same-typed positional arguments (two
-swapped ints cannot compile into a wrong call any more), and every derived
-value is decided once, here, from the validated problem:
+swapped ints cannot compile into a wrong call), and every derived value is
+decided once, here, from the validated problem. Records are built by name.
 
 :class:`Tiling`
     The Neuron tile sizes of the call (:func:`numbafa.tiling.setup_config`)
@@ -12,16 +12,25 @@ value is decided once, here, from the validated problem:
     Causal, window, packing, and every query's visible key range
     (:mod:`numbafa.kernels.mask`).
 :class:`Precision`
-    Which tiles are rounded to bf16 (docs/numerics.md).
+    Which tiles are rounded, and to what (docs/numerics.md).
+:class:`Gemm`
+    How the tile products are computed (:mod:`numbafa.onednn`).
 :class:`Plan`
-    The three above, ``softmax_scale``, the GEMM path and its operand type
-    (:mod:`numbafa.onednn`) and the attention dropout
-    (:data:`numbafa.kernels.dropout.Dropout`): everything but the arrays. Like upstream's
-    ``cfg``, it travels through every helper.
+    The above, ``softmax_scale``, the attention dropout
+    (:data:`numbafa.kernels.dropout.Dropout`) and the score variants
+    (:data:`numbafa.kernels.scores.ScoreMods`): everything but the arrays. Like
+    upstream's ``cfg``, it travels through every helper.
+
+Every option is a *value* of a fixed type: the rounding format, the GEMM path,
+dropout and the score variants switch code at run time (a branch per row or
+tile), so one compiled kernel serves float32, bf16 and float16 inputs, with
+or without dropout or score variants, on either GEMM path; only float64
+inputs (float64 arithmetic) and the input arrays' storage (float32, bf16
+bits, float64) are compiled apart.
 
 ``FwdInputs``/``FwdOutputs`` and ``BwdInputs``/``BwdOutputs`` carry the
-arrays (bf16 inputs as their uint16 bit patterns; outputs float32 holding
-values of the output dtype).
+arrays (bf16 inputs as their uint16 bit patterns; outputs in the accumulator
+dtype holding values of the output dtype).
 """
 
 from __future__ import annotations
@@ -30,18 +39,17 @@ from collections import namedtuple
 
 import numpy as np
 
-from ..dtypes import accumulator_dtype
+from ..dtypes import ROUND_BF16, ROUND_FP16, ROUND_NONE, accumulator_dtype
 from ..memo import Memo
 from ..onednn import active_gemm_path, bf16_units
 from ..schedule import q_chunks
 from ..tiling import setup_config
 from .dropout import make_dropout
 from .mask import fill_key_ranges
-from .matmul import ONEDNN
 from .scores import make_scores
 
-__all__ = ["Tiling", "Mask", "Precision", "Plan", "FwdInputs", "FwdOutputs", "BwdInputs",
-           "BwdOutputs", "BwdEntries", "make_plan", "shared_plan"]
+__all__ = ["Tiling", "Mask", "Precision", "Gemm", "Plan", "FwdInputs", "FwdOutputs", "BwdInputs",
+           "BwdOutputs", "make_plan", "shared_plan"]
 
 Tiling = namedtuple("Tiling", ["q_tile", "k_tile", "k_sub_tile", "q_tile_group", "d_tile",
                                "section_len", "q_chunks"])
@@ -52,37 +60,35 @@ Mask = namedtuple("Mask", ["causal", "window", "use_packing", "key_lo", "key_hi"
 Mask.__doc__ = """causal (bool), window (int, already <= seqlen_k; 0: none), use_packing (bool),
 key_lo/key_hi (int32 [seqlen_q]): query q sees keys key_lo[q] <= k < key_hi[q]."""
 
-Precision = namedtuple("Precision", ["round_kernel", "bf16_accumulators"])
-Precision.__doc__ = """round_kernel: tiles written in kernel_dtype are rounded to it (bf16 or fp16 inputs).
-bf16_accumulators: mixed_dtype is kernel_dtype (bf16 or fp16 inputs, mixed_precision=False), so
-tiles written in mixed_dtype are rounded too: the accumulators (dQ/dK/dV, each taking one rounded
-addition from a PSUM tile; the forward's output and row sum; the dsinks lanes) and the other
-mixed_dtype tiles (-LSE, D and its partials, the sink logits and p_sink). The flags' *type* names
-the format (numbafa.dtypes.round_to_kernel_dtype): bool for bf16 (and float32/float64 inputs, both
-False), numpy.uint8 for fp16 -- so fp16 kernels are a compiled specialisation of their own and the
-bf16 ones are unchanged."""
+Precision = namedtuple("Precision", ["round_kernel", "round_acc"])
+Precision.__doc__ = """Rounding codes (ints, numbafa.dtypes: ROUND_NONE, ROUND_BF16, ROUND_FP16).
+round_kernel: the format of the tiles written in kernel_dtype (bf16 or fp16 inputs: Q scaled, P,
+dS, the products of D, the outputs; dQ's PSUM is then kept as a tile, added once per K tile).
+round_acc: the format of the tiles written in mixed_dtype, which is kernel_dtype with bf16 or fp16
+inputs and mixed_precision=False: the accumulators (dQ/dK/dV, each taking one rounded addition
+from a PSUM tile; the forward's output and row sum; the dsinks lanes) and the other mixed_dtype
+tiles (-LSE, D and its partials, the sink logits and p_sink). ROUND_NONE otherwise."""
 
-Plan = namedtuple("Plan", ["tiling", "mask", "precision", "softmax_scale", "gemm", "operand",
-                           "dropout", "acc", "scores"])
-Plan.__doc__ = """Everything a kernel needs but the arrays; softmax_scale is of the accumulator dtype
-(float32, or float64 for float64 inputs). gemm: the
-GEMM path (numbafa.onednn), None for BLAS or numbafa.kernels.matmul.ONEDNN, a type of its own, so
-each path is a compiled specialisation. operand: an empty array whose dtype is that of the GEMM
-operand tiles: float32 (float32 inputs; bf16 values widened on the BLAS path), uint16 (bf16
-bits, oneDNN on the bf16 units) or float64 (float64 inputs, BLAS dgemm on either path).
-dropout: numbafa.kernels.dropout.Dropout, or None for p = 0 (a type of its own: kernels without
-dropout compile no dropout code). acc: an empty array of the accumulator dtype, which every
-scratch tile, statistic and float output of the kernels has: float32, or float64 for float64
-inputs (np.empty(n, dtype=plan.acc.dtype) inside the kernels). scores: the score variants
-(numbafa.kernels.scores.ScoreMods: bias, ALiBi, soft cap, and the bias's gradient, the one
-output a plan carries), or None without them (a type of its own, as dropout's)."""
+Gemm = namedtuple("Gemm", ["onednn", "bits"])
+Gemm.__doc__ = """The GEMM path of a call (bools): onednn, oneDNN's GEMMs instead of BLAS (float32
+tiles by dnnl_sgemm); bits, bf16 inputs multiplied as bf16 on the bf16 units
+(dnnl_gemm_bf16bf16f32): the operand tiles are their uint16 bits (numbafa.kernels.matmul)."""
 
-#: Addresses of the backward's work item and unit finish (:func:`numbafa.linking.native_address`).
-BwdEntries = namedtuple("BwdEntries", ["item", "finish"])
+Plan = namedtuple("Plan", ["tiling", "mask", "precision", "softmax_scale", "gemm", "dropout", "acc", "scores"])
+Plan.__doc__ = """Everything a kernel needs but the arrays; softmax_scale is of the accumulator
+dtype (float32, or float64 for float64 inputs). gemm: :class:`Gemm`. dropout:
+numbafa.kernels.dropout.Dropout (``active`` False: none). acc: an empty array of the accumulator
+dtype, which every scratch tile, statistic and float output of the kernels has: float32, or
+float64 for float64 inputs (np.empty(n, dtype=plan.acc.dtype) inside the kernels). scores: the
+score variants (numbafa.kernels.scores.ScoreMods: bias, ALiBi, soft cap, and the bias's gradient,
+the one output a plan carries; ``active`` False: none)."""
+
 FwdInputs = namedtuple("FwdInputs", ["q", "k", "v", "sinks"])
 FwdOutputs = namedtuple("FwdOutputs", ["o", "lse"])
 BwdInputs = namedtuple("BwdInputs", ["q", "k", "v", "o", "dy", "lse", "sinks"])
 BwdOutputs = namedtuple("BwdOutputs", ["dq", "dk", "dv", "dsinks", "part_dk", "part_dv"])
+
+_FORMAT = {"bf16": ROUND_BF16, "fp16": ROUND_FP16}
 
 
 def make_plan(prob, backward: bool, gemm_path: str | None = None) -> Plan:
@@ -101,30 +107,27 @@ def make_plan(prob, backward: bool, gemm_path: str | None = None) -> Plan:
                          f"seqlen_k={seqlen_k}")
     # Zero-length sequences run the same kernels with empty loops.
     cfg = setup_config(max(seqlen_q, 1), max(seqlen_k, 1), d_head, prob.v.shape[2])
-    # The flags' type names the kernel dtype they round to: bool for bf16, uint8 for fp16 (Precision).
-    flag = np.uint8 if prob.is_fp16 else bool
-    narrow = bool(prob.is_bf16 or prob.is_fp16)
-    round_kernel = flag(narrow)
-    bf16_accumulators = flag(narrow and not prob.mixed_precision)
+    fmt = _FORMAT["fp16"] if prob.is_fp16 else _FORMAT["bf16"] if prob.is_bf16 else ROUND_NONE
+    round_acc = ROUND_NONE if prob.mixed_precision else fmt
     acc = accumulator_dtype(prob.dtype)
     # A bias's gradient is summed by whole units, in one order (numbafa.kernels.scores): no split.
     chunks = 1 if prob.return_dbias else q_chunks(bs * nheads_kv, seqlen_q,
-                                                  bool(bf16_accumulators) if backward else False)
-    tiling = Tiling(cfg.q_tile, cfg.k_tile, cfg.k_sub_tile, cfg.q_tile_group, cfg.d_tile,
-                    cfg.section_len, chunks)
+                                                  bool(round_acc) if backward else False)
+    tiling = Tiling(q_tile=cfg.q_tile, k_tile=cfg.k_tile, k_sub_tile=cfg.k_sub_tile, q_tile_group=cfg.q_tile_group,
+                    d_tile=cfg.d_tile, section_len=cfg.section_len, q_chunks=chunks)
     key_lo = np.empty(seqlen_q, dtype=np.int32)
     key_hi = np.empty(seqlen_q, dtype=np.int32)
     fill_key_ranges(prob.use_causal_mask, prob.window, prob.use_packing, prob.bound_min,
                     prob.bound_max, seqlen_k, key_lo, key_hi)
-    mask = Mask(bool(prob.use_causal_mask), int(prob.window), bool(prob.use_packing), key_lo, key_hi)
-    precision = Precision(round_kernel, bf16_accumulators)
+    mask = Mask(causal=bool(prob.use_causal_mask), window=int(prob.window), use_packing=bool(prob.use_packing),
+                key_lo=key_lo, key_hi=key_hi)
     onednn = gemm_path == "onednn"
     # bf16 tiles on the bf16 units; without them (a forced oneDNN path) bf16 is widened to float32
-    operand = np.empty(0, dtype=np.uint16 if prob.is_bf16 and onednn and bf16_units() else acc)
-    dropout = make_dropout(prob.dropout_p, prob.seed, prob.seed_offset, acc)
-    return Plan(tiling, mask, precision, acc.type(prob.softmax_scale), ONEDNN if onednn else None,
-                operand, dropout, np.empty(0, dtype=acc), make_scores(prob, acc))
-
+    gemm = Gemm(onednn=onednn, bits=bool(prob.is_bf16 and onednn and bf16_units()))
+    return Plan(tiling=tiling, mask=mask, precision=Precision(round_kernel=fmt, round_acc=round_acc),
+                softmax_scale=acc.type(prob.softmax_scale), gemm=gemm,
+                dropout=make_dropout(prob.dropout_p, prob.seed, prob.seed_offset, acc),
+                acc=np.empty(0, dtype=acc), scores=make_scores(prob, acc))
 
 
 _PLANS = Memo()
@@ -152,7 +155,7 @@ def shared_plan(prob, backward: bool) -> Plan:
     if plan is None:
         plan = make_plan(prob, backward, path)
         # Kept without the call's score arrays (a bias and its gradient may be large).
-        _PLANS.put(key, plan._replace(scores=None) if prob.has_score_mods else plan)
+        _PLANS.put(key, plan._replace(scores=make_scores(None, plan.acc.dtype)) if prob.has_score_mods else plan)
         return plan
     if prob.dropout_p > 0.0:
         plan = plan._replace(dropout=make_dropout(prob.dropout_p, prob.seed, prob.seed_offset, plan.acc.dtype))

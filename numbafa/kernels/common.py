@@ -12,19 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..dtypes import ROUND_NONE, round_inplace, widen
 from ..jit import jit
-from ..dtypes import round_to_kernel_dtype, widen
 
-__all__ = ["round_if", "load_scaled", "store", "store_transposed"]
-
-
-@jit()
-def round_if(x, flag):
-    """Round a float32 to the kernel dtype when ``flag`` (a tile written in bf16 or fp16: the flag's
-    type says which, :func:`numbafa.dtypes.round_to_kernel_dtype`)."""
-    if flag:
-        return round_to_kernel_dtype(x, flag)
-    return x
+__all__ = ["load_scaled", "store", "store_transposed"]
 
 
 # A transposed *store* goes in square blocks of 16 x 16: the block's 16 rows
@@ -39,35 +30,33 @@ def round_if(x, flag):
 _TRANSPOSE_BLOCK = 16
 
 
-@jit()
-def _loaded(x, scale, round_kernel):
-    """One element as loaded: widened to float32, then, if ``scale != 1``, scaled and rounded."""
-    y = widen(x)
-    if scale != np.float32(1.0):
-        y = round_if(y * scale, round_kernel)
-    return y
-
-
-@jit()
+@jit(apart=True)
 def load_scaled(src, start, count, out, scale, round_kernel):
     """Load ``src[:, start:start+count]`` (``[d, seq]``) into ``out[:, :count]``, same layout.
 
     Elements are widened to float32 (bf16 bit patterns included), multiplied
-    by ``scale`` and, for ``round_kernel``, rounded to bf16 -- ``load_q_dy``'s
-    "scale folded into Q at load" when ``scale != 1`` (``scale == 1``: an
-    exact copy, never rounded).
+    by ``scale`` and rounded to the format ``round_kernel`` names
+    (:func:`numbafa.dtypes.rounded`) -- ``load_q_dy``'s "scale folded into Q at
+    load" when ``scale != 1`` (``scale == 1``: an exact copy, never rounded).
     """
     d_head = src.shape[0]
+    copy = scale == 1.0
     for i_d in range(d_head):
         row = src[i_d]
         dst = out[i_d]
-        for i in range(count):
-            dst[i] = _loaded(row[start + i], scale, round_kernel)
+        if copy:
+            for i in range(count):
+                dst[i] = widen(row[start + i])
+        else:
+            for i in range(count):
+                dst[i] = widen(row[start + i]) * scale
+            round_inplace(dst[:count], round_kernel)
 
 
 @jit(apart=True)
 def store_transposed(src, count, dst, start, round_out):
-    """Store ``src[:count]`` (``[seq, d]``) into ``dst[:, start:start+count]`` (``[d, seq]``)."""
+    """Store ``src[:count]`` (``[seq, d]``) into ``dst[:, start:start+count]`` (``[d, seq]``),
+    rounded to the format ``round_out`` names."""
     d_head = dst.shape[0]
     b = _TRANSPOSE_BLOCK
     full_rows = count - count % b
@@ -76,21 +65,25 @@ def store_transposed(src, count, dst, start, round_out):
         for j0 in range(0, full_cols, b):
             for j in range(j0, j0 + b):
                 for i in range(i0, i0 + b):
-                    dst[j, start + i] = round_if(src[i, j], round_out)
+                    dst[j, start + i] = src[i, j]
         for j in range(full_cols, d_head):
             for i in range(i0, i0 + b):
-                dst[j, start + i] = round_if(src[i, j], round_out)
+                dst[j, start + i] = src[i, j]
     for i in range(full_rows, count):
         for j in range(d_head):
-            dst[j, start + i] = round_if(src[i, j], round_out)
+            dst[j, start + i] = src[i, j]
+    if round_out != ROUND_NONE:
+        for j in range(d_head):
+            round_inplace(dst[j, start:start + count], round_out)
 
 
-@jit()
+@jit(apart=True)
 def store(src, count, dst, start, round_out):
     """Store ``src[:, :count]`` into ``dst[:, start:start+count]`` (both ``[d, seq]``), rounded to
-    bf16 when ``round_out``."""
+    the format ``round_out`` names."""
     for j in range(dst.shape[0]):
         s_row = src[j]
         d_row = dst[j]
         for i in range(count):
-            d_row[start + i] = round_if(s_row[i], round_out)
+            d_row[start + i] = s_row[i]
+        round_inplace(d_row[start:start + count], round_out)

@@ -46,19 +46,19 @@ from collections import namedtuple
 
 import numpy as np
 
-from ..dtypes import round_inplace_if
+from ..dtypes import round_inplace
 from ..jit import jit
+from ..linking import unpack
 
 __all__ = ["Dropout", "make_dropout", "with_origin", "derive_key", "philox4x32_10", "philox_words",
-           "fill_multipliers", "drop_rows", "apply_multipliers", "drop_scores", "drop_probabilities",
-           "drop_forward"]
+           "fill_multipliers", "drop_rows", "drop_scores", "drop_probabilities", "drop_tile", "dropout_plugins"]
 
-#: Dropout of one call: ``threshold`` (int, keep iff word >= it), ``scale`` (float32,
-#: 1 / (1 - p)), ``key0``/``key1`` (ints < 2**32, the call key), ``batch0``/``head0`` (ints:
-#: the absolute batch and q-head of the arrays' batch 0 and head 0, which the counter adds to
-#: the kernels' array indices; 0 in the single-process call, a share's origin in
-#: :mod:`numbafa.shards`). A call without dropout has ``None`` instead (:func:`make_dropout`).
-Dropout = namedtuple("Dropout", ["threshold", "scale", "key0", "key1", "batch0", "head0"])
+#: Dropout of one call: ``active`` (bool: False, no dropout; the kernels skip all of it),
+#: ``threshold`` (int, keep iff word >= it), ``scale`` (the accumulator dtype, 1 / (1 - p)),
+#: ``key0``/``key1`` (ints < 2**32, the call key), ``batch0``/``head0`` (ints: the absolute batch
+#: and q-head of the arrays' batch 0 and head 0, which the counter adds to the kernels' array
+#: indices; 0 in the single-process call, a share's origin in :mod:`numbafa.shards`).
+Dropout = namedtuple("Dropout", ["active", "threshold", "scale", "key0", "key1", "batch0", "head0"])
 
 _MASK32 = np.uint64(0xFFFFFFFF)
 _M0 = np.uint64(0xD2511F53)
@@ -147,28 +147,27 @@ def derive_key(seed: int, seed_offset: int) -> tuple:
 
 
 def make_dropout(dropout_p: float, seed: int, seed_offset: int, dtype=np.float32):
-    """The :data:`Dropout` bundle of validated arguments, or ``None`` for ``dropout_p == 0``;
-    its ``scale`` in ``dtype``, the kernels' accumulator dtype (float32, or float64).
+    """The :data:`Dropout` bundle of validated arguments (``active`` False for ``dropout_p ==
+    0``); its ``scale`` in ``dtype``, the kernels' accumulator dtype (float32, or float64).
 
     Its origin ``batch0``/``head0`` is 0, a whole problem's; :func:`with_origin`
-    moves it for a share of the batches and heads.
-
-    ``None`` is a type of its own to Numba: the kernels' ``if dropout is None``
-    branches are pruned at compile time (:func:`drop_scores`), so a call
-    without dropout runs (and compiles) no dropout code at all, and the first
-    call with dropout compiles a kernel of its own.
+    moves it for a share of the batches and heads. The bundle has one type whether dropout is
+    on or off: the kernels test ``active`` per tile, so a call with dropout runs the kernels a
+    call without it compiled (and a call without it runs none of the dropout code).
     """
+    scale = np.dtype(dtype).type(1.0)
     if dropout_p == 0.0:
-        return None
+        return Dropout(active=False, threshold=0, scale=scale, key0=0, key1=0, batch0=0, head0=0)
     threshold = min(int(round(dropout_p * 2.0 ** 32)), 2 ** 32)
     k0, k1 = derive_key(seed, seed_offset)
-    return Dropout(threshold, np.dtype(dtype).type(1.0 / (1.0 - dropout_p)), k0, k1, 0, 0)
+    return Dropout(active=True, threshold=threshold, scale=np.dtype(dtype).type(1.0 / (1.0 - dropout_p)),
+                   key0=k0, key1=k1, batch0=0, head0=0)
 
 
 def with_origin(dropout, batch0: int, head0: int):
     """``dropout`` for arrays whose batch 0 / head 0 are absolute batch ``batch0`` / q-head
-    ``head0`` (plain ints: the same compiled kernels); ``None`` stays ``None``."""
-    return None if dropout is None else dropout._replace(batch0=int(batch0), head0=int(head0))
+    ``head0`` (plain ints: the same compiled kernels)."""
+    return dropout._replace(batch0=int(batch0), head0=int(head0))
 
 
 @jit(inline=True)
@@ -229,8 +228,8 @@ def drop_rows(s, k0, q0, q_head, batch, dropout, round_kernel):
     """``s *= M`` in place on a ``[queries, keys]`` tile (the forward's orientation).
 
     Row ``i`` is query ``q0 + i``, column ``j`` key ``k0 + j`` (``q_head``,
-    ``batch`` as in :func:`fill_multipliers`); each row is rounded to bf16
-    afterwards if ``round_kernel``. Along a row, the 16 calls
+    ``batch`` as in :func:`fill_multipliers`); each row is rounded afterwards to the format
+    ``round_kernel`` names (:func:`numbafa.dtypes.round_inplace`). Along a row, the 16 calls
     of a block of 64 keys run as one vectorised loop, each word multiplying
     its run of 16 consecutive keys in place. No tile of multipliers is
     written (one the size of ``s``, 1 MiB, cost another pass through L2, and
@@ -263,7 +262,7 @@ def drop_rows(s, k0, q0, q_head, batch, dropout, round_kernel):
                 row[base + step + g] *= _multiplier(w1, thr, scale)
                 row[base + 2 * step + g] *= _multiplier(w2, thr, scale)
                 row[base + 3 * step + g] *= _multiplier(w3, thr, scale)
-        round_inplace_if(row, round_kernel)
+        round_inplace(row, round_kernel)
 
 
 @jit()
@@ -275,44 +274,50 @@ def _drop_cut(row, j0, words, thr, scale):
             row[j] *= _multiplier(words[r], thr, scale)
 
 
+# --- the kernels' dropout steps: plugins (numbafa.kernels.table), compiled at the first call with dropout
+
 @jit()
-def apply_multipliers(x, mult, round_kernel):
-    """``x = x * mult`` element-wise on two same-shape C-contiguous tiles, rounded to bf16 if asked."""
-    a = x.reshape(-1)
+def drop_scores(args, _):
+    """Backward, before Step 4: draw ``M^T`` into ``mult_buf`` and ``dP^T *= M^T``.
+
+    ``args`` points to ``(mult_buf, dp_t, k_abs0, q_abs0, q_head, batch, dropout)``;
+    ``mult_buf`` is flat scratch of at least ``dp_t.size`` elements; the multipliers stay there
+    for :func:`drop_probabilities`.
+    """
+    mult_buf, dp_t, k_abs0, q_abs0, q_head, batch, dropout = unpack(args)
+    mult = mult_buf[:dp_t.size].reshape(dp_t.shape)
+    fill_multipliers(mult, k_abs0, q_abs0, q_head, batch, dropout)
+    a = dp_t.reshape(-1)
     b = mult.reshape(-1)
     for i in range(a.size):
         a[i] = a[i] * b[i]
-    round_inplace_if(a, round_kernel)
 
 
 @jit()
-def drop_scores(mult_buf, dp_t, k_abs0, q_abs0, q_head, batch, dropout):
-    """Backward, before Step 4: draw ``M^T`` into ``mult_buf`` and ``dP^T *= M^T`` (no-op without dropout).
-
-    ``mult_buf`` is flat scratch of at least ``dp_t.size`` float32; the
-    multipliers stay there for :func:`drop_probabilities`. ``dropout is
-    None`` is decided when the kernel is compiled (Numba prunes the branch on
-    a ``None`` argument), so a kernel without dropout holds none of this code.
-    """
-    if dropout is None:
-        return
-    mult = mult_buf[:dp_t.size].reshape(dp_t.shape)
-    fill_multipliers(mult, k_abs0, q_abs0, q_head, batch, dropout)
-    apply_multipliers(dp_t, mult, False)
+def drop_probabilities(args, _):
+    """Backward, after Step 4: ``P~^T = P^T * M^T`` written in kernel_dtype; ``args`` points to
+    ``(mult_buf, p_t, round_kernel)``, ``M^T`` from :func:`drop_scores`."""
+    mult_buf, p_t, round_kernel = unpack(args)
+    a = p_t.reshape(-1)
+    b = mult_buf[:a.size]
+    for i in range(a.size):
+        a[i] = a[i] * b[i]
+    round_inplace(a, round_kernel)
 
 
 @jit()
-def drop_probabilities(mult_buf, p_t, dropout, round_kernel):
-    """Backward, after Step 4: ``P~^T = P^T * M^T`` in kernel_dtype, ``M^T`` from
-    :func:`drop_scores` (no-op without dropout)."""
-    if dropout is None:
-        return
-    apply_multipliers(p_t, mult_buf[:p_t.size].reshape(p_t.shape), round_kernel)
-
-
-@jit()
-def drop_forward(s, k_abs0, q_abs0, q_head, batch, dropout, round_kernel):
-    """Forward: ``P~ = P * M`` on a ``[queries, keys]`` tile (no-op without dropout)."""
-    if dropout is None:
-        return
+def drop_tile(args, _):
+    """Forward: ``P~ = P * M`` on a ``[queries, keys]`` tile (:func:`drop_rows`); ``args`` points to
+    ``(s, k_abs0, q_abs0, q_head, batch, dropout, round_kernel)``."""
+    s, k_abs0, q_abs0, q_head, batch, dropout, round_kernel = unpack(args)
     drop_rows(s, k_abs0, q_abs0, q_head, batch, dropout, round_kernel)
+
+
+def dropout_plugins(plan) -> list:
+    """The dropout plugins and sample arguments of the types the kernels pass them, for
+    :func:`numbafa.kernels.table.ensure_plugins`."""
+    acc = plan.acc.dtype
+    vector, tile = np.empty(0, acc), np.empty((0, 0), acc)
+    code = plan.precision.round_kernel
+    return [(drop_scores, (vector, tile, 0, 0, 0, 0, plan.dropout)), (drop_probabilities, (vector, tile, code)),
+            (drop_tile, (tile, 0, 0, 0, 0, plan.dropout, code))]

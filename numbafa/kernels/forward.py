@@ -27,8 +27,14 @@ window tile skipping are the backward's (:mod:`numbafa.kernels.mask`); a tile
 the diagonal cuts through runs per Q tile on the keys that Q tile may see.
 Only the K tile order matters for the per-row numerics; the Q group size is a
 CPU blocking choice. The dropout keep mask Z is a function of each element's
-coordinates (:mod:`numbafa.kernels.dropout`), drawn for the block's visible keys. Every product goes through the matmul seam
-(:func:`numbafa.kernels.matmul.matmul`).
+coordinates (:mod:`numbafa.kernels.dropout`), drawn for the block's visible keys. Every product
+goes through the matmul seam (:func:`numbafa.kernels.matmul.gemm`).
+
+Compile units: :func:`fwd_work_item` reads the input arrays, so it is compiled
+per input storage (float32, bf16 bits, float64); everything after Q's load,
+:func:`fwd_q_group` and the steps it calls, takes float32 tiles (float64 for
+float64 inputs) and is compiled once for every input dtype, option and GEMM
+path (:mod:`numbafa.kernels.bundles`).
 """
 
 from __future__ import annotations
@@ -36,21 +42,22 @@ from __future__ import annotations
 from collections import namedtuple
 
 import numpy as np
-from numba import prange, types
+from numba import types
 from numba.extending import overload
 
-from ..dtypes import as_operand, narrowed, round_inplace_if
+from ..dtypes import round_inplace, rounded
 from ..jit import jit
-from ..linking import call_status, pack, unpack
-from .common import load_scaled, round_if, store_transposed
-from .dropout import drop_forward
+from ..linking import _plugin_key, call_or_raise, pack, unpack
+from .common import load_scaled, store_transposed
+from .dropout import drop_tile
 from .fastexp import exp_of, log_of
-from .loops import decode_item, group_rows, n_q_groups, owns_group, raise_failed
+from .loops import columns, decode_item, group_rows, input_operand, n_q_groups, owns_group, tile_operand, width
 from .mask import cut_by_mask, required_q_rows, static_key_range, visible_keys
-from .matmul import matmul
+from .matmul import any_layout, gemm, row_sums
 from .scores import modify_scores
+from .table import plugin_address
 
-__all__ = ["flash_attn_fwd", "fwd_work_item"]
+__all__ = ["fwd_work_item", "fwd_q_group"]
 
 _NEG_INF = np.float32(-np.inf)
 _ONE = np.float32(1.0)
@@ -60,9 +67,10 @@ _ZERO = np.float32(0.0)
 RowStats = namedtuple("RowStats", ["row_max", "row_sum", "alpha", "acc"])
 #: One q-head: batch, q-head and the statistics its sinks open every row with.
 FwdHead = namedtuple("FwdHead", ["batch", "q_head", "sink_max", "sink_sum"])
-#: Per-item scratch, sized for the largest tiles (``ones``: the row-sum vector).
+#: Per-item scratch, sized for the largest tiles (``ones``: the row-sum vector; ``no_values`` /
+#: ``no_bits``: the empty members of operands, numbafa.kernels.matmul).
 FwdScratch = namedtuple("FwdScratch", ["q_s", "o_acc", "row_max", "row_sum", "alpha", "s", "pv",
-                                       "tile_sum", "ones", "q_op", "p_op"])
+                                       "tile_sum", "ones", "q_bits", "p_bits", "no_values", "no_bits"])
 
 # Key of -inf under the order-preserving map of float32 bits to int32 used by _row_max_f32.
 _NEG_INF_KEY = np.int32(-2139095041)
@@ -117,7 +125,7 @@ def _exp_shifted(x, shift):
         x[j] = exp_of(x[j] - shift)
 
 
-@jit()
+@jit(apart=True)
 def online_softmax_update(s, q_abs0, k_abs0, stats, plan):
     """Masked exp of one K tile of the online softmax, in place on ``[queries, keys]``.
 
@@ -142,52 +150,60 @@ def online_softmax_update(s, q_abs0, k_abs0, stats, plan):
             continue
         stats.alpha[i] = exp_of(m_old - m_new)
         _exp_shifted(seen, m_new)
-        round_inplace_if(seen, plan.precision.round_kernel)
+        round_inplace(seen, plan.precision.round_kernel)
         stats.row_max[i] = m_new
 
 
-@jit()
-def rescale_accumulate(stats, pv, tile_sum, bf16_accumulators):
+@jit(apart=True)
+def rescale_accumulate(stats, pv, tile_sum, round_acc):
     """``acc = acc * alpha + pv`` and ``l = l * alpha + rowsum(P)``, per row, in mixed_dtype."""
     n_q, d = stats.acc.shape
     for i in range(n_q):
         a = stats.alpha[i]
-        stats.row_sum[i] = round_if(stats.row_sum[i] * a + tile_sum[i], bf16_accumulators)
+        stats.row_sum[i] = rounded(stats.row_sum[i] * a + tile_sum[i], round_acc)
+        row = stats.acc[i]
+        p_row = pv[i]
         for x in range(d):
-            stats.acc[i, x] = round_if(stats.acc[i, x] * a + pv[i, x], bf16_accumulators)
+            row[x] = row[x] * a + p_row[x]
+        round_inplace(row, round_acc)
 
 
 @jit(apart=True)
-def online_softmax_block(plan, head, q_cols, k_cols, v_cols, q_abs0, k_abs0, stats, scratch):
-    """One online-softmax update of the queries ``q_cols`` by the keys ``k_cols`` / ``v_cols``.
+def online_softmax_block(plan, head, q_op, k_op, v_op, blk, stats, scratch):
+    """One online-softmax update of the queries ``q_op`` by the keys ``k_op`` / ``v_op`` (operands
+    ``[d, rows]`` / ``[d, keys]``, the Neuron layout; BLAS reads them transposed where needed, so
+    no transposed copy is made). ``blk`` = ``(q_abs0, k_abs0)``, the block's first query and key.
 
-    All three are in the Neuron layout, ``[d, rows]`` / ``[d, keys]`` (views
-    with unit inner stride; V's ``d`` is the value head dim); BLAS reads them transposed where needed, so no
-    transposed copy is made. ``S = Q_s^T K``, the score variants
-    (:func:`numbafa.kernels.scores.modify_scores`), the masked exp of
-    :func:`online_softmax_update`, ``rowsum(P)`` as written (a
-    matrix-vector product), with dropout ``P~ = P * Z * scale`` (written in
-    kernel_dtype; the row sum, the softmax normaliser, keeps every P), ``P V``
-    and :func:`rescale_accumulate` into ``stats`` (rows ``[rows, d]``).
+    ``S = Q_s^T K``, the score variants (:func:`numbafa.kernels.scores.modify_scores`), the
+    masked exp of :func:`online_softmax_update`, ``rowsum(P)`` as written (a matrix-vector
+    product), with dropout ``P~ = P * Z * scale`` (written in kernel_dtype; the row sum, the
+    softmax normaliser, keeps every P), ``P V`` and :func:`rescale_accumulate` into ``stats``
+    (rows ``[rows, d]``).
     """
-    n_q = q_cols.shape[1]
-    d_v, n_k = v_cols.shape
+    q_abs0, k_abs0 = blk
+    n_q = width(q_op, plan.gemm.bits)
+    n_k = width(k_op, plan.gemm.bits)
+    d_v = stats.acc.shape[1]
     s = scratch.s[:n_q * n_k].reshape(n_q, n_k)
-    matmul(q_cols, k_cols, s, True, False, _ONE, _ZERO, plan.gemm)
-    modify_scores(s, q_abs0, k_abs0, head.batch, head.q_head, plan.scores)
+    gemm(q_op, k_op, s, True, False, _ONE, _ZERO, plan.gemm)
+    if plan.scores.active:
+        args = (s, q_abs0, k_abs0, head.batch, head.q_head, plan.scores)
+        call_or_raise(plugin_address(_plugin_key(modify_scores, args)), (pack(args), np.int64(0)))
     online_softmax_update(s, q_abs0, k_abs0, stats, plan)
     tile_sum = scratch.tile_sum[:n_q]
-    matmul(s, scratch.ones[:n_k], tile_sum, False, False, _ONE, _ZERO, plan.gemm)  # rowsum(P)
-    drop_forward(s, k_abs0, q_abs0, head.q_head, head.batch, plan.dropout, plan.precision.round_kernel)
+    row_sums(s, scratch.ones[:n_k], tile_sum)   # rowsum(P)
+    if plan.dropout.active:
+        args = (s, k_abs0, q_abs0, head.q_head, head.batch, plan.dropout, plan.precision.round_kernel)
+        call_or_raise(plugin_address(_plugin_key(drop_tile, args)), (pack(args), np.int64(0)))
     pv = scratch.pv[:n_q * d_v].reshape(n_q, d_v)
-    # P as written (bf16 values for bf16 inputs): its bits are the operand on the oneDNN path.
-    p_op = narrowed(s, scratch.p_op, plan.operand)
-    matmul(p_op, v_cols, pv, False, True, _ONE, _ZERO, plan.gemm)
-    rescale_accumulate(stats, pv, tile_sum, plan.precision.bf16_accumulators)
+    # P as written (bf16 values for bf16 inputs): its bits are the operand on the bf16 path.
+    p_op = tile_operand(any_layout(s), scratch.p_bits, scratch.no_values, scratch.no_bits, plan.gemm.bits)
+    gemm(p_op, v_op, pv, False, True, _ONE, _ZERO, plan.gemm)
+    rescale_accumulate(stats, pv, tile_sum, plan.precision.round_acc)
 
 
 @jit(apart=True)
-def fwd_k_tile(plan, head, q_op, k_n, v_n, q_grp0, k0, scratch):
+def fwd_k_tile(plan, head, q_op, k_op, v_op, q_grp0, k0, scratch):
     """One K tile's update of a Q group's statistics (``scratch`` rows; ``q_op``: its Q_scaled
     ``[d, rows]`` as a GEMM operand).
 
@@ -200,8 +216,8 @@ def fwd_k_tile(plan, head, q_op, k_n, v_n, q_grp0, k0, scratch):
     """
     tiling = plan.tiling
     mask = plan.mask
-    seqlen_k = k_n.shape[1]
-    rows = q_op.shape[1]
+    seqlen_k = width(k_op, plan.gemm.bits)
+    rows = width(q_op, plan.gemm.bits)
     n_k = min(tiling.k_tile, seqlen_k - k0)
     r0, r1 = required_q_rows(mask, q_grp0, rows, tiling.q_tile, k0, k0 + n_k - 1)
     if r0 >= r1:
@@ -221,11 +237,11 @@ def fwd_k_tile(plan, head, q_op, k_n, v_n, q_grp0, k0, scratch):
                 continue
         stats = RowStats(scratch.row_max[b0:b1], scratch.row_sum[b0:b1], scratch.alpha[b0:b1],
                          scratch.o_acc[b0:b1])
-        online_softmax_block(plan, head, q_op[:, b0:b1], k_n[:, kv0:kv1], v_n[:, kv0:kv1],
-                             q_grp0 + b0, kv0, stats, scratch)
+        online_softmax_block(plan, head, columns(q_op, b0, b1), columns(k_op, kv0, kv1), columns(v_op, kv0, kv1),
+                             (q_grp0 + b0, kv0), stats, scratch)
 
 
-@jit()
+@jit(apart=True)
 def finalize_rows(o_acc, row_max, row_sum, rows, lse_out):
     """``o = O / l`` and ``lse = m + log(l)`` for ``rows`` rows; an empty row: ``o = 0``, ``lse = +inf``."""
     d_head = o_acc.shape[1]
@@ -242,25 +258,23 @@ def finalize_rows(o_acc, row_max, row_sum, rows, lse_out):
 
 
 @jit(apart=True)
-def fwd_q_group(ins, outs, plan, k_n, v_n, head, i_group, scratch):
-    """One Q group of one q-head over all keys: load Q scaled, K tiles, finalise, store."""
-    bf16_accumulators = plan.precision.bf16_accumulators
-    q_h = ins.q[head.batch, head.q_head]
-    q_grp0, rows = group_rows(i_group, q_h.shape[1], plan.tiling)
-    load_scaled(q_h, q_grp0, rows, scratch.q_s, plan.softmax_scale, plan.precision.round_kernel)
-    q_op = narrowed(scratch.q_s[:, :rows], scratch.q_op, plan.operand)
+def fwd_q_group(plan, head, q_op, k_op, v_op, q_grp0, outs, scratch):
+    """One Q group of one q-head over all keys, from its loaded Q_scaled (``q_op``, ``[d,
+    rows]``): the statistics opened by the sinks, the K tiles, the finalisation, the stores of
+    ``o`` (kernel_dtype) and ``lse``. Compiled once for every input dtype (module docstring)."""
+    rows = width(q_op, plan.gemm.bits)
+    seqlen_k = width(k_op, plan.gemm.bits)
     scratch.row_max[:rows] = head.sink_max
-    scratch.row_sum[:rows] = round_if(head.sink_sum, bf16_accumulators)
+    scratch.row_sum[:rows] = rounded(head.sink_sum, plan.precision.round_acc)
     scratch.o_acc[:rows] = _ZERO
-    for k0 in range(0, k_n.shape[1], plan.tiling.k_tile):
-        fwd_k_tile(plan, head, q_op, k_n, v_n, q_grp0, k0, scratch)
+    for k0 in range(0, seqlen_k, plan.tiling.k_tile):
+        fwd_k_tile(plan, head, q_op, k_op, v_op, q_grp0, k0, scratch)
     finalize_rows(scratch.o_acc, scratch.row_max, scratch.row_sum, rows,
                   outs.lse[head.batch, head.q_head, q_grp0:q_grp0 + rows])
-    store_transposed(scratch.o_acc, rows, outs.o[head.batch, head.q_head], q_grp0,
-                     plan.precision.round_kernel)
+    store_transposed(scratch.o_acc, rows, outs.o[head.batch, head.q_head], q_grp0, plan.precision.round_kernel)
 
 
-@jit()
+@jit(apart=True)
 def sink_statistics(sinks_h):
     """``(max, sum(exp(sink - max)))`` of one q-head's sinks (``-inf, 0`` without sinks)."""
     sink_max = _NEG_INF
@@ -275,11 +289,11 @@ def sink_statistics(sinks_h):
 @jit()
 def make_fwd_scratch(d_head, d_v, seqlen_q, plan):
     """Per-item scratch buffers (:data:`FwdScratch`), for Q groups of at most ``seqlen_q`` rows, head
-    dims ``d_head`` (Q) and ``d_v`` (V, O); the bf16 operand copies only on the oneDNN path."""
+    dims ``d_head`` (Q) and ``d_v`` (V, O); the bf16 operand copies only on the bf16 path."""
     tiling = plan.tiling
     q_rows = max(1, min(tiling.q_tile * tiling.q_tile_group, seqlen_q))
     k_cap = max(tiling.k_tile, 1)
-    bits = 1 if plan.operand.itemsize == 2 else 0
+    bits = 1 if plan.gemm.bits else 0
     acc = plan.acc.dtype
     return FwdScratch(np.empty((d_head, q_rows), dtype=acc),
                       np.empty((q_rows, d_v), dtype=acc),
@@ -291,7 +305,9 @@ def make_fwd_scratch(d_head, d_v, seqlen_q, plan):
                       np.empty(q_rows, dtype=acc),
                       np.ones(k_cap, dtype=acc),
                       np.empty(bits * d_head * q_rows, dtype=np.uint16),
-                      np.empty(bits * q_rows * k_cap, dtype=np.uint16))
+                      np.empty(bits * q_rows * k_cap, dtype=np.uint16),
+                      np.empty((0, 0), dtype=acc),
+                      np.empty((0, 0), dtype=np.uint16))
 
 
 @jit()
@@ -304,11 +320,11 @@ def fwd_work_item(args, item):
     nheads_kv = ins.k.shape[1]
     n_rep = nheads // nheads_kv
     unit, chunk, batch, kv_head = decode_item(item, tiling.q_chunks, nheads_kv)
-    # K and V stay [d, seq]: float32 inputs (and bf16 bits on the oneDNN path) are used in
-    # place, bf16 ones widened once on the BLAS path.
-    k_n = as_operand(ins.k[batch, kv_head], plan.operand)
-    v_n = as_operand(ins.v[batch, kv_head], plan.operand)
     scratch = make_fwd_scratch(d_head, ins.v.shape[2], seqlen_q, plan)
+    # K and V stay [d, seq]: float32 inputs (and bf16 bits on the bf16 path) are used in place,
+    # bf16 ones widened once on the float32 paths.
+    k_op = input_operand(ins.k[batch, kv_head], plan, scratch.no_values, scratch.no_bits)
+    v_op = input_operand(ins.v[batch, kv_head], plan, scratch.no_values, scratch.no_bits)
     n_groups = n_q_groups(seqlen_q, tiling)
     for r in range(n_rep):
         h = kv_head * n_rep + r
@@ -316,38 +332,9 @@ def fwd_work_item(args, item):
         head = FwdHead(batch, h, sink_max, sink_sum)
         for i_group in range(n_groups):
             if owns_group(i_group, n_groups, chunk, tiling.q_chunks):
-                fwd_q_group(ins, outs, plan, k_n, v_n, head, i_group, scratch)
-
-
-@jit(parallel=True, entry=True)
-def flash_attn_fwd(ins, outs, plan, item, items):
-    """Flash-attention forward: the launcher, a ``prange`` over the work ``items`` that runs
-    :func:`fwd_work_item` for each, called by address (as in
-    :func:`numbafa.kernels.backward.flash_attn_bwd`), on ``numba.get_num_threads()`` threads.
-
-    Parameters
-    ----------
-    ins : :data:`~numbafa.kernels.bundles.FwdInputs`
-        ``q``: float32 or uint16 (bf16 bits) ``[bs, nheads, d_head, seqlen_q]``;
-        ``k``: same dtype ``[bs, nheads_kv, d_head, seqlen_k]``; ``v``: same dtype
-        ``[bs, nheads_kv, d_head_v, seqlen_k]``;
-        ``sinks``: float32 ``[bs, nheads, num_sinks]`` (``num_sinks`` may be 0).
-    outs : :data:`~numbafa.kernels.bundles.FwdOutputs`
-        ``o`` float32 ``[bs, nheads, d_head_v, seqlen_q]`` (values of the output
-        dtype), ``lse`` float32 ``[bs, nheads, seqlen_q]``.
-    plan : :data:`~numbafa.kernels.bundles.Plan`
-        Rows are independent, so the Q-chunk split changes no result.
-    item : int64
-        Address of :func:`fwd_work_item` compiled for a pointer to exactly the type of
-        ``(ins, outs, plan)``, and an int64.
-    items : int64 1-D array
-        The work items to run (``unit * q_chunks + chunk``).
-    """
-    args = pack((ins, outs, plan))
-    status = np.zeros(items.size, dtype=np.int32)
-    if items.size == 1:   # one item: run here, no parallel region to wake (see flash_attn_bwd)
-        status[0] = call_status(item, (args, items[0]))
-    else:
-        for i in prange(items.size):
-            status[i] = call_status(item, (args, items[i]))
-    raise_failed(item, args, items, status)
+                q_grp0, rows = group_rows(i_group, seqlen_q, tiling)
+                load_scaled(ins.q[batch, h], q_grp0, rows, scratch.q_s, plan.softmax_scale,
+                            plan.precision.round_kernel)
+                q_op = tile_operand(any_layout(scratch.q_s[:, :rows]), scratch.q_bits, scratch.no_values,
+                                    scratch.no_bits, plan.gemm.bits)
+                fwd_q_group(plan, head, q_op, k_op, v_op, q_grp0, outs, scratch)

@@ -1,24 +1,33 @@
-"""Launching a pass from Python: the work items' addresses, the item lists, the threading layer.
+"""Running a pass: the generic launcher, the compiled entries, and their Python side.
 
-:func:`run_forward` and :func:`run_backward` call the launchers
-(:func:`~numbafa.kernels.forward.flash_attn_fwd`,
-:func:`~numbafa.kernels.backward.flash_attn_bwd`). A launcher calls its work
-item by address (:mod:`numbafa.linking`); the address is that of the work
-item compiled for exactly the types of the bundles the launcher gets, looked
-up by their fingerprint (the one Numba's dispatcher computes, in C, a few
-microseconds) or by a caller's signature (:func:`work_item_address`) and
-compiled -- or loaded from the disk cache -- on the first call with new
-types. From the second launch of a signature on, the launcher is entered
-through the compiled overload the dispatcher chose the first time.
+:func:`run_items` is the launcher of both passes (upstream's SPMD shards, ``flash_attn_bwd``
+lines 1134-1143): an ``@njit(parallel=True)`` ``prange`` over the work items, each called by
+address with one opaque argument (a pointer to the pass's typed bundles). It knows nothing of
+the bundles' types, so it is compiled once for every pass, dtype and option, and Numba's
+parallel backend compiles nothing else. The entries reach it, as their work items, through the
+kernel table (:func:`ensure_launcher`), so no entry's code holds it.
 
-Threading layers: a launcher runs its ``prange`` on Numba's threading layer,
-with ``numba.get_num_threads()`` threads of the calling thread (a single
-work item runs on the calling thread, without a parallel region). ``omp`` and
-``tbb`` take launches from several Python threads at once; ``workqueue`` is
-not thread-safe (a second concurrent launch aborts the process), so under it
-launches are serialised by a lock: concurrent calls then run one after the
-other, each on all its threads. Until the first launch the layer is unknown
-(Numba picks it then), so the first launches take the lock too.
+:func:`forward_items` and :func:`backward_items` are the compiled entries of the passes: they
+pack the bundles behind one pointer (:func:`numbafa.linking.pack`), look up the work item
+compiled for exactly their types in the process's kernel table
+(:data:`numbafa.linking.KERNELS`: a work item not compiled or loaded in this process is an
+error, never a jump into nothing), launch the items and, in the backward, finish the units (a
+split unit's dK/dV partials summed in chunk order, the sink gradients: :func:`bwd_finish_unit`).
+The Python API, :mod:`numbafa.nb` from a user's ``@njit`` code and the Dask shares all call them.
+
+:func:`prepare_forward` and :func:`prepare_backward` register, from Python, the work items
+of the bundles' types (compiling them, or loading them from the disk cache, on the first
+call), and the plugins a call's options need; :func:`call_entry` calls an entry
+(:mod:`numbafa.kernels.entry`), from the second call of a signature on through the compiled
+overload's entry point (no dispatcher typing of the nested bundles).
+
+Threading layers: the launcher runs its ``prange`` on Numba's threading layer, with
+``numba.get_num_threads()`` threads of the calling thread (a single work item runs on the
+calling thread, without a parallel region). ``omp`` and ``tbb`` take launches from several
+Python threads at once; ``workqueue`` is not thread-safe (a second concurrent launch aborts the
+process), so under it launches are serialised by a lock: concurrent calls then run one after
+the other, each on all its threads. Until the first launch the layer is unknown (Numba picks
+it then), so the first launches take the lock too.
 """
 
 from __future__ import annotations
@@ -27,21 +36,108 @@ import threading
 
 import numba
 import numpy as np
-from numba import _dispatcher, types
+from numba import prange
 
-from ..linking import native_address
-from .backward import bwd_finish_unit, bwd_work_item, flash_attn_bwd
-from .bundles import BwdEntries
-from .forward import flash_attn_fwd, fwd_work_item
-from .scores import n_backward_items
+from ..jit import jit
+from numba import types
 
-__all__ = ["run_forward", "run_backward", "work_item_address", "needs_finish", "threading_layer_is_thread_safe"]
+from ..linking import (KERNELS, _key_of, address_of, call_or_raise, call_status, native_address, pack,
+                       register_kernel, type_key)
+from .backward import FinishArgs, bwd_finish_unit, bwd_work_item
+from .forward import fwd_work_item
+from .dropout import dropout_plugins
+from .scores import score_plugins
+from .table import ensure_plugins, kernel_address
 
-_addresses: dict = {}        # (kernel, fingerprint of the argument bundles) -> address
-_entries: dict = {}          # (launcher, signature) -> the compiled overload's entry point
+__all__ = ["run_items", "ensure_launcher", "forward_items", "backward_items", "call_entry", "prepare_forward", "prepare_backward",
+           "needs_finish", "threading_layer_is_thread_safe"]
+
+_entries: dict = {}          # (entry, signature) -> the compiled overload's entry point
 _launch_lock = threading.Lock()
 _thread_safe_layer = None    # None: not known yet
 
+
+@jit(parallel=True)
+def run_items(address, args, items, status):
+    """The launcher: ``status[i] = 0`` if the work item at ``address`` ran ``items[i]`` with the
+    packed bundles ``args`` (an opaque word), 1 if it raised, on ``numba.get_num_threads()``
+    threads. Items write disjoint outputs, and every cross-item sum is a later, fixed-order
+    pass, so the bits never depend on the thread count or the schedule. One item runs on the
+    calling thread: a parallel region would only wake the threading layer's workers (~30 us
+    under omp after Python work; ~0.8 ms under workqueue) for nothing to share."""
+    if items.size == 1:
+        status[0] = call_status(address, (args, items[0]))
+    else:
+        for i in prange(items.size):
+            status[i] = call_status(address, (args, items[i]))
+
+
+@jit()
+def _raise_failed(address, args, items, status):
+    """After the launcher: run the first item whose ``status`` is not 0 again, in this thread, and
+    let its exception propagate (an exception cannot leave a ``prange`` body)."""
+    for i in range(items.size):
+        if status[i] != 0:
+            call_or_raise(address, (args, items[i]))
+            raise RuntimeError("numbafa: a work item failed, then passed when run again")
+
+
+#: The launcher's argument types: it is compiled for these alone.
+LAUNCHER_TYPES = (types.int64, types.int64, types.Array(types.int64, 1, "C"), types.Array(types.int32, 1, "C"))
+#: The launcher's key in the kernel table (:func:`ensure_launcher`).
+LAUNCHER_KEY = type_key("run_items", LAUNCHER_TYPES)
+
+
+def ensure_launcher() -> None:
+    """Compile (or load) the launcher and record it in the kernel table (once per process)."""
+    if not KERNELS.get(LAUNCHER_KEY):
+        KERNELS.register(LAUNCHER_KEY, native_address(run_items, LAUNCHER_TYPES))
+
+
+@jit()
+def _launch(address, args, items):
+    """Run the work item at ``address`` on ``items`` with the launcher, found in the kernel table
+    like the work items: code of the entries that a user's ``@njit`` function holds (and Numba
+    caches with it) reaches no numbafa code but through that table."""
+    if address == 0:
+        raise ValueError("numbafa: the work item of these arrays' types was not compiled or loaded in this "
+                         "process (numbafa.nb: make the plan with numbafa.nb.plan in this process)")
+    launcher = kernel_address(LAUNCHER_KEY)
+    if launcher == 0:
+        raise ValueError("numbafa: the launcher was not compiled or loaded in this process")
+    work = np.empty(items.size, dtype=np.int64)
+    work[:] = items
+    status = np.zeros(items.size, dtype=np.int32)
+    call_or_raise(launcher, (address, address_of(args), work, status))
+    _raise_failed(address, args, work, status)
+
+
+@jit(entry=True)
+def forward_items(ins, outs, plan, items):
+    """The forward's work ``items`` (``unit * q_chunks + chunk``) of the bundles ``ins``, ``outs``,
+    ``plan`` (:mod:`numbafa.kernels.bundles`)."""
+    args = pack((ins, outs, plan))
+    _launch(kernel_address(_key_of("fwd_work_item", (ins, outs, plan))), args, items)
+
+
+@jit(entry=True)
+def backward_items(ins, outs, stats, plan, items, units):
+    """The backward's work ``items``, then the ``units`` to finish (:func:`bwd_finish_unit`), in
+    order: O(seqlen) work per unit, not worth a second parallel region."""
+    if items.size:
+        args = pack((ins, outs, stats, plan))
+        _launch(kernel_address(_key_of("bwd_work_item", (ins, outs, stats, plan))), args, items)
+    if units.size:
+        finish = pack(FinishArgs(outs, stats, ins.sinks, plan))
+        address = kernel_address(_key_of("bwd_finish_unit", FinishArgs(outs, stats, ins.sinks, plan)))
+        if address == 0:
+            raise ValueError("numbafa: the unit finish of these arrays' types was not compiled or loaded in this "
+                             "process")
+        for i in range(units.size):
+            call_or_raise(address, (finish, units[i]))
+
+
+# --- the Python side -----------------------------------------------------------------------
 
 def threading_layer_is_thread_safe() -> bool:
     """True once Numba's threading layer is known and is not ``workqueue``."""
@@ -55,85 +151,62 @@ def threading_layer_is_thread_safe() -> bool:
     return _thread_safe_layer
 
 
-def _remember_entry(launcher, args: tuple, signature) -> None:
-    """After a dispatcher launch, keep the overload it ran under ``signature``."""
-    if signature is None or (launcher, signature) in _entries:
-        return
-    compiled = launcher.overloads.get(tuple(numba.typeof(a) for a in args))
-    if compiled is not None:
-        _entries[(launcher, signature)] = compiled.entry_point
+def call_entry(entry, args: tuple, signature):
+    """Call a compiled entry (:mod:`numbafa.kernels.entry`) from Python; return what it returns.
 
-
-def _launch(launcher, args: tuple, signature=None) -> None:
-    # For a signature (work_item_address) seen before: the compiled overload's own entry point,
-    # which skips the dispatcher's typing of the nested bundles (about 10 us a call).
-    entry = launcher if signature is None else _entries.get((launcher, signature), launcher)
+    For a ``signature`` seen before (a hashable value that decides the Numba types of ``args``):
+    the compiled overload's own entry point, which skips the dispatcher's typing of the nested
+    bundles (about 10 us a call). Under ``workqueue`` the call takes the launch lock."""
+    call = entry if signature is None else _entries.get((entry, signature), entry)
     if threading_layer_is_thread_safe():
-        entry(*args)
+        result = call(*args)
     else:
         with _launch_lock:
-            entry(*args)
-    if entry is launcher:
-        _remember_entry(launcher, args, signature)
+            result = call(*args)
+    if call is entry and signature is not None:
+        compiled = entry.overloads.get(tuple(numba.typeof(a) for a in args))
+        if compiled is not None:
+            _entries[(entry, signature)] = compiled.entry_point
+    return result
 
 
-def work_item_address(kernel, args: tuple, signature=None) -> int:
-    """Address of ``kernel`` (a work item or the unit finish) compiled for a pointer to the type
-    of ``args`` (the launcher's packed bundles: ``(ins, outs, plan)`` forward, ``(ins, outs,
-    stats, plan)`` backward) and an int64.
-
-    ``signature``: a hashable value that determines the Numba types of ``args`` for this caller
-    (the execution core's: the input dtype and whether there is dropout, its bundles being
-    built one way), to look the address up by instead of Numba's fingerprint of ``args``
-    (about 10 us for the nested bundles); None: the fingerprint."""
-    if signature is not None:
-        key = (kernel, "signature", signature)
-        address = _addresses.get(key)
-        if address is None:
-            address = _addresses[key] = work_item_address(kernel, args)
-        return address
-    try:
-        key = (kernel, _dispatcher.compute_fingerprint(args))
-    except (ValueError, TypeError):   # a value Numba fingerprints no faster than it types
-        key = None
-    address = _addresses.get(key) if key is not None else None
-    if address is None:
-        address = native_address(kernel, (types.CPointer(numba.typeof(args)), types.int64))
-        if key is not None:
-            _addresses[key] = address
-    return address
+_prepared: set = set()
 
 
-def _all(n: int) -> np.ndarray:
-    return np.arange(n, dtype=np.int64)
+def _prepare_plugins(plan) -> None:
+    """Compile (or load) the plugins this plan's options need (:mod:`numbafa.kernels.table`)."""
+    if plan.dropout.active:
+        ensure_plugins(dropout_plugins(plan))
+    if plan.scores.active:
+        ensure_plugins(score_plugins(plan))
 
 
-def run_forward(ins, outs, plan, items=None, signature=None) -> None:
-    """The forward's work ``items`` (default: all, ``range(units * q_chunks)``); ``signature`` as
-    :func:`work_item_address`."""
-    if items is None:
-        items = _all(ins.q.shape[0] * ins.k.shape[1] * plan.tiling.q_chunks)
-    _launch(flash_attn_fwd, (ins, outs, plan, work_item_address(fwd_work_item, (ins, outs, plan), signature), items),
-            signature)
+def prepare_forward(ins, outs, plan, signature=None) -> None:
+    """Compile (or load) the forward's work item for these bundles' types and record it in the
+    kernel table (once per ``signature``, a hashable value that determines those types for the
+    caller; None: on each call), and the plugins the plan's options need."""
+    if signature is None or ("fwd", signature) not in _prepared:
+        ensure_launcher()
+        register_kernel(fwd_work_item, numba.typeof((ins, outs, plan)))
+        if signature is not None:
+            _prepared.add(("fwd", signature))
+    _prepare_plugins(plan)
+
+
+def prepare_backward(ins, outs, stats, plan, finish: bool, signature=None) -> None:
+    """:func:`prepare_forward` for the backward's work item and, with ``finish``, its unit finish."""
+    key = ("bwd", finish, signature)
+    if signature is None or key not in _prepared:
+        ensure_launcher()
+        register_kernel(bwd_work_item, numba.typeof((ins, outs, stats, plan)))
+        if finish:
+            register_kernel(bwd_finish_unit, numba.typeof(FinishArgs(outs, stats, ins.sinks, plan)))
+        if signature is not None:
+            _prepared.add(key)
+    _prepare_plugins(plan)
 
 
 def needs_finish(ins, plan) -> bool:
     """Whether the backward's units need :func:`~numbafa.kernels.backward.bwd_finish_unit`:
     split units (dK/dV partials to sum) or sinks (dsinks)."""
     return plan.tiling.q_chunks > 1 or ins.sinks.shape[2] > 0
-
-
-def run_backward(ins, outs, stats, plan, items=None, units=None, signature=None) -> None:
-    """The backward's work ``items``, then the ``units`` to finish (defaults: every item
-    (:func:`~numbafa.kernels.scores.n_backward_items`), then every unit if :func:`needs_finish`);
-    ``signature`` as :func:`work_item_address`."""
-    n_units = ins.q.shape[0] * ins.k.shape[1]
-    if items is None:
-        items = _all(n_backward_items(ins.q.shape[0], ins.k.shape[1], plan.tiling.q_chunks, plan.scores))
-    if units is None:
-        units = _all(n_units if needs_finish(ins, plan) else 0)
-    args = (ins, outs, stats, plan)
-    # The finish is compiled only when some call needs it (0: never called).
-    entries = BwdEntries(work_item_address(bwd_work_item, args, signature),
-                         work_item_address(bwd_finish_unit, args, signature) if units.size else 0)
-    _launch(flash_attn_bwd, (ins, outs, stats, plan, entries, items, units), signature)

@@ -11,10 +11,17 @@ group share the unit's K and V, and each q-head's queries run in Q groups of
 
 from __future__ import annotations
 
+import numpy as np
+from numba import types
+from numba.extending import overload
+
+from ..dtypes import widen
 from ..jit import jit
 from ..linking import call_or_raise
+from .matmul import Operand, bits_operand, values_operand
 
-__all__ = ["decode_item", "n_q_groups", "owns_group", "group_rows", "raise_failed"]
+__all__ = ["decode_item", "n_q_groups", "owns_group", "group_rows", "raise_failed", "input_operand",
+           "tile_operand", "width", "columns"]
 
 
 @jit()
@@ -60,3 +67,61 @@ def raise_failed(address, args, items, status):
         if status[i] != 0:
             call_or_raise(address, (args, items[i]))
             raise RuntimeError("numbafa: a work item failed, then passed when run again")
+
+
+# --- GEMM operands (numbafa.kernels.matmul.Operand) ----------------------------------------
+
+def input_operand(x, plan, no_values, no_bits):  # pragma: no cover - replaced inside njit code
+    """A 2-D slice of an input array (K, V or dO, ``[d, seq]``) as a GEMM operand: float32 and
+    float64 inputs and bf16 bits on the bf16 path (``plan.gemm.bits``) in place; bf16 bits on a
+    float32 path widened into a new float32 tile."""
+    raise NotImplementedError("input_operand is only callable from @njit code")
+
+
+@overload(input_operand)
+def _input_operand_overload(x, plan, no_values, no_bits):
+    if not isinstance(x, types.Array) or x.ndim != 2:
+        return None
+    if x.dtype in (types.float32, types.float64):
+        return lambda x, plan, no_values, no_bits: values_operand(x, no_bits)
+
+    def impl(x, plan, no_values, no_bits):
+        if plan.gemm.bits:
+            return bits_operand(x, no_values)
+        wide = np.empty(x.shape, dtype=np.float32)
+        for i in range(x.shape[0]):
+            src = x[i]
+            dst = wide[i]
+            for j in range(x.shape[1]):
+                dst[j] = widen(src[j])
+        return values_operand(wide, no_bits)
+    return impl
+
+
+@jit(apart=True)
+def tile_operand(t, bits_buf, no_values, no_bits, bits):
+    """A tile computed in float32 (2-D, values of the kernel dtype) as a GEMM operand: itself, or
+    with ``bits`` (the bf16 path) its bf16 bits written into the flat uint16 scratch ``bits_buf``
+    (exact: every value is a bf16 value) and viewed in its shape."""
+    if not bits:
+        return values_operand(t, no_bits)
+    rows, cols = t.shape
+    out = bits_buf[:rows * cols].reshape(rows, cols)
+    for i in range(rows):
+        src = t[i]
+        dst = out[i]
+        for j in range(cols):
+            dst[j] = np.uint16(np.float32(src[j]).view(np.uint32) >> np.uint32(16))
+    return bits_operand(out, no_values)
+
+
+@jit()
+def width(op, bits):
+    """The number of columns of an operand (of the member the path reads)."""
+    return op.bits.shape[1] if bits else op.f.shape[1]
+
+
+@jit()
+def columns(op, c0, c1):
+    """Columns ``c0:c1`` of both members of an operand (the empty one stays empty)."""
+    return Operand(op.f[:, c0:c1], op.bits[:, c0:c1])

@@ -31,8 +31,9 @@ Items own disjoint rows of it unless the bias is shared across work units (a bia
 batch dim of 1 and ``bs > 1``, or a head dim of 1 and ``nheads_kv > 1``): then one work
 item runs every unit sharing a slab, one after the other (``serial_batch`` /
 ``serial_heads``, :func:`item_units`), so the sum has one fixed order and needs no memory
-beyond ``dbias`` itself, at the cost of that parallelism. ``None`` instead of the bundle
-(no variant) is a type of its own: those kernels compile none of this code.
+beyond ``dbias`` itself, at the cost of that parallelism. A call without variants has the
+bundle with ``active`` False (empty arrays): one type either way, so the kernels compile the
+variants' code once (apart, :func:`numbafa.jit.jit`) and call it only for an active bundle.
 """
 
 from __future__ import annotations
@@ -44,36 +45,44 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from ..dtypes import round_inplace_if
+from ..dtypes import round_inplace
 from ..jit import jit
+from ..linking import unpack
 from .fastexp import tanh_of
 
 __all__ = ["ScoreMods", "make_scores", "serial_flags", "modify_scores", "modify_scores_t", "score_gradients",
-           "item_units", "n_backward_items", "score_scratch_size"]
+           "item_units", "n_backward_items", "score_plugins"]
 
-#: The score variants of one call: ``softcap``/``inv_softcap`` (accumulator dtype; 0 and 0: none),
+#: The score variants of one call: ``active`` (bool: any variant), ``softcap``/``inv_softcap``
+#: (accumulator dtype; 0 and 0: none),
 #: ``bias`` (``[bs or 1, nheads or 1, seqlen_q or 1, seqlen_k]``, accumulator dtype; size 0: none),
 #: ``alibi`` (slopes ``[bs or 1, nheads]``; size 0: none), ``offset`` (``seqlen_k - seqlen_q``),
 #: ``dbias`` (the bias's gradient, zeroed, its shape; size 0: not asked), ``serial_batch`` /
 #: ``serial_heads`` (bools: a work item runs every batch / KV head, module docstring).
-ScoreMods = namedtuple("ScoreMods", ["softcap", "inv_softcap", "bias", "alibi", "offset", "dbias",
+ScoreMods = namedtuple("ScoreMods", ["active", "softcap", "inv_softcap", "bias", "alibi", "offset", "dbias",
                                      "serial_batch", "serial_heads"])
 
 
 def make_scores(prob, acc):
-    """The :data:`ScoreMods` of a validated problem (:class:`numbafa.validation.Problem`), or None
-    without variants; ``acc`` is the accumulator dtype. ``dbias`` is allocated (zeroed) when the
-    problem asks for it."""
-    if not prob.has_score_mods:
-        return None
+    """The :data:`ScoreMods` of a validated problem (:class:`numbafa.validation.Problem`; None, or
+    one without variants: an inactive bundle); ``acc`` is the accumulator dtype. ``dbias`` is
+    allocated (zeroed) when the problem asks for it."""
+    acc = np.dtype(acc)
+    if prob is None or not prob.has_score_mods:
+        empty4 = np.zeros((0, 0, 0, 0), dtype=acc)
+        return ScoreMods(active=False, softcap=acc.type(0.0), inv_softcap=acc.type(0.0), bias=empty4,
+                         alibi=np.zeros((0, 0), dtype=acc), offset=0, dbias=empty4, serial_batch=False,
+                         serial_heads=False)
     bs, nheads, _, seqlen_q = prob.q.shape
     nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
     bias = prob.bias if prob.bias is not None else np.zeros((0, 0, 0, 0), dtype=acc)
     alibi = prob.alibi if prob.alibi is not None else np.zeros((0, 0), dtype=acc)
     dbias = np.zeros(bias.shape if prob.return_dbias else (0, 0, 0, 0), dtype=acc)
     cap = float(prob.softcap)
-    return ScoreMods(acc.type(cap), acc.type(1.0 / cap if cap else 0.0), bias, alibi, int(seqlen_k - seqlen_q),
-                     dbias, *serial_flags(dbias, bs, nheads_kv))
+    serial_batch, serial_heads = serial_flags(dbias, bs, nheads_kv)
+    return ScoreMods(active=True, softcap=acc.type(cap), inv_softcap=acc.type(1.0 / cap if cap else 0.0), bias=bias,
+                     alibi=alibi, offset=int(seqlen_k - seqlen_q), dbias=dbias, serial_batch=serial_batch,
+                     serial_heads=serial_heads)
 
 
 def serial_flags(dbias, bs: int, nheads_kv: int) -> tuple:
@@ -87,18 +96,9 @@ def serial_flags(dbias, bs: int, nheads_kv: int) -> tuple:
 def n_backward_items(bs: int, nheads_kv: int, q_chunks: int, scores) -> int:
     """The backward's work items: ``bs * nheads_kv * q_chunks``, or the groups of units sharing a
     bias slab when its gradient makes them serial (:func:`item_units`)."""
-    if scores is None or not (scores.serial_batch or scores.serial_heads):
+    if not (scores.serial_batch or scores.serial_heads):
         return bs * nheads_kv * q_chunks
     return (1 if scores.serial_batch else bs) * (1 if scores.serial_heads else nheads_kv)
-
-
-@jit()
-def score_scratch_size(scores, tile_elements):
-    """Elements of the backward's ``tanh`` tile (:func:`modify_scores_t`): ``tile_elements`` with a
-    soft cap, else 0."""
-    if scores is None:
-        return 0
-    return tile_elements if scores.softcap > 0 else 0
 
 
 @jit()
@@ -106,11 +106,8 @@ def item_units(item, q_chunks, bs, nheads_kv, scores):
     """``(b0, b1, h0, h1, chunk)``: the batches ``b0:b1`` and KV heads ``h0:h1`` whose units work
     item ``item`` runs (one unit, ``item = unit * q_chunks + chunk``, unless a shared bias's
     gradient makes them serial: then ``item`` numbers the groups of units sharing a slab)."""
-    serial_batch = False
-    serial_heads = False
-    if scores is not None:
-        serial_batch = scores.serial_batch
-        serial_heads = scores.serial_heads
+    serial_batch = scores.serial_batch
+    serial_heads = scores.serial_heads
     unit = item // q_chunks
     chunk = item - unit * q_chunks
     if not (serial_batch or serial_heads):
@@ -160,11 +157,11 @@ def _alibi_row(row, slope, center, k0):
 
 
 @jit()
-def modify_scores(s, q_abs0, k_abs0, batch, q_head, scores):
+def modify_scores(args, _):
     """Forward: the variants on a ``[queries, keys]`` score tile of queries ``q_abs0..`` and keys
-    ``k_abs0..`` of one q-head, in place, before the masks (no-op without variants)."""
-    if scores is None:
-        return
+    ``k_abs0..`` of one q-head, in place, before the masks. ``args`` points to ``(s, q_abs0,
+    k_abs0, batch, q_head, scores)``. A plugin (:mod:`numbafa.kernels.table`)."""
+    s, q_abs0, k_abs0, batch, q_head, scores = unpack(args)
     n_q, n_k = s.shape
     has_bias = scores.bias.shape[3] > 0
     has_alibi = scores.alibi.shape[1] > 0
@@ -243,12 +240,12 @@ def _add_dbias_t(ds_t, slab, k_abs0, q_abs0):
 
 
 @jit()
-def modify_scores_t(s_t, t_buf, k_abs0, q_abs0, batch, q_head, scores):
+def modify_scores_t(args, _):
     """Backward: the variants on a ``[keys, queries]`` score tile, in place, before the masks;
     with a soft cap, ``t = tanh(s / softcap)`` is kept in ``t_buf`` (flat scratch) for
-    :func:`score_gradients` (no-op without variants)."""
-    if scores is None:
-        return
+    :func:`score_gradients`. ``args`` points to ``(s_t, t_buf, k_abs0, q_abs0, batch, q_head,
+    scores)``. A plugin (:mod:`numbafa.kernels.table`)."""
+    s_t, t_buf, k_abs0, q_abs0, batch, q_head, scores = unpack(args)
     n_k, n_q = s_t.shape
     if scores.softcap > 0:
         t_t = t_buf[:n_k * n_q].reshape(n_k, n_q)
@@ -280,17 +277,27 @@ def _softcap_factor(ds_t, t_t, round_kernel):
         for i in range(n_q):
             t = t_row[i]
             row[i] = row[i] * (like(1.0, t) - t * t)
-        round_inplace_if(row, round_kernel)
+        round_inplace(row, round_kernel)
 
 
 @jit()
-def score_gradients(ds_t, t_buf, k_abs0, q_abs0, batch, q_head, scores, round_kernel):
+def score_gradients(args, _):
     """Backward, after Step 4 (``ds_t = dS'^T``): ``dbias += dS'`` when asked, then the soft cap's
-    factor (no-op without variants)."""
-    if scores is None:
-        return
+    factor. ``args`` points to ``(ds_t, t_buf, k_abs0, q_abs0, batch, q_head, scores,
+    round_kernel)``. A plugin (:mod:`numbafa.kernels.table`)."""
+    ds_t, t_buf, k_abs0, q_abs0, batch, q_head, scores, round_kernel = unpack(args)
     if scores.dbias.shape[3] > 0:
         _add_dbias_t(ds_t, _slab(scores.dbias, batch, q_head), k_abs0, q_abs0)
     if scores.softcap > 0:
         n_k, n_q = ds_t.shape
         _softcap_factor(ds_t, t_buf[:n_k * n_q].reshape(n_k, n_q), round_kernel)
+
+
+def score_plugins(plan) -> list:
+    """The score-variant plugins and sample arguments of the types the kernels pass them, for
+    :func:`numbafa.kernels.table.ensure_plugins`."""
+    acc = plan.acc.dtype
+    vector, tile = np.empty(0, acc), np.empty((0, 0), acc)
+    scores = plan.scores
+    return [(modify_scores, (tile, 0, 0, 0, 0, scores)), (modify_scores_t, (tile, vector, 0, 0, 0, 0, scores)),
+            (score_gradients, (tile, vector, 0, 0, 0, 0, scores, plan.precision.round_kernel))]
