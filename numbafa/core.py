@@ -19,7 +19,7 @@ import numba
 import numpy as np
 
 from .dtypes import ROUND_FP16, to_bf16_array, to_fp16_array
-from .kernels.backward import new_bwd_stats
+from .kernels.backward import BwdStats
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, shared_plan
 from .kernels.entry import (EXACT_SCORES, INPUTS, LSE_VALUES, NONFINITE, OUTPUT, OUTPUTS, SCALED_Q, SCORES,
                             SCORES_WITH_BIAS, STATUS_WORDS, SUMS, backward_entry, exact_scores_plugin, forward_entry)
@@ -30,7 +30,7 @@ from .layout import lse_to_neuron
 from .options import AttentionOptions, Caller
 from .runtime import kernel_call
 from .tiling import Q_TILE
-from .validation import validate_bwd_inputs, validate_fwd_inputs
+from .validation import KERNEL_LAYOUT_PERMS, neuron_shape, validate_bwd_inputs, validate_fwd_inputs
 
 __all__ = ["LSE_LAYOUTS", "attention_bwd", "attention_fwd", "check_lse_layout", "lse_out", "raise_status",
            "run_bwd", "run_fwd", "to_dtype", "user_dbias", "user_dsinks", "bwd_outputs"]
@@ -118,17 +118,33 @@ def _on_threads(n_threads):
     return contextlib.nullcontext() if n_threads is None else _threads(n_threads)
 
 
-def bwd_outputs(ins: BwdInputs, q_chunks: int) -> BwdOutputs:
-    """The backward's float32 outputs, with the dK/dV partials of split units (``q_chunks > 1``)."""
-    nb, nheads, d_head, seqlen_q = ins.q.shape
-    nheads_kv, d_v, seqlen_k = ins.v.shape[1:]
+def _in_layout(neuron_shape: tuple, layout: int) -> tuple:
+    """A Neuron-order shape ``(b, h, d, s)`` as the arrays of layout code ``layout`` have it."""
+    return tuple(neuron_shape[i] for i in KERNEL_LAYOUT_PERMS[layout])
+
+
+def bwd_outputs(ins: BwdInputs, plan) -> BwdOutputs:
+    """The backward's outputs in the accumulator dtype and the plan's layout, with the dK/dV
+    partials of split units (``q_chunks > 1``, always ``[units, chunks - 1, d, seqlen_k]``)."""
+    layout, q_chunks = plan.layout, plan.tiling.q_chunks
+    nb, nheads, d_head, seqlen_q = neuron_shape(ins.q, layout)
+    _, nheads_kv, d_v, seqlen_k = neuron_shape(ins.v, layout)
     acc = ins.lse.dtype   # float32, or float64 for float64 inputs
     lead, keys = ((nb * nheads_kv, q_chunks - 1), seqlen_k) if q_chunks > 1 else ((1, 1), 0)
-    return BwdOutputs(np.empty((nb, nheads, d_head, seqlen_q), dtype=acc),
-                      np.empty((nb, nheads_kv, d_head, seqlen_k), dtype=acc),
-                      np.empty((nb, nheads_kv, d_v, seqlen_k), dtype=acc),
+    return BwdOutputs(np.empty(_in_layout((nb, nheads, d_head, seqlen_q), layout), dtype=acc),
+                      np.empty(_in_layout((nb, nheads_kv, d_head, seqlen_k), layout), dtype=acc),
+                      np.empty(_in_layout((nb, nheads_kv, d_v, seqlen_k), layout), dtype=acc),
                       np.empty(ins.sinks.shape, dtype=acc), np.empty(lead + (d_head, keys), dtype=acc),
                       np.empty(lead + (d_v, keys), dtype=acc))
+
+
+def new_bwd_stats(ins: BwdInputs, plan) -> BwdStats:
+    """Uninitialised :data:`~numbafa.kernels.backward.BwdStats` for every work unit,
+    ``[n_units, n_rep, seqlen_q]``, in the accumulator dtype (that of ``ins.lse``)."""
+    bs, nheads, seqlen_q = ins.lse.shape
+    nheads_kv = neuron_shape(ins.k, plan.layout)[1]
+    shape = (bs * nheads_kv, nheads // nheads_kv, seqlen_q)
+    return BwdStats(np.empty(shape, dtype=ins.lse.dtype), np.empty(shape, dtype=ins.lse.dtype))
 
 
 def _all(n: int) -> np.ndarray:
@@ -143,12 +159,13 @@ def run_fwd(ins: FwdInputs, plan, items=None, n_threads=None, exponent=-1, signa
     the same bits. ``exponent`` -1 checks the values and chooses the rescale; a Dask share
     passes its client's. ``signature``: a hashable value that decides the bundles' Numba types
     for the caller (:func:`~numbafa.kernels.launch.prepare_forward`; None: none known)."""
-    nb, nheads, _, seqlen_q = ins.q.shape
+    nb, nheads, _, seqlen_q = neuron_shape(ins.q, plan.layout)
+    _, nheads_kv, d_v, _ = neuron_shape(ins.v, plan.layout)
     acc = plan.acc.dtype   # float32, or float64 for float64 inputs
-    outs = FwdOutputs(np.empty((nb, nheads, ins.v.shape[2], seqlen_q), dtype=acc),
+    outs = FwdOutputs(np.empty(_in_layout((nb, nheads, d_v, seqlen_q), plan.layout), dtype=acc),
                       np.empty((nb, nheads, seqlen_q), dtype=acc))
     if items is None:
-        items = _all(nb * ins.k.shape[1] * plan.tiling.q_chunks)
+        items = _all(nb * nheads_kv * plan.tiling.q_chunks)
     status = np.zeros(STATUS_WORDS, dtype=np.int64)
     with kernel_call("forward", _dtype_name(ins, plan)), _on_threads(n_threads):
         prepare_forward(ins, outs, plan, signature)
@@ -166,10 +183,11 @@ def run_bwd(ins: BwdInputs, plan, items=None, units=None, n_threads=None, state=
     finish (None: all, :func:`~numbafa.kernels.scores.n_backward_items`, and every unit when
     :func:`~numbafa.kernels.launch.needs_finish`). ``state``: the ``(outs, stats)`` to finish into
     (the Dask merge of split units); None: allocated here. Other arguments as :func:`run_fwd`."""
-    outs, stats = state if state is not None else (bwd_outputs(ins, plan.tiling.q_chunks), new_bwd_stats(ins))
-    n_units = ins.q.shape[0] * ins.k.shape[1]
+    outs, stats = state if state is not None else (bwd_outputs(ins, plan), new_bwd_stats(ins, plan))
+    bs, nheads_kv = ins.q.shape[0], neuron_shape(ins.k, plan.layout)[1]
+    n_units = bs * nheads_kv
     if items is None:
-        items = _all(n_backward_items(ins.q.shape[0], ins.k.shape[1], plan.tiling.q_chunks, plan.scores))
+        items = _all(n_backward_items(bs, nheads_kv, plan.tiling.q_chunks, plan.scores))
     if units is None:
         units = _all(n_units if needs_finish(ins, plan) else 0)
     status = np.zeros(STATUS_WORDS, dtype=np.int64)
@@ -249,26 +267,35 @@ def attention_fwd(q, k, v, options: AttentionOptions, caller: Caller, lse_layout
     ``caller``: names and layout for the messages.
     """
     check_lse_layout(lse_layout)
-    prob = validate_fwd_inputs(q, k, v, options, caller)
-    check_lse_layout(lse_layout, prob.q.shape[3])
+    prob = validate_fwd_inputs(q, k, v, options, caller, any_layout=True)
+    check_lse_layout(lse_layout, prob.dims.seqlen_q)
     plan = shared_plan(prob, backward=False)
     outs, _, status = run_fwd(FwdInputs(prob.q, prob.k, prob.v, prob.sinks), plan, signature=_signature(prob))
     if status[0]:
         raise_status(status, prob, caller)
-    return to_dtype(outs.o, prob.dtype, "o"), lse_out(outs.lse, lse_layout)
+    return _as_neuron(to_dtype(outs.o, prob.dtype, "o"), prob.layout), lse_out(outs.lse, lse_layout)
+
+
+#: The permutation from each kernel layout (by code) back to the Neuron layout.
+_TO_NEURON = tuple(tuple(int(i) for i in np.argsort(perm)) for perm in KERNEL_LAYOUT_PERMS)
+
+
+def _as_neuron(x: np.ndarray, layout: int) -> np.ndarray:
+    """A 4-D output of the kernels (layout code ``layout``) as a Neuron-layout view (no copy)."""
+    return x.transpose(_TO_NEURON[layout]) if layout else x
 
 
 def attention_bwd(q, k, v, o, dy, lse, options: AttentionOptions, caller: Caller) -> tuple:
     """The backward of a whole problem: ``(dq, dk, dv)`` in the inputs' dtype, ``+ (dsinks,)``
     in the sinks' shape and dtype when there are sinks, ``+ (dbias,)`` in the bias's shape and
     dtype when ``options.return_dbias``. Arguments as :func:`attention_fwd`."""
-    prob = validate_bwd_inputs(q, k, v, o, dy, lse, options, caller)
+    prob = validate_bwd_inputs(q, k, v, o, dy, lse, options, caller, any_layout=True)
     plan = shared_plan(prob, backward=True)
     outs, _, _, status = run_bwd(BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks), plan,
                                  signature=_signature(prob))
     if status[0]:
         raise_status(status, prob, caller)
-    grads = tuple(to_dtype(getattr(outs, name), prob.dtype, name) for name in ("dq", "dk", "dv"))
+    grads = tuple(_as_neuron(to_dtype(getattr(outs, name), prob.dtype, name), prob.layout) for name in ("dq", "dk", "dv"))
     if prob.sinks_shape is not None:
         grads += (user_dsinks(outs.dsinks, prob.sinks_shape, prob.sinks_dtype),)
     if prob.return_dbias:

@@ -4,8 +4,10 @@ The kernels take ``[batch, heads, head_dim, seq]`` (the Neuron layout:
 head_dim on the partition axis). Users of flash-attn hold
 ``[batch, seq, heads, head_dim]`` (``"bshd"``); users of PyTorch SDPA hold
 ``[batch, heads, seq, head_dim]`` (``"bhsd"``). The conversions below return
-*views* (``np.transpose``), never copies: the kernels accept non-contiguous
-arrays and copy tile by tile as they load.
+*views* (``np.transpose``), never copies. The kernels run on an array
+C-contiguous in any of the three layouts as it is (numbafa.kernels.heads)
+and return ``o`` and the gradients C-contiguous in q's layout; a view
+contiguous in none of them is copied into the Neuron layout first.
 """
 
 from __future__ import annotations

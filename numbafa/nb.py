@@ -235,7 +235,7 @@ def _plan_words(h, p):
     s = p.scores
     h = _mix(_mix(_mix(h, s.active), np.float64(s.softcap).view(np.int64)), np.float64(s.inv_softcap).view(np.int64))
     h = _mix(_mix(_mix(h, s.offset), s.serial_batch), s.serial_heads)
-    return _mix(h, s.bias.size + s.alibi.size + s.dbias.size)
+    return _mix(_mix(h, s.bias.size + s.alibi.size + s.dbias.size), p.layout)
 
 
 @jit(entry=True)
@@ -628,7 +628,8 @@ def _canonical_overload(kernel_plan):
                                                  key1=d.key1, batch0=d.batch0, head0=d.head0),
                     acc=p.acc, scores=ScoreMods(active=s.active, softcap=cast(s.softcap), inv_softcap=cast(s.inv_softcap),
                                                 bias=s.bias, alibi=s.alibi, offset=s.offset, dbias=s.dbias,
-                                                serial_batch=s.serial_batch, serial_heads=s.serial_heads))
+                                                serial_batch=s.serial_batch, serial_heads=s.serial_heads),
+                    layout=p.layout)
     return impl
 
 

@@ -40,6 +40,7 @@ from . import _frameworks
 from .layout import check_layout, from_neuron_perm
 from .layout import cu_seqlens_to_bounds as _cu_seqlens_to_bounds
 from .options import AttentionOptions
+from .validation import KERNEL_LAYOUT_PERMS, layout_of_strides
 
 __all__ = ["attention", "cu_seqlens_to_bounds", "to_numpy", "from_numpy"]
 
@@ -109,7 +110,14 @@ def _attention_fwd_fake(q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes
                         layout, dropout_p, seed, seed_offset, softcap):
     b, h, _, s = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty((b, h, v.shape[2], s)), q.new_empty((b, h, s), dtype=lse_dtype)
+    return _output_like(q, (b, h, v.shape[2], s)), q.new_empty((b, h, s), dtype=lse_dtype)
+
+
+def _output_like(q: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """An empty Neuron-order tensor of ``shape`` laid out as the kernels lay out their outputs: C-contiguous
+    in the layout q is C-contiguous in (numbafa.validation.kernel_layout)."""
+    perm = KERNEL_LAYOUT_PERMS[layout_of_strides(tuple(q.shape), tuple(q.stride()))]
+    return q.new_empty(tuple(shape[axis] for axis in perm)).permute(tuple(perm.index(axis) for axis in range(4)))
 
 
 @torch.library.custom_op("numbafa::attention_bwd", mutates_args=(), device_types="cpu")
@@ -144,7 +152,8 @@ def _attention_bwd_fake(q, k, v, o, do, lse, sinks, bound_min, bound_max, bias, 
                         softmax_scale, layout, dropout_p, seed, seed_offset, softcap, return_dbias):
     dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else sinks.new_empty(sinks.shape)
     dbias = bias.new_empty(bias.shape) if return_dbias else q.new_empty((0,), dtype=torch.float32)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks, dbias
+    return (_output_like(q, q.shape), _output_like(q, k.shape), _output_like(q, v.shape), dsinks,
+            dbias)
 
 
 #: The forward operator's tensor arguments, then its scalars.

@@ -62,8 +62,8 @@ from .dtypes import accumulator_dtype, from_bf16_array, from_fp16_array, is_bf16
 from .memo import Memo
 from .options import KERNEL_CALLER, AttentionOptions, Caller
 
-__all__ = ["Dims", "Problem", "check_options", "check_tensors", "kernel_view", "resolve_scale",
-           "validate_bwd_inputs", "validate_dropout", "validate_fwd_inputs"]
+__all__ = ["Dims", "Problem", "check_options", "check_tensors", "kernel_view", "kernel_layout", "layout_of_strides", "neuron_shape",
+           "resolve_scale", "validate_bwd_inputs", "validate_dropout", "validate_fwd_inputs"]
 
 #: Largest finite float32, the bound of ``|softmax_scale|``.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -111,6 +111,14 @@ class Problem:
     alibi: Optional[np.ndarray] = None    # ALiBi slopes [bs or 1, nheads], lse's dtype
     softcap: float = 0.0                  # 0: none
     return_dbias: bool = False
+    layout: int = 0     # the 4-D arrays' layout (numbafa.kernels.heads: 0 Neuron, 1 bhsd, 2 bshd)
+
+    @property
+    def dims(self) -> "Dims":
+        """The problem's sizes, whatever the arrays' layout."""
+        bs, nheads, d_head, seqlen_q = neuron_shape(self.q, self.layout)
+        _, nheads_kv, d_v, seqlen_k = neuron_shape(self.v, self.layout)
+        return Dims(bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_v)
 
     @property
     def has_score_mods(self) -> bool:
@@ -156,15 +164,62 @@ def kernel_view(x: np.ndarray) -> np.ndarray:
     if not (flags.c_contiguous and flags.aligned) or (1 in x.shape and not _canonical_strides(x)):
         x = np.array(x, order="C")
     if not x.flags.writeable:
-        x = np.asarray(_WritableView(x))
+        x = np.asarray(_WritableView(x)).view(x.dtype)   # (the interface gives bf16 as void)
     return x
 
 
-def _as_kernel_array(x: np.ndarray) -> np.ndarray:
-    """:func:`kernel_view`; bf16 as uint16 bits, float32 and float64 as they are, float16 widened to
-    a new float32 array (exact: the kernels take fp16 values in float32, docs/numerics.md)."""
+#: The kernels' layouts (numbafa.kernels.heads), by code: the permutation from the Neuron layout.
+KERNEL_LAYOUT_PERMS = ((0, 1, 2, 3), (0, 1, 3, 2), (0, 3, 1, 2))
+
+
+def neuron_shape(x: np.ndarray, layout: int) -> tuple:
+    """``(batch, heads, head_dim, seq)`` of a 4-D kernel array in the layout of code ``layout``."""
+    shape = x.shape
+    return (shape[0], shape[1], shape[2], shape[3]) if layout == 0 else \
+        (shape[0], shape[1], shape[3], shape[2]) if layout == 1 else (shape[0], shape[2], shape[3], shape[1])
+
+
+def _contiguous(x: np.ndarray) -> bool:
+    flags = x.flags
+    return flags.c_contiguous and flags.aligned and (1 not in x.shape or _canonical_strides(x))
+
+
+def kernel_layout(x: np.ndarray) -> int:
+    """The layout code in which the Neuron-layout view ``x`` is C-contiguous in memory: 0
+    (Neuron), 1 (``[b, h, s, d]``), 2 (``[b, s, h, d]``); 0 when none (its copy is then made in
+    the Neuron layout)."""
+    if x.size == 0:
+        return 0
+    for code, perm in enumerate(KERNEL_LAYOUT_PERMS):
+        if _contiguous(x.transpose(perm)):
+            return code
+    return 0
+
+
+def layout_of_strides(shape: tuple, strides: tuple) -> int:
+    """:func:`kernel_layout` of an array given by its Neuron-order ``shape`` and ``strides`` in
+    elements (a torch tensor's, or its fake's: the kernels' outputs are C-contiguous in it)."""
+    if 0 in shape:
+        return 0
+    for code, perm in enumerate(KERNEL_LAYOUT_PERMS):
+        expected = 1
+        for axis in reversed(perm):
+            if strides[axis] != expected:
+                break
+            expected *= shape[axis]
+        else:
+            return code
+    return 0
+
+
+def _as_kernel_array(x: np.ndarray, layout: int = 0) -> np.ndarray:
+    """The Neuron-layout view ``x`` as the kernels take it: the array in the layout of code
+    ``layout`` (:func:`kernel_view`: a copy only if it is not C-contiguous there); bf16 as
+    uint16 bits, float32 and float64 as they are, float16 widened to a new float32 array (exact:
+    the kernels take fp16 values in float32, docs/numerics.md)."""
+    x = x.transpose(KERNEL_LAYOUT_PERMS[layout]) if layout else x
     if x.dtype.char == "e":   # float16
-        return from_fp16_array(x)
+        return from_fp16_array(np.ascontiguousarray(x))
     x = kernel_view(x)
     return x.view(np.uint16) if is_bf16(x.dtype) else x
 
@@ -582,11 +637,12 @@ def _metadata(c: Caller, tensors: dict, options: AttentionOptions):
     return opts, dims
 
 
-def _validate(c: Caller, tensors: dict, options: AttentionOptions) -> Problem:
+def _validate(c: Caller, tensors: dict, options: AttentionOptions, any_layout: bool = False) -> Problem:
     opts, dims = _metadata(c, tensors, options)
     dtype = np.dtype(tensors["q_ref"].dtype)
     bmin, bmax = _kernel_bounds(c, opts)
-    arrays = {key: _as_kernel_array(x) for key, x in tensors.items() if key != "lse_ref"}
+    layout = kernel_layout(tensors["q_ref"]) if any_layout else 0
+    arrays = {key: _as_kernel_array(x, layout) for key, x in tensors.items() if key != "lse_ref"}
     return Problem(q=arrays["q_ref"], k=arrays["k_ref"], v=arrays["v_ref"], o=arrays.get("o_ref"),
                    dy=arrays.get("dy_ref"), lse=_kernel_lse(tensors["lse_ref"], dims) if "lse_ref" in tensors else None,
                    sinks=_kernel_sinks(c, opts.sinks, dims, dtype),
@@ -600,11 +656,11 @@ def _validate(c: Caller, tensors: dict, options: AttentionOptions) -> Problem:
                    bias_shape=None if opts.bias is None else tuple(opts.bias.shape),
                    bias_dtype=None if opts.bias is None else opts.bias.dtype,
                    alibi=_kernel_alibi(opts.alibi_slopes, dtype), softcap=opts.softcap,
-                   return_dbias=opts.return_dbias)
+                   return_dbias=opts.return_dbias, layout=layout)
 
 
 def validate_fwd_inputs(q_ref, k_ref, v_ref, options: AttentionOptions = AttentionOptions(),
-                        caller: Caller = KERNEL_CALLER) -> Problem:
+                        caller: Caller = KERNEL_CALLER, any_layout: bool = False) -> Problem:
     """Check every argument of one forward call; return them normalised for the kernels.
 
     Parameters
@@ -615,16 +671,20 @@ def validate_fwd_inputs(q_ref, k_ref, v_ref, options: AttentionOptions = Attenti
         The other arguments, as the user gave them or already checked (:func:`check_options`).
     caller : Caller
         The caller's argument names and array layout; error messages use them.
+    any_layout : bool
+        Give the kernels the arrays in the layout q is C-contiguous in (:func:`kernel_layout`;
+        the others copied into it if they are not), no copy into the Neuron layout. False: the
+        Neuron layout (the Dask shares cut arrays along its axes).
     """
-    return _validate(caller, dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref), options)
+    return _validate(caller, dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref), options, any_layout)
 
 
 def validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, options: AttentionOptions = AttentionOptions(),
-                        caller: Caller = KERNEL_CALLER) -> Problem:
+                        caller: Caller = KERNEL_CALLER, any_layout: bool = False) -> Problem:
     """Check every argument of one backward call; return them normalised for the kernels.
 
     As :func:`validate_fwd_inputs`, with ``o_ref``, ``dy_ref`` and ``lse_ref``
     (:func:`numbafa.attention_bwd`).
     """
     return _validate(caller, dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, o_ref=o_ref, dy_ref=dy_ref,
-                                  lse_ref=lse_ref), options)
+                                  lse_ref=lse_ref), options, any_layout)

@@ -147,3 +147,76 @@ def test_lse_from_cte_keeps_empty_rows():
     """sum_recip = 0 still gives lse = +inf (the backward's "attends to nothing" marker)."""
     lse = layout.lse_from_cte(np.array([3.0, -1.0]), np.array([0.0, 1.0]))
     np.testing.assert_array_equal(lse, [np.inf, 1.0])
+
+
+# ---------------------------------------------------------------------------
+# The kernels run in the caller's layout (numbafa.kernels.heads)
+# ---------------------------------------------------------------------------
+
+def _in(name, b, h, s, d):
+    return (b, s, h, d) if name == "bshd" else (b, h, s, d)
+
+
+def _bits(x):
+    return np.ascontiguousarray(x).view(np.uint8)
+
+
+LAYOUT_CASES = [
+    # (b, h, h_kv, s_q, s_k, d, d_v, dtypes, options)
+    (1, 2, 1, 256, 256, 32, 32, ("float32", "bfloat16", "float16", "float64"), dict(use_causal_mask=True)),
+    (2, 4, 2, 200, 300, 16, 24, ("float32", "bfloat16"), dict(dropout_p=0.2, seed=3, softcap=5.0)),
+    # one unit on two threads (its query tiles split), two KV sections (4096 keys each at d 256)
+    (1, 1, 1, 640, 4608, 256, 256, ("float32",), dict(softmax_scale=0.2)),
+]
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=["gqa-causal", "ragged-variants", "split-sections"])
+@pytest.mark.parametrize("name", ["bshd", "bhsd"])
+def test_caller_layouts_give_the_neuron_layouts_bits_without_copies(case, name):
+    """numbafa.attention in bshd/bhsd runs the kernels on the caller's arrays (no layout copy): o,
+    lse and every gradient are bit for bit the Neuron-layout API's on transposed copies, and o and
+    the gradients come back C-contiguous in the caller's layout."""
+    import ml_dtypes
+    b, h, h_kv, s_q, s_k, d, d_v, dtypes, options = case
+    rng = np.random.default_rng(11)
+    for dtype in dtypes:
+        dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+        q, k, v, do = (rng.standard_normal(_in(name, *shape)).astype(dt) for shape in
+                       ((b, h, s_q, d), (b, h_kv, s_k, d), (b, h_kv, s_k, d_v), (b, h, s_q, d_v)))
+        sinks = rng.standard_normal(h).astype(np.float32)
+        o, ctx = numbafa.attention(q, k, v, sinks=sinks, layout=name, **options)
+        grads = ctx.backward(do)
+        qn, kn, vn, don = (np.ascontiguousarray(layout.to_neuron(x, name)) for x in (q, k, v, do))
+        o_ref, lse_ref = numbafa.attention_fwd(qn, kn, vn, sinks, lse_layout="natural", **options)
+        refs = numbafa.attention_bwd(qn, kn, vn, o_ref, don, lse_ref, sinks, **options)
+        assert o.flags.c_contiguous and all(g.flags.c_contiguous for g in grads[:3]), dtype
+        np.testing.assert_array_equal(_bits(o), _bits(layout.from_neuron(o_ref, name)), err_msg=dtype)
+        np.testing.assert_array_equal(ctx.lse, lse_ref, err_msg=dtype)
+        for what, got, ref in zip(("dq", "dk", "dv"), grads, refs):
+            np.testing.assert_array_equal(_bits(got), _bits(layout.from_neuron(ref, name)), err_msg=f"{dtype} {what}")
+        np.testing.assert_array_equal(grads[3], refs[3])
+
+
+def test_the_neuron_api_takes_transposed_views_without_a_copy():
+    """A Neuron-layout view of a bshd array goes to the kernels as it is (no copy) and o comes
+    back in the same memory order; a view contiguous in no kernel layout is copied and gives the
+    same bits."""
+    from numbafa.validation import kernel_layout, validate_fwd_inputs
+    from numbafa.options import AttentionOptions
+    rng = np.random.default_rng(12)
+    q, k, v = (rng.standard_normal((2, 128, 2, 32)).astype(np.float32) for _ in range(3))
+    qn, kn, vn = (layout.to_neuron(x, "bshd") for x in (q, k, v))
+    assert kernel_layout(qn) == 2 and kernel_layout(np.ascontiguousarray(qn)) == 0
+    prob = validate_fwd_inputs(qn, kn, vn, AttentionOptions(), any_layout=True)
+    assert all(np.shares_memory(a, b) for a, b in ((prob.q, q), (prob.k, k), (prob.v, v)))
+    o, lse = numbafa.attention_fwd(qn, kn, vn, use_causal_mask=True)
+    assert o.shape == qn.shape and layout.from_neuron(o, "bshd").flags.c_contiguous
+    strided = []
+    for x in (qn, kn, vn):
+        wide = np.zeros(x.shape[:3] + (2 * x.shape[3],), np.float32)
+        wide[..., ::2] = x
+        strided.append(wide[..., ::2])             # every other column: contiguous in no layout
+    assert kernel_layout(strided[0]) == 0 and not strided[0].flags.c_contiguous
+    o2, lse2 = numbafa.attention_fwd(*strided, use_causal_mask=True)
+    np.testing.assert_array_equal(o, o2)
+    np.testing.assert_array_equal(lse, lse2)

@@ -77,13 +77,15 @@ from ..tiling import FLOAT32_MIN
 from .common import load_scaled, store, store_transposed
 from .dropout import drop_probabilities, drop_scores
 from .fastexp import exp_of
+from .heads import (NEURON, dims4, gather_head, head_rows, load_scaled_rows, reduce_partials_rows, store_head_rows,
+                    store_rows)
 from .loops import columns, group_rows, input_operand, n_q_groups, owns_group, tile_operand
 from .mask import cut_by_mask, queries_seeing_key, required_q_rows
 from .matmul import any_layout, gemm
 from .scores import item_units, modify_scores_t, score_gradients
 from .table import plugin_address
 
-__all__ = ["bwd_work_item", "bwd_finish_unit", "new_bwd_stats", "BwdStats", "FinishArgs"]
+__all__ = ["bwd_work_item", "bwd_finish_unit", "BwdStats", "FinishArgs"]
 
 _F32_MIN = np.float32(FLOAT32_MIN)
 _ONE = np.float32(1.0)
@@ -119,8 +121,8 @@ def compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum, precision):
 
     Each product is rounded to kernel_dtype, each head-dim tile's partial sum
     to mixed_dtype, and so is their total (upstream
-    ``compute_rowsum_single_tile`` and lines 1264-1270). Writes
-    ``d_sum[start:start+count]``.
+    ``compute_rowsum_single_tile`` and lines 1264-1270). Writes ``d_sum[:count]`` (the rows'
+    slice of the head's D).
     """
     d_head = o_h.shape[0]
     round_kernel = precision.round_kernel
@@ -147,7 +149,7 @@ def compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum, precision):
             total[i] += partial[i]
     round_inplace(total, round_acc)
     for i in range(count):
-        d_sum[start + i] = total[i]
+        d_sum[i] = total[i]
 
 
 @jit()
@@ -364,7 +366,7 @@ def bwd_k_tiles(plan, sec, qg, scratch):
 
 
 @jit(apart=True)
-def load_q_group(ins, outs, plan, sec, head, i_group, scratch):
+def load_q_group(ins, outs, plan, sec, head, i_group, scratch, copies):
     """Load one Q group of one q-head for a KV section (upstream 1184-1270): its :data:`QGroup`.
 
     dQ is zeroed on the first section and reloaded from the output on later
@@ -373,42 +375,63 @@ def load_q_group(ins, outs, plan, sec, head, i_group, scratch):
     :func:`compute_rowsum`) are computed on the first section only.
     """
     prec = plan.precision
-    q_h = ins.q[head.batch, head.q_head]
-    dq_h = outs.dq[head.batch, head.q_head]
-    q_grp0, rows = group_rows(i_group, q_h.shape[1], plan.tiling)
+    layout = plan.layout
+    q_grp0, rows = group_rows(i_group, dims4(ins.q, layout)[3], plan.tiling)
     dq = scratch.dq[:, :rows]
     if sec.first:
         dq[:] = _ZERO
-    else:   # an exact copy
+    elif layout == NEURON:   # an exact copy
+        dq_h = outs.dq[head.batch, head.q_head]
         for i_d in range(dq.shape[0]):
             dq_row = dq[i_d]
             src = dq_h[i_d]
             for i in range(rows):
                 dq_row[i] = src[q_grp0 + i]
-    load_scaled(q_h, q_grp0, rows, scratch.q_s, plan.softmax_scale, prec.round_kernel)
+    else:
+        gather_head(head_rows(outs.dq, layout, head.batch, head.q_head), q_grp0, rows, scratch.dq)
+    if layout == NEURON:
+        load_scaled(ins.q[head.batch, head.q_head], q_grp0, rows, scratch.q_s, plan.softmax_scale, prec.round_kernel)
+        dy_h = ins.dy[head.batch, head.q_head]
+        dy_op = input_operand(dy_h[:, q_grp0:q_grp0 + rows], plan, scratch.no_values, scratch.no_bits)
+    else:
+        load_scaled_rows(head_rows(ins.q, layout, head.batch, head.q_head), q_grp0, rows, scratch.q_s,
+                         plan.softmax_scale, prec.round_kernel)
+        gather_head(head_rows(ins.dy, layout, head.batch, head.q_head), q_grp0, rows, copies.dy)
+        dy_op = input_operand(copies.dy[:, :rows], plan, scratch.no_values, scratch.no_bits)
     q_op = tile_operand(any_layout(scratch.q_s[:, :rows]), scratch.q_bits, scratch.no_values, scratch.no_bits,
                         plan.gemm.bits)
-    dy_h = ins.dy[head.batch, head.q_head]
-    dy_op = input_operand(dy_h[:, q_grp0:q_grp0 + rows], plan, scratch.no_values, scratch.no_bits)
     if sec.first:
         lse_h = ins.lse[head.batch, head.q_head]
         for i in range(q_grp0, q_grp0 + rows):
             head.neg_lse[i] = rounded(-lse_h[i], prec.round_acc)
-        compute_rowsum(ins.o[head.batch, head.q_head], dy_h, q_grp0, rows, plan.tiling.d_tile, head.d_sum, prec)
+        if layout == NEURON:
+            compute_rowsum(ins.o[head.batch, head.q_head], ins.dy[head.batch, head.q_head], q_grp0, rows,
+                           plan.tiling.d_tile, head.d_sum[q_grp0:q_grp0 + rows], prec)
+        else:
+            gather_head(head_rows(ins.o, layout, head.batch, head.q_head), q_grp0, rows, copies.o)
+            compute_rowsum(copies.o, copies.dy, 0, rows, plan.tiling.d_tile, head.d_sum[q_grp0:q_grp0 + rows], prec)
     return QGroup(q_grp0, rows, q_op, dy_op, dq, head.neg_lse, head.d_sum, head.batch, head.q_head)
 
 
 @jit()
-def load_kv_section(ins, plan, batch, kv_head, i_section, scratch):
+def load_kv_section(ins, plan, batch, kv_head, i_section, scratch, copies):
     """K and V of one section ``[d, keys]`` as GEMM operands (float32 inputs and bf16 bits on
     the bf16 path: views; bf16 on a float32 path: widened), accumulators zeroed (upstream
     1162-1178)."""
-    seqlen_k = ins.k.shape[3]
+    seqlen_k = dims4(ins.k, plan.layout)[3]
     section_len = plan.tiling.section_len
     start = i_section * section_len
     length = max(0, min(section_len, seqlen_k - start))
-    k_op = input_operand(ins.k[batch, kv_head][:, start:start + length], plan, scratch.no_values, scratch.no_bits)
-    v_op = input_operand(ins.v[batch, kv_head][:, start:start + length], plan, scratch.no_values, scratch.no_bits)
+    if plan.layout == NEURON:
+        k_op = input_operand(ins.k[batch, kv_head][:, start:start + length], plan, scratch.no_values,
+                             scratch.no_bits)
+        v_op = input_operand(ins.v[batch, kv_head][:, start:start + length], plan, scratch.no_values,
+                             scratch.no_bits)
+    else:   # an s-major layout's section, transposed into [d, keys] copies
+        gather_head(head_rows(ins.k, plan.layout, batch, kv_head), start, length, copies.k)
+        gather_head(head_rows(ins.v, plan.layout, batch, kv_head), start, length, copies.v)
+        k_op = input_operand(copies.k[:, :length], plan, scratch.no_values, scratch.no_bits)
+        v_op = input_operand(copies.v[:, :length], plan, scratch.no_values, scratch.no_bits)
     scratch.dk_acc[:] = _ZERO
     scratch.dv_acc[:] = _ZERO
     return KVSection(start, length, i_section == 0, k_op, v_op, scratch.dk_acc, scratch.dv_acc)
@@ -422,16 +445,43 @@ def store_kv_section(outs, plan, sec, unit, chunk, batch, kv_head):
     unit's chunk 0 keeps its float32 partial in the (float32) outputs, the
     other chunks in ``part_dk``/``part_dv``, summed by :func:`bwd_finish_unit`.
     """
-    if plan.tiling.q_chunks == 1:
-        round_out = plan.precision.round_kernel
-        store_transposed(sec.dk_acc, sec.length, outs.dk[batch, kv_head], sec.start, round_out)
-        store_transposed(sec.dv_acc, sec.length, outs.dv[batch, kv_head], sec.start, round_out)
-    elif chunk == 0:
-        store_transposed(sec.dk_acc, sec.length, outs.dk[batch, kv_head], sec.start, ROUND_NONE)
-        store_transposed(sec.dv_acc, sec.length, outs.dv[batch, kv_head], sec.start, ROUND_NONE)
-    else:
+    if plan.tiling.q_chunks > 1 and chunk > 0:
         store_transposed(sec.dk_acc, sec.length, outs.part_dk[unit, chunk - 1], sec.start, ROUND_NONE)
         store_transposed(sec.dv_acc, sec.length, outs.part_dv[unit, chunk - 1], sec.start, ROUND_NONE)
+        return
+    round_out = plan.precision.round_kernel if plan.tiling.q_chunks == 1 else ROUND_NONE
+    if plan.layout == NEURON:
+        store_transposed(sec.dk_acc, sec.length, outs.dk[batch, kv_head], sec.start, round_out)
+        store_transposed(sec.dv_acc, sec.length, outs.dv[batch, kv_head], sec.start, round_out)
+    else:
+        store_rows(sec.dk_acc, sec.length, head_rows(outs.dk, plan.layout, batch, kv_head), sec.start, round_out)
+        store_rows(sec.dv_acc, sec.length, head_rows(outs.dv, plan.layout, batch, kv_head), sec.start, round_out)
+
+
+@jit()
+def store_dq(qg, outs, plan):
+    """Store a Q group's dQ (``[d, rows]``) into the output, rounded to kernel_dtype."""
+    if plan.layout == NEURON:
+        store(qg.dq, qg.rows, outs.dq[qg.batch, qg.q_head], qg.start, plan.precision.round_kernel)
+    else:
+        store_head_rows(qg.dq, qg.rows, head_rows(outs.dq, plan.layout, qg.batch, qg.q_head), qg.start,
+                        plan.precision.round_kernel)
+
+
+#: An item's ``[d, seq]`` copies of an s-major layout's K and V sections and of dO and O's
+#: Q-group rows, in the inputs' storage dtype (empty in the Neuron layout: read in place).
+InCopies = namedtuple("InCopies", ["k", "v", "dy", "o"])
+
+
+@jit()
+def make_copies(ins, plan, d_head, d_v, scratch):
+    """The item's :data:`InCopies` (sized as ``scratch``'s Q group and KV section)."""
+    n = 0 if plan.layout == NEURON else 1
+    sec_cap, q_rows = scratch.dk_acc.shape[0], scratch.q_s.shape[1]
+    return InCopies(np.empty((n * d_head, n * sec_cap), dtype=ins.k.dtype),
+                    np.empty((n * d_v, n * sec_cap), dtype=ins.v.dtype),
+                    np.empty((n * d_v, n * q_rows), dtype=ins.dy.dtype),
+                    np.empty((n * d_v, n * q_rows), dtype=ins.o.dtype))
 
 
 @jit()
@@ -476,11 +526,12 @@ def bwd_work_item(args, item):
     """
     ins, outs, stats, plan = unpack(args)
     tiling = plan.tiling
-    nheads, d_head, seqlen_q = ins.q.shape[1], ins.q.shape[2], ins.q.shape[3]
-    nheads_kv, seqlen_k = ins.k.shape[1], ins.k.shape[3]
+    bs, nheads, d_head, seqlen_q = dims4(ins.q, plan.layout)
+    _, nheads_kv, d_v, seqlen_k = dims4(ins.v, plan.layout)
     n_rep = nheads // nheads_kv
-    b0, b1, h0, h1, chunk = item_units(item, tiling.q_chunks, ins.q.shape[0], nheads_kv, plan.scores)
-    scratch = make_scratch(d_head, ins.v.shape[2], seqlen_q, seqlen_k, plan)
+    b0, b1, h0, h1, chunk = item_units(item, tiling.q_chunks, bs, nheads_kv, plan.scores)
+    scratch = make_scratch(d_head, d_v, seqlen_q, seqlen_k, plan)
+    copies = make_copies(ins, plan, d_head, d_v, scratch)
     n_groups = n_q_groups(seqlen_q, tiling)
     # A zero-length key sequence still runs one (empty) section, so that D,
     # dQ = 0 and dsinks come from the same code path.
@@ -489,15 +540,14 @@ def bwd_work_item(args, item):
         for kv_head in range(h0, h1):
             unit = batch * nheads_kv + kv_head
             for i_section in range(n_sections):
-                sec = load_kv_section(ins, plan, batch, kv_head, i_section, scratch)
+                sec = load_kv_section(ins, plan, batch, kv_head, i_section, scratch, copies)
                 for r in range(n_rep):
                     head = Head(batch, kv_head * n_rep + r, stats.neg_lse[unit, r], stats.d_sum[unit, r])
                     for i_group in range(n_groups):
                         if owns_group(i_group, n_groups, chunk, tiling.q_chunks):
-                            qg = load_q_group(ins, outs, plan, sec, head, i_group, scratch)
+                            qg = load_q_group(ins, outs, plan, sec, head, i_group, scratch, copies)
                             bwd_k_tiles(plan, sec, qg, scratch)
-                            store(qg.dq, qg.rows, outs.dq[batch, head.q_head], qg.start,
-                                  plan.precision.round_kernel)
+                            store_dq(qg, outs, plan)
                 store_kv_section(outs, plan, sec, unit, chunk, batch, kv_head)
 
 
@@ -558,13 +608,16 @@ def bwd_finish_unit(args, unit):
     dsinks needs D and the -LSE bias of every row, so it waits for all items.
     """
     outs, stats, sinks, plan = unpack(args)
-    nheads_kv = outs.dk.shape[1]
+    nheads_kv = dims4(outs.dk, plan.layout)[1]
     batch = unit // nheads_kv
     kv_head = unit % nheads_kv
     prec = plan.precision
-    if plan.tiling.q_chunks > 1:
+    if plan.tiling.q_chunks > 1 and plan.layout == NEURON:
         _reduce_partials(outs.dk[batch, kv_head], outs.part_dk[unit], prec.round_kernel)
         _reduce_partials(outs.dv[batch, kv_head], outs.part_dv[unit], prec.round_kernel)
+    elif plan.tiling.q_chunks > 1:
+        reduce_partials_rows(head_rows(outs.dk, plan.layout, batch, kv_head), outs.part_dk[unit], prec.round_kernel)
+        reduce_partials_rows(head_rows(outs.dv, plan.layout, batch, kv_head), outs.part_dv[unit], prec.round_kernel)
     n_rep = stats.neg_lse.shape[1]
     for r in range(n_rep):
         h = kv_head * n_rep + r
@@ -575,11 +628,3 @@ def bwd_finish_unit(args, unit):
         for i_sink in range(dsinks.size):
             outs.dsinks[batch, h, i_sink] = dsinks[i_sink]
 
-
-def new_bwd_stats(ins):
-    """Uninitialised :data:`BwdStats` for every work unit of ``ins``, ``[n_units, n_rep, seqlen_q]``,
-    in the accumulator dtype (that of ``ins.lse``: float32, or float64 for float64 inputs)."""
-    bs, nheads, _, seqlen_q = ins.q.shape
-    nheads_kv = ins.k.shape[1]
-    shape = (bs * nheads_kv, nheads // nheads_kv, seqlen_q)
-    return BwdStats(np.empty(shape, dtype=ins.lse.dtype), np.empty(shape, dtype=ins.lse.dtype))

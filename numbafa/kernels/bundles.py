@@ -74,14 +74,16 @@ Gemm.__doc__ = """The GEMM path of a call (bools): onednn, oneDNN's GEMMs instea
 tiles by dnnl_sgemm); bits, bf16 inputs multiplied as bf16 on the bf16 units
 (dnnl_gemm_bf16bf16f32): the operand tiles are their uint16 bits (numbafa.kernels.matmul)."""
 
-Plan = namedtuple("Plan", ["tiling", "mask", "precision", "softmax_scale", "gemm", "dropout", "acc", "scores"])
+Plan = namedtuple("Plan", ["tiling", "mask", "precision", "softmax_scale", "gemm", "dropout", "acc", "scores",
+                           "layout"])
 Plan.__doc__ = """Everything a kernel needs but the arrays; softmax_scale is of the accumulator
 dtype (float32, or float64 for float64 inputs). gemm: :class:`Gemm`. dropout:
 numbafa.kernels.dropout.Dropout (``active`` False: none). acc: an empty array of the accumulator
 dtype, which every scratch tile, statistic and float output of the kernels has: float32, or
 float64 for float64 inputs (np.empty(n, dtype=plan.acc.dtype) inside the kernels). scores: the
 score variants (numbafa.kernels.scores.ScoreMods: bias, ALiBi, soft cap, and the bias's gradient,
-the one output a plan carries; ``active`` False: none)."""
+the one output a plan carries; ``active`` False: none). layout: the 4-D arrays' layout code
+(numbafa.kernels.heads: NEURON, BHSD, BSHD), a runtime int: one kernel for every layout."""
 
 FwdInputs = namedtuple("FwdInputs", ["q", "k", "v", "sinks"])
 FwdOutputs = namedtuple("FwdOutputs", ["o", "lse"])
@@ -100,13 +102,13 @@ def make_plan(prob, backward: bool, gemm_path: str | None = None) -> Plan:
     """
     if gemm_path is None:
         gemm_path = active_gemm_path()
-    bs, _, d_head, seqlen_q = prob.q.shape
-    nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
+    dims = prob.dims
+    bs, d_head, seqlen_q, nheads_kv, seqlen_k = dims.bs, dims.d_head, dims.seqlen_q, dims.nheads_kv, dims.seqlen_k
     if max(seqlen_q, seqlen_k) >= 2 ** 31:
         raise ValueError(f"sequence lengths must be below 2**31, got seqlen_q={seqlen_q}, "
                          f"seqlen_k={seqlen_k}")
     # Zero-length sequences run the same kernels with empty loops.
-    cfg = setup_config(max(seqlen_q, 1), max(seqlen_k, 1), d_head, prob.v.shape[2])
+    cfg = setup_config(max(seqlen_q, 1), max(seqlen_k, 1), d_head, dims.d_head_v)
     fmt = _FORMAT["fp16"] if prob.is_fp16 else _FORMAT["bf16"] if prob.is_bf16 else ROUND_NONE
     round_acc = ROUND_NONE if prob.mixed_precision else fmt
     acc = accumulator_dtype(prob.dtype)
@@ -127,7 +129,7 @@ def make_plan(prob, backward: bool, gemm_path: str | None = None) -> Plan:
     return Plan(tiling=tiling, mask=mask, precision=Precision(round_kernel=fmt, round_acc=round_acc),
                 softmax_scale=acc.type(prob.softmax_scale), gemm=gemm,
                 dropout=make_dropout(prob.dropout_p, prob.seed, prob.seed_offset, acc),
-                acc=np.empty(0, dtype=acc), scores=make_scores(prob, acc))
+                acc=np.empty(0, dtype=acc), scores=make_scores(prob, acc), layout=int(prob.layout))
 
 
 _PLANS = Memo()
@@ -148,7 +150,7 @@ def shared_plan(prob, backward: bool) -> Plan:
     path = active_gemm_path()
     if prob.use_packing:
         return make_plan(prob, backward, path)
-    key = (prob.q.shape, prob.k.shape, prob.v.shape[2], prob.dtype, prob.mixed_precision, prob.use_causal_mask,
+    key = (prob.dims, prob.layout, prob.dtype, prob.mixed_precision, prob.use_causal_mask,
            prob.window, prob.softmax_scale, prob.dropout_p > 0.0, backward, prob.has_score_mods, prob.return_dbias,
            path)
     plan = _PLANS.get(key)

@@ -42,6 +42,7 @@ from ..dtypes import ROUND_BF16, ROUND_FP16, widen
 from ..jit import jit
 from ..linking import _plugin_key, call_or_raise, pack, unpack
 from .bundles import BwdInputs, FwdInputs
+from .heads import BHSD, BSHD, dims4
 from .launch import backward_items, forward_items
 from .matmul import flat
 from .table import kernel_address
@@ -206,27 +207,25 @@ def _is_float64_overload(acc):
 def exact_scores(args, _):
     """``out[0] = max |scale| * sum_d |q_d| |k_d|`` over every (query, key) pair of each q-head and
     its KV head, in float64: a bound of every partial sum of the kernels' score products.
-    ``args`` points to ``(q, k, scale, out)``. A plugin (:mod:`numbafa.kernels.table`): compiled
-    only for a call whose cheap bound does not fit (:data:`EXACT_SCORES`)."""
-    q, k, scale, out = unpack(args)
-    bs, nheads, d, seqlen_q = q.shape
-    nheads_kv, seqlen_k = k.shape[1], k.shape[3]
+    ``args`` points to ``(q, k, scale, layout, out)``. A plugin (:mod:`numbafa.kernels.table`):
+    compiled only for a call whose cheap bound does not fit (:data:`EXACT_SCORES`)."""
+    q, k, scale, layout, out = unpack(args)
+    bs, nheads, d, seqlen_q = dims4(q, layout)
+    _, nheads_kv, _, seqlen_k = dims4(k, layout)
     n_rep = nheads // nheads_kv
     largest = 0.0
     kk = np.empty((d, seqlen_k), dtype=np.float64)
     qq = np.empty((min(_ROWS, seqlen_q), d), dtype=np.float64)
     for b in range(bs):
         for h in range(nheads):
-            k_h = k[b, h // n_rep]
-            q_h = q[b, h]
             for x in range(d):
                 for j in range(seqlen_k):
-                    kk[x, j] = abs(np.float64(widen(k_h[x, j])))
+                    kk[x, j] = abs(np.float64(widen(_element(k, layout, b, h // n_rep, x, j))))
             for r in range(0, seqlen_q, _ROWS):
                 rows = min(_ROWS, seqlen_q - r)
                 for i in range(rows):
                     for x in range(d):
-                        qq[i, x] = abs(np.float64(widen(q_h[x, r + i])))
+                        qq[i, x] = abs(np.float64(widen(_element(q, layout, b, h, x, r + i))))
                 prod = np.dot(qq[:rows], kk)
                 for i in range(rows):
                     for j in range(seqlen_k):
@@ -234,10 +233,20 @@ def exact_scores(args, _):
     out[0] = largest * abs(np.float64(scale))
 
 
+@jit()
+def _element(x, layout, b, h, d, s):
+    """Element ``[b, h, d, s]`` (Neuron-order indices) of a 4-D array in ``layout``."""
+    if layout == BSHD:
+        return x[b, s, h, d]
+    if layout == BHSD:
+        return x[b, h, s, d]
+    return x[b, h, d, s]
+
+
 def exact_scores_plugin(ins, plan) -> list:
     """:func:`exact_scores` with sample arguments of the types the entries pass it, for
     :func:`numbafa.kernels.table.ensure_plugins`."""
-    return [(exact_scores, (ins.q, ins.k, plan.softmax_scale, np.zeros(1)))]
+    return [(exact_scores, (ins.q, ins.k, plan.softmax_scale, plan.layout, np.zeros(1)))]
 
 
 @jit()
@@ -252,12 +261,12 @@ def _check_range(plan, q, k, m_q, m_k, m_bias, status):
             status[0], status[1], status[3] = SCALED_Q, fmt, np.float64(scale * m_q).view(np.int64)
             return
     limit = _limit(plan.acc)
-    d_head = q.shape[2]
+    d_head = dims4(q, plan.layout)[2]
     margin = (1.0 + 2.0 ** -7) * (1.0 + d_head * 2.0 ** -23)    # q * scale rounded (bf16), the sums
     largest = scale * m_q * m_k * d_head * margin               # inf past float64: no error
     if largest >= limit:
         exact = np.zeros(1)
-        args = (q, k, plan.softmax_scale, exact)
+        args = (q, k, plan.softmax_scale, plan.layout, exact)
         address = kernel_address(_plugin_key(exact_scores, args))
         if address == 0:   # not compiled in this process yet: the caller compiles it and calls again
             status[0] = EXACT_SCORES
@@ -292,8 +301,8 @@ def _exponent(bound, plan, backward, status):
 @jit()
 def _backward_bound(plan, ins, m_q, m_k, m_v, m_o, m_dy):
     """A bound of every value the backward accumulates, for ``max|dy| = m_dy``."""
-    bs, nheads, _, seqlen_q = ins.q.shape
-    nheads_kv, d_v, seqlen_k = ins.v.shape[1], ins.v.shape[2], ins.v.shape[3]
+    bs, nheads, _, seqlen_q = dims4(ins.q, plan.layout)
+    _, nheads_kv, d_v, seqlen_k = dims4(ins.v, plan.layout)
     n_rep = nheads // nheads_kv
     keep = np.float64(plan.dropout.scale) if plan.dropout.active else 1.0
     scale = abs(np.float64(plan.softmax_scale))
@@ -371,7 +380,7 @@ def forward_entry(ins, outs, plan, items, exponent, status):
         m_k = _largest(flat(ins.k), _K, status) if m_q >= 0.0 else -1.0
         m_v = _largest(flat(ins.v), _V, status) if m_k >= 0.0 else -1.0
         m_s = _largest(flat(ins.sinks), _SINKS, status) if m_v >= 0.0 else -1.0
-        longest = max(ins.q.shape[3], ins.k.shape[3])
+        longest = max(dims4(ins.q, plan.layout)[3], dims4(ins.k, plan.layout)[3])
         m_bias = _largest_bias(plan.scores, longest, status) if m_s >= 0.0 else -1.0
         if status[0] != OK:
             return 0
@@ -379,7 +388,7 @@ def forward_entry(ins, outs, plan, items, exponent, status):
         if status[0] != OK:
             return 0
         keep = np.float64(plan.dropout.scale) if plan.dropout.active else 1.0
-        e = _exponent(ins.k.shape[3] * m_v * keep, plan, False, status)
+        e = _exponent(dims4(ins.k, plan.layout)[3] * m_v * keep, plan, False, status)
         if e < 0 or items.size == 0:   # (no items: the checks alone, for a Dask call's client)
             return max(e, 0)
     if e > 0:
@@ -405,7 +414,7 @@ def backward_entry(ins, outs, stats, plan, items, units, exponent, status):
         m_o = _largest(flat(ins.o), _O, status) if m_v >= 0.0 else -1.0
         m_dy = _largest(flat(ins.dy), _DY, status) if m_o >= 0.0 else -1.0
         m_s = _largest(flat(ins.sinks), _SINKS, status) if m_dy >= 0.0 else -1.0
-        longest = max(ins.q.shape[3], ins.k.shape[3])
+        longest = max(dims4(ins.q, plan.layout)[3], dims4(ins.k, plan.layout)[3])
         m_bias = _largest_bias(plan.scores, longest, status) if m_s >= 0.0 else -1.0
         if status[0] == OK:
             _lse_values(flat(ins.lse), status)

@@ -6,8 +6,8 @@ log(sum)`` per query row (sinks included in the sum), in float32.
 Loop nest: the launcher's ``prange`` over ``bs * nheads_kv`` work units (an odd number of
 units, fewer than 9, is split into two items each owning alternate Q groups:
 :func:`numbafa.schedule.q_chunks`; :mod:`.loops`); per unit K and V
-(``[d, seq]``, as given: no transposed copies, BLAS reads them transposed)
-serve every q-head of the GQA group; per q-head, Q groups of 4 x 128 rows,
+(``[d, seq]``: the Neuron layout's as given, BLAS reads them transposed; another layout's
+transposed into copies, :mod:`numbafa.kernels.heads`) serve every q-head of the GQA group; per q-head, Q groups of 4 x 128 rows,
 scaled at load; per group, K tiles of 512 keys with the online softmax
 (FlashAttention-2)::
 
@@ -51,6 +51,7 @@ from ..linking import _plugin_key, call_or_raise, pack, unpack
 from .common import load_scaled, store_transposed
 from .dropout import drop_tile
 from .fastexp import exp_of, log_of
+from .heads import NEURON, dims4, gather_head, head_rows, load_scaled_rows, store_rows
 from .loops import columns, decode_item, group_rows, input_operand, n_q_groups, owns_group, tile_operand, width
 from .mask import cut_by_mask, required_q_rows, static_key_range, visible_keys
 from .matmul import any_layout, gemm, row_sums
@@ -271,7 +272,11 @@ def fwd_q_group(plan, head, q_op, k_op, v_op, q_grp0, outs, scratch):
         fwd_k_tile(plan, head, q_op, k_op, v_op, q_grp0, k0, scratch)
     finalize_rows(scratch.o_acc, scratch.row_max, scratch.row_sum, rows,
                   outs.lse[head.batch, head.q_head, q_grp0:q_grp0 + rows])
-    store_transposed(scratch.o_acc, rows, outs.o[head.batch, head.q_head], q_grp0, plan.precision.round_kernel)
+    if plan.layout == NEURON:
+        store_transposed(scratch.o_acc, rows, outs.o[head.batch, head.q_head], q_grp0, plan.precision.round_kernel)
+    else:
+        store_rows(scratch.o_acc, rows, head_rows(outs.o, plan.layout, head.batch, head.q_head), q_grp0,
+                   plan.precision.round_kernel)
 
 
 @jit(apart=True)
@@ -316,15 +321,24 @@ def fwd_work_item(args, item):
     ``args`` points to the launcher's ``(ins, outs, plan)`` (:func:`numbafa.linking.pack`)."""
     ins, outs, plan = unpack(args)
     tiling = plan.tiling
-    _, nheads, d_head, seqlen_q = ins.q.shape
-    nheads_kv = ins.k.shape[1]
+    layout = plan.layout
+    _, nheads, d_head, seqlen_q = dims4(ins.q, layout)
+    _, nheads_kv, d_v, seqlen_k = dims4(ins.v, layout)
     n_rep = nheads // nheads_kv
     unit, chunk, batch, kv_head = decode_item(item, tiling.q_chunks, nheads_kv)
-    scratch = make_fwd_scratch(d_head, ins.v.shape[2], seqlen_q, plan)
-    # K and V stay [d, seq]: float32 inputs (and bf16 bits on the bf16 path) are used in place,
-    # bf16 ones widened once on the float32 paths.
-    k_op = input_operand(ins.k[batch, kv_head], plan, scratch.no_values, scratch.no_bits)
-    v_op = input_operand(ins.v[batch, kv_head], plan, scratch.no_values, scratch.no_bits)
+    scratch = make_fwd_scratch(d_head, d_v, seqlen_q, plan)
+    # K and V are [d, seq] operands: in the Neuron layout float32 inputs (and bf16 bits on the
+    # bf16 path) are used in place, bf16 ones widened once on the float32 paths; an s-major
+    # layout's heads are transposed into [d, seq] copies first (numbafa.kernels.heads).
+    if layout == NEURON:
+        k_in, v_in = ins.k[batch, kv_head], ins.v[batch, kv_head]
+    else:
+        k_in = np.empty((d_head, seqlen_k), dtype=ins.k.dtype)
+        v_in = np.empty((d_v, seqlen_k), dtype=ins.v.dtype)
+        gather_head(head_rows(ins.k, layout, batch, kv_head), 0, seqlen_k, k_in)
+        gather_head(head_rows(ins.v, layout, batch, kv_head), 0, seqlen_k, v_in)
+    k_op = input_operand(k_in, plan, scratch.no_values, scratch.no_bits)
+    v_op = input_operand(v_in, plan, scratch.no_values, scratch.no_bits)
     n_groups = n_q_groups(seqlen_q, tiling)
     for r in range(n_rep):
         h = kv_head * n_rep + r
@@ -333,8 +347,12 @@ def fwd_work_item(args, item):
         for i_group in range(n_groups):
             if owns_group(i_group, n_groups, chunk, tiling.q_chunks):
                 q_grp0, rows = group_rows(i_group, seqlen_q, tiling)
-                load_scaled(ins.q[batch, h], q_grp0, rows, scratch.q_s, plan.softmax_scale,
-                            plan.precision.round_kernel)
+                if layout == NEURON:
+                    load_scaled(ins.q[batch, h], q_grp0, rows, scratch.q_s, plan.softmax_scale,
+                                plan.precision.round_kernel)
+                else:
+                    load_scaled_rows(head_rows(ins.q, layout, batch, h), q_grp0, rows, scratch.q_s,
+                                     plan.softmax_scale, plan.precision.round_kernel)
                 q_op = tile_operand(any_layout(scratch.q_s[:, :rows]), scratch.q_bits, scratch.no_values,
                                     scratch.no_bits, plan.gemm.bits)
                 fwd_q_group(plan, head, q_op, k_op, v_op, q_grp0, outs, scratch)

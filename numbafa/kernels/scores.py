@@ -73,8 +73,8 @@ def make_scores(prob, acc):
         return ScoreMods(active=False, softcap=acc.type(0.0), inv_softcap=acc.type(0.0), bias=empty4,
                          alibi=np.zeros((0, 0), dtype=acc), offset=0, dbias=empty4, serial_batch=False,
                          serial_heads=False)
-    bs, nheads, _, seqlen_q = prob.q.shape
-    nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
+    dims = prob.dims
+    bs, seqlen_q, nheads_kv, seqlen_k = dims.bs, dims.seqlen_q, dims.nheads_kv, dims.seqlen_k
     bias = prob.bias if prob.bias is not None else np.zeros((0, 0, 0, 0), dtype=acc)
     alibi = prob.alibi if prob.alibi is not None else np.zeros((0, 0), dtype=acc)
     dbias = np.zeros(bias.shape if prob.return_dbias else (0, 0, 0, 0), dtype=acc)
