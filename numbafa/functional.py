@@ -7,9 +7,13 @@
 
 The context keeps what the backward needs -- q, k, v, o, lse and the
 options -- and nothing quadratic in the sequence length (never P). It keeps
-*views* of the caller's arrays, not copies, so it also keeps a CRC-32 of
-each of them: an array changed in place between the forward and the
+the caller's arrays, not copies, so it also keeps a fingerprint of each
+(``fingerprint``): an array changed in place between the forward and the
 backward is reported instead of silently changing the gradients.
+
+The kernels run on the caller's arrays in their own layout (``bshd`` or
+``bhsd``, C-contiguous: no copy; :mod:`numbafa.kernels.heads`), and ``o`` and the
+gradients come back C-contiguous in it.
 
 Errors name the caller's arguments (``q``, ``do``, ...) and give shapes in
 the caller's layout: the execution core (:mod:`numbafa.core`) validates with
@@ -19,12 +23,13 @@ this module's :class:`~numbafa.options.Caller`.
 from __future__ import annotations
 
 import dataclasses
-import zlib
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import core
+from .jit import jit
 from .layout import LAYOUTS, from_neuron, to_neuron
 from .options import AttentionOptions, Caller
 
@@ -35,9 +40,55 @@ NAMES = {"q_ref": "q", "k_ref": "k", "v_ref": "v", "sinks_ref": "sinks", "o_ref"
          "lse_ref": "ctx.lse"}
 
 
-def _crc32(x: np.ndarray) -> int:
-    """CRC-32 of the array's bytes in C order (a contiguous copy first if it is a strided view)."""
-    return zlib.crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+#: Arrays of at most this many elements are fingerprinted whole; larger ones by this many
+#: elements: :data:`FINGERPRINT_RUNS` runs of consecutive elements, one in each of as many equal
+#: stretches of the array (a run is one or two cache lines: few memory accesses).
+FINGERPRINT_SAMPLES = 4096
+FINGERPRINT_RUNS = 256
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@jit(entry=True)
+def _fingerprint(words, runs, seed):
+    """A 64-bit FNV-1a-style hash of elements of ``words`` and their positions: every element when
+    ``runs`` is 0, else a run of ``FINGERPRINT_SAMPLES // runs`` elements at a pseudo-random
+    place (splitmix64 of ``seed``) in each of ``runs`` equal stretches."""
+    h = np.uint64(0xCBF29CE484222325)
+    prime = np.uint64(0x100000001B3)
+    if runs == 0:
+        for j in range(words.size):
+            h = (h ^ np.uint64(words[j])) * prime
+        return h
+    length = FINGERPRINT_SAMPLES // runs
+    stretch = words.size // runs
+    places = np.uint64(stretch - length + 1)
+    for i in range(runs):
+        z = np.uint64(seed) + np.uint64(i) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        start = i * stretch + np.int64((z ^ (z >> np.uint64(31))) % places)
+        h = (h ^ np.uint64(start)) * prime
+        for j in range(start, start + length):
+            h = (h ^ np.uint64(words[j])) * prime
+    return h
+
+
+def fingerprint(x: np.ndarray, seed: int) -> int:
+    """A fingerprint of the values of ``x`` (their bit patterns, in C order): all of them for an
+    array of at most ``S`` = :data:`FINGERPRINT_SAMPLES` elements, else ``S`` of them: a run of
+    ``S / R`` consecutive elements, placed at random by ``seed`` (each context draws its own),
+    in each of ``R`` = :data:`FINGERPRINT_RUNS` equal stretches. O(S) work whatever the size.
+
+    It detects for certain a change of a small array, or of any contiguous part of at least
+    ``2 n / R`` elements of a large one (a new batch written into the same buffer, ``x *= 2``,
+    an optimizer step); a change of a fraction ``f`` of scattered elements with probability
+    about ``1 - (1 - f)**S`` (``f = 0.1 %``: 98 %); a single changed element of a large array
+    with probability ``S / n``."""
+    flat = x.reshape(-1) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(-1)
+    words = flat.view(_UINT[flat.itemsize])
+    runs = 0 if flat.size <= FINGERPRINT_SAMPLES else FINGERPRINT_RUNS
+    return int(_fingerprint(words, runs, seed))
 
 
 @dataclass(frozen=True)
@@ -56,9 +107,11 @@ class AttentionContext:
     layout : str
         Layout of the caller's arrays, used for ``do`` and the gradients.
     checksums : dict
-        CRC-32 of q, k, v, o (and sinks, bound_min, bound_max when given),
-        taken by the forward; :meth:`backward` raises ``ValueError`` if one
-        of these arrays changed since. Empty: no check.
+        ``fingerprint`` of q, k, v, o (and sinks, bound_min, bound_max, bias, alibi_slopes
+        when given), taken by the forward; :meth:`backward` raises ``ValueError`` if one of
+        these arrays changed since. Empty: no check.
+    seed : int
+        The fingerprints' random choice of samples (``fingerprint``).
     """
 
     q: np.ndarray
@@ -69,12 +122,13 @@ class AttentionContext:
     options: AttentionOptions = field(default_factory=AttentionOptions)
     layout: str = "bshd"
     checksums: dict = field(default_factory=dict)
+    seed: int = 0
 
     def _watched(self) -> dict:
         """The arrays the checksums cover, by the caller's names, as the caller holds them."""
         arrays = {name: from_neuron(x, self.layout) for name, x in
                   (("q", self.q), ("k", self.k), ("v", self.v))}
-        arrays["o"] = self.o  # ours, returned to the caller as a view
+        arrays["o"] = from_neuron(self.o, self.layout)   # ours, returned to the caller
         for name, x in self.options.arrays().items():
             if x is not None:
                 arrays[name] = x
@@ -83,13 +137,13 @@ class AttentionContext:
     def _check_unchanged(self) -> None:
         arrays = self._watched()
         for name, expected in self.checksums.items():
-            actual = _crc32(arrays[name])
+            actual = fingerprint(arrays[name], self.seed)
             if actual != expected:
                 raise ValueError(
-                    f"{name} was modified in place after numbafa.attention() returned (CRC-32 "
-                    f"0x{expected:08x} at the forward, 0x{actual:08x} now): the context keeps views of "
-                    f"the forward's arrays, so the gradients would mix old and new values; pass a copy to "
-                    f"attention() or call it again after the change")
+                    f"{name} was modified in place after numbafa.attention() returned (fingerprint "
+                    f"0x{expected:016x} at the forward, 0x{actual:016x} now): the context keeps the "
+                    f"forward's arrays, not copies, so the gradients would mix old and new values; pass a copy "
+                    f"to attention() or call it again after the change")
 
     def backward(self, do, return_dbias=False):
         """Gradients of the loss with respect to q, k, v (and sinks, and the bias).
@@ -172,6 +226,7 @@ def attention(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_ma
     options = AttentionOptions(sinks, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
                                sliding_window, dropout_p, seed, seed_offset, bias, alibi_slopes, softcap)
     o, lse = core.attention_fwd(qn, kn, vn, options, caller)   # checks the options (and the backward again)
-    ctx = AttentionContext(qn, kn, vn, o, lse, options, layout)
-    checksums = {name: _crc32(x) for name, x in ctx._watched().items()}
+    seed = int.from_bytes(os.urandom(8), "little") >> 1   # (an int64)
+    ctx = AttentionContext(qn, kn, vn, o, lse, options, layout, seed=seed)
+    checksums = {name: fingerprint(x, seed) for name, x in ctx._watched().items()}
     return from_neuron(o, layout), dataclasses.replace(ctx, checksums=checksums)

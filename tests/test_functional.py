@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import pathlib
+import re
 
 import numpy as np
 import pytest
 
 import numbafa
-from numbafa import golden, layout
+from numbafa import functional, golden, layout
 
 from _tolerances import FLOAT32, FLOAT64, assert_close
 
@@ -179,8 +180,9 @@ WATCHED = ["q", "k", "v", "o", "sinks", "bound_min", "bound_max"]
 
 @pytest.mark.parametrize("changed", WATCHED)
 def test_inputs_changed_in_place_before_backward_are_detected(changed):
-    """The context keeps views of the caller's arrays: an in-place change would silently change
-    the gradients, so the backward compares checksums taken by the forward."""
+    """The context keeps the caller's arrays, not copies: an in-place change would silently change
+    the gradients, so the backward compares fingerprints taken by the forward (whole arrays at
+    this size: one changed element is always seen)."""
     q, k, v = (x.copy() for x in (Q, K, V))
     arrays = dict(q=q, k=k, v=v, sinks=np.ones((1, 4), np.float32),
                   bound_min=np.zeros(64, np.float32), bound_max=np.full(64, 64, np.float32))
@@ -196,7 +198,43 @@ def test_inputs_changed_in_place_before_backward_are_detected(changed):
         ctx.backward(do)
     message = str(info.value)
     assert message.startswith(f"{changed} was modified in place after numbafa.attention() returned")
-    assert "CRC-32 0x" in message and "at the forward" in message and "now" in message
+    assert re.search(r"\(fingerprint 0x[0-9a-f]{16} at the forward, 0x[0-9a-f]{16} now\)", message), message
+
+
+@pytest.mark.parametrize("change", ["scale", "new batch", "one run"])
+def test_large_inputs_changed_in_place_are_detected(change):
+    """Past FINGERPRINT_SAMPLES elements the fingerprint samples runs of elements; the changes a
+    training loop makes -- ``x *= 2``, a new batch written into the same buffer, any contiguous
+    part of at least 2 n / FINGERPRINT_RUNS elements -- are seen whatever the seed."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 256, 2, 32)).astype(np.float32) for _ in range(3))
+    assert q.size > 4 * functional.FINGERPRINT_SAMPLES
+    for _ in range(5):                             # five contexts, five seeds
+        o, ctx = numbafa.attention(q, k, v, use_causal_mask=True)
+        if change == "scale":
+            k *= 2
+        elif change == "new batch":
+            k[...] = rng.standard_normal(k.shape)
+        else:
+            part = 2 * k.size // functional.FINGERPRINT_RUNS
+            start = int(rng.integers(0, k.size - part))
+            k.reshape(-1)[start:start + part] += 1.0
+        with pytest.raises(ValueError, match="^k was modified in place"):
+            ctx.backward(np.ones_like(o))
+
+
+def test_fingerprint_covers_every_element_of_small_arrays_and_the_values_bits():
+    x = np.zeros(functional.FINGERPRINT_SAMPLES, np.float32)
+    base = functional.fingerprint(x, 1)
+    assert functional.fingerprint(x, 1) == base                     # deterministic
+    for i in range(x.size):                                         # every element counts
+        y = x.copy()
+        y[i] = -0.0                                                 # a bit pattern, not a value, changes
+        assert functional.fingerprint(y, 1) != base, i
+    big = np.arange(10 * functional.FINGERPRINT_SAMPLES, dtype=np.float64)
+    assert functional.fingerprint(big, 1) != functional.fingerprint(big, 2)   # the seed places the runs
+    view = big.reshape(40, -1)[:, ::2]                              # a strided view: its values in C order
+    assert functional.fingerprint(view, 3) == functional.fingerprint(np.ascontiguousarray(view), 3)
 
 
 def test_empty_batch_through_attention():
