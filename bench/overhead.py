@@ -5,15 +5,16 @@
 For one shape (default B1 H1 S128 D64, causal, float32) it times, alternating
 in rounds (medians of each round's mean over a run of calls of >= 20 ms):
 
-* ``kernel``: the launcher alone on prebuilt bundles, from ``@njit`` code
-  (:mod:`numbafa.nb` adds its own checks: this is the kernel and its launch);
+* ``kernel``: the same call from ``@njit`` code, ``numbafa.nb.attention_fwd`` /
+  ``attention_bwd`` in a jitted loop: the compiled entry (value and range
+  checks, launch, output checks) and nb's own checks, no Python;
 * ``numbafa``: ``numbafa.attention_fwd`` / ``attention_bwd`` (validation,
   plan, BLAS pin, allocation, launch, conversion);
 * ``numbafa.torch``: the custom operator's forward (no grad) and a whole
   forward + backward through autograd, if torch is installed.
 
-* ``python``: ``numbafa.attention_fwd`` / ``attention_bwd`` with the launch
-  replaced by nothing: all the Python work of a call (validation, plan,
+* ``python``: ``numbafa.attention_fwd`` / ``attention_bwd`` with the compiled
+  entry replaced by nothing: all the Python work of a call (validation, plan,
   BLAS pin, allocation, conversion) without the kernel.
 
 The fixed cost is ``numbafa - kernel``, each pass; BLAS stays pinned around
@@ -32,24 +33,8 @@ import numba
 import numpy as np
 
 import numbafa
-from numbafa.kernels import launch
+from numbafa import nb
 from numbafa.blas import single_threaded_blas
-from numbafa.kernels.backward import bwd_work_item, flash_attn_bwd, new_bwd_stats
-from numbafa.kernels.bundles import BwdEntries, BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, make_plan
-from numbafa.kernels.forward import flash_attn_fwd, fwd_work_item
-from numbafa.kernels.launch import work_item_address
-from numbafa.options import AttentionOptions
-from numbafa.validation import validate_bwd_inputs
-
-
-@numba.njit
-def _fwd_kernel(ins, outs, plan, item, items):
-    flash_attn_fwd(ins, outs, plan, item, items)
-
-
-@numba.njit
-def _bwd_kernel(ins, outs, stats, plan, entries, items, units):
-    flash_attn_bwd(ins, outs, stats, plan, entries, items, units)
 
 
 def _per_call(fn) -> float:
@@ -65,38 +50,53 @@ def _per_call(fn) -> float:
     return elapsed / n
 
 
+@numba.njit
+def _nb_fwd_loop(n, plan, q, k, v, o, lse):
+    for _ in range(n):
+        nb.attention_fwd(plan, q, k, v, o, lse)
+
+
+@numba.njit
+def _nb_bwd_loop(n, plan, q, k, v, o, dy, lse, dq, dk, dv):
+    for _ in range(n):
+        nb.attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv)
+
+
+def _timed_loop(loop, *args) -> float:
+    """Seconds per call of an njit loop of ``n`` calls, ``n`` doubled until the loop lasts >= 20 ms."""
+    loop(1, *args)
+    n = 1
+    while True:
+        t0 = time.perf_counter()
+        loop(n, *args)
+        elapsed = time.perf_counter() - t0
+        if elapsed >= 0.02:
+            return elapsed / n
+        n *= 2
+
+
 def _kernels(q, k, v, dy, causal):
-    """Launcher-only callables of both passes, on bundles built once."""
-    o, lse = numbafa.attention_fwd(q, k, v, use_causal_mask=causal, lse_layout="natural")
-    prob = validate_bwd_inputs(q, k, v, o, dy, lse, AttentionOptions(use_causal_mask=causal))
-    fplan, bplan = make_plan(prob, backward=False), make_plan(prob, backward=True)
-    fins = FwdInputs(prob.q, prob.k, prob.v, prob.sinks)
-    fouts = FwdOutputs(np.empty(q.shape, np.float32), np.empty(lse.shape, np.float32))
-    fitem = work_item_address(fwd_work_item, (fins, fouts, fplan))
-    fitems = np.arange(q.shape[0] * k.shape[1] * fplan.tiling.q_chunks)
-    bins = BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks)
-    d, sk = q.shape[2], k.shape[3]
-    part = (1, 1, d, 0)
-    bouts = BwdOutputs(np.empty(q.shape, np.float32), np.empty(k.shape, np.float32),
-                       np.empty(k.shape, np.float32), np.empty(prob.sinks.shape, np.float32),
-                       np.empty(part, np.float32), np.empty(part, np.float32))
-    stats = new_bwd_stats(bins)
-    assert bplan.tiling.q_chunks == 1 and prob.sinks.shape[2] == 0, "choose a shape without a finish"
-    entries = BwdEntries(work_item_address(bwd_work_item, (bins, bouts, stats, bplan)), 0)
-    bitems, units = np.arange(q.shape[0] * k.shape[1]), np.arange(0)
-    return ((lambda: _fwd_kernel(fins, fouts, fplan, fitem, fitems)),
-            (lambda: _bwd_kernel(bins, bouts, stats, bplan, entries, bitems, units)), o, lse)
+    """The same calls from ``@njit`` code (numbafa.nb: the compiled entries, their checks and
+    launch, none of the Python API's work), as callables of one run of calls each."""
+    o, lse = numbafa.attention_fwd(q, k, v, use_causal_mask=causal)
+    plan = nb.plan(q, k, v, use_causal_mask=causal)
+    o_nb, lse_nb = np.empty_like(o), np.empty_like(lse)
+    grads = (np.empty_like(q), np.empty_like(k), np.empty_like(v))
+    return ((lambda: _timed_loop(_nb_fwd_loop, plan, q, k, v, o_nb, lse_nb)),
+            (lambda: _timed_loop(_nb_bwd_loop, plan, q, k, v, o, dy, lse, *grads)), o, lse)
 
 
 def _without_kernel(fn):
-    """``fn`` with the launchers replaced by nothing (:func:`numbafa.kernels.launch._launch`)."""
+    """``fn`` with the compiled entries replaced by nothing (:func:`numbafa.core.call_entry`)."""
+    from numbafa import core
+
     def call():
-        real = launch._launch
-        launch._launch = lambda *args, **kwargs: None
+        real = core.call_entry
+        core.call_entry = lambda *args, **kwargs: 0
         try:
             fn()
         finally:
-            launch._launch = real
+            core.call_entry = real
     return call
 
 
@@ -144,7 +144,7 @@ def main(argv=None):
         for name, fn in calls.items():
             if name.startswith("kernel"):
                 with single_threaded_blas():
-                    times[name].append(_per_call(fn))
+                    times[name].append(fn())
             else:
                 times[name].append(_per_call(fn))
     med = {name: float(np.median(ts)) * 1e6 for name, ts in times.items()}

@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 
 import numbafa
-from numbafa.layout import cu_seqlens_to_bounds
+from numbafa.layout import cu_seqlens_to_bounds, from_neuron_perm
 
 from shapes import HEAD_DIM_SHAPES, SHAPES, flops, make_inputs
 
@@ -232,6 +232,28 @@ def test_dropout(benchmark, request, pass_, profile_of_case, shape, dtype):
                 rounds=PROFILES[profile_of_case][3])
 
 
+@pytest.mark.parametrize("layout", ["neuron", "bhsd", "bshd"])
+@pytest.mark.parametrize("profile_of_case", list(PROFILES))
+def test_layouts(benchmark, request, profile_of_case, layout):
+    """numbafa.attention forward + ctx.backward (float32, causal) on arrays in each layout: the
+    kernels read the caller's layout in place (compare the three in one run)."""
+    _skip_other_profiles(request, profile_of_case)
+    _, bs, h, hkv, s, d, _ = PROFILES[profile_of_case][0][0]
+    rng = np.random.default_rng(0)
+    q, do = (rng.standard_normal(from_neuron_shape((bs, h, d, s), layout), dtype=np.float32) for _ in range(2))
+    k, v = (rng.standard_normal(from_neuron_shape((bs, hkv, d, s), layout), dtype=np.float32) for _ in range(2))
+
+    def step():
+        o, ctx = numbafa.attention(q, k, v, use_causal_mask=True, layout=layout)
+        return ctx.backward(do)
+    step()
+    benchmark.group = f"layouts {PROFILES[profile_of_case][0][0][0]}"
+    ceilings = _with_ceilings(benchmark, step, d, PROFILES[profile_of_case][3])
+    causal = dict(use_causal_mask=True)
+    _run_info(benchmark, flops("forward", bs, h, s, d, causal) + flops("backward", bs, h, s, d, causal), d,
+              ceilings=ceilings)
+
+
 @pytest.mark.parametrize("profile_of_case", list(PROFILES))
 def test_torch_adapter(benchmark, request, profile_of_case):
     """numbafa.torch.attention forward and backward through autograd (float32, causal)."""
@@ -251,6 +273,11 @@ def test_torch_adapter(benchmark, request, profile_of_case):
     causal = dict(use_causal_mask=True)
     _run_info(benchmark, flops("forward", bs, h, s, d, causal) + flops("backward", bs, h, s, d, causal), d,
               ceilings=ceilings)
+
+
+def from_neuron_shape(shape: tuple, layout: str) -> tuple:
+    """A Neuron-order shape ``(b, h, d, s)`` as arrays of ``layout`` have it."""
+    return tuple(shape[axis] for axis in from_neuron_perm(layout))
 
 
 COLD_CALL = """
