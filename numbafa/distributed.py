@@ -140,15 +140,16 @@ RETRY_WAIT = 0.25
 
 def _retried(call, what: str):
     """``call()``, again on the workers there are then when a worker is lost under it (a broken
-    connection: ``CommClosedError``, an ``OSError``), up to ``MAX_ATTEMPTS`` times."""
+    connection: ``CommClosedError``, an ``OSError``; or a ``KeyError`` from the scheduler, which
+    replicates a broadcast to a worker that has just left), up to ``MAX_ATTEMPTS`` times."""
     for attempt in range(MAX_ATTEMPTS - 1):
         try:
             return call()
-        except OSError:
+        except (OSError, KeyError):
             time.sleep(RETRY_WAIT * (attempt + 1))
     try:
         return call()
-    except OSError as exc:
+    except (OSError, KeyError) as exc:
         raise RuntimeError(f"{what} failed {MAX_ATTEMPTS} times: a worker was lost each time ({exc})") from exc
 
 

@@ -575,3 +575,25 @@ def test_a_share_that_kills_its_worker_every_time_says_what_happened(client):
                 break
         client.wait_for_workers(2, timeout=120)
     assert_bitwise(nd.attention_bwd(client, **inputs), numbafa.attention_bwd(**inputs))
+
+
+@pytest.mark.parametrize("error", [OSError("connection closed"), KeyError("tcp://127.0.0.1:1")])
+def test_a_scatter_that_meets_a_leaving_worker_is_sent_again(monkeypatch, error):
+    """A broken connection, or the scheduler's KeyError for a worker that left while it
+    replicated a broadcast: the call is made again, and after MAX_ATTEMPTS it says so."""
+    from numbafa import distributed as dist
+
+    monkeypatch.setattr(dist, "RETRY_WAIT", 0.0)
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < dist.MAX_ATTEMPTS:
+            raise error
+        return "sent"
+    assert dist._retried(flaky, "scattering") == "sent" and len(calls) == dist.MAX_ATTEMPTS
+
+    def broken():
+        raise error
+    with pytest.raises(RuntimeError, match=f"^scattering failed {dist.MAX_ATTEMPTS} times: a worker was lost"):
+        dist._retried(broken, "scattering")
