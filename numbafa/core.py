@@ -27,10 +27,13 @@ from .kernels.table import ensure_plugins
 from .kernels.launch import call_entry, needs_finish, prepare_backward, prepare_forward
 from .kernels.scores import n_backward_items
 from .layout import lse_to_neuron
+from .memo import Memo
+from .onednn import active_gemm_path
 from .options import AttentionOptions, Caller
 from .runtime import kernel_call
 from .tiling import Q_TILE
-from .validation import KERNEL_LAYOUT_PERMS, neuron_shape, validate_bwd_inputs, validate_fwd_inputs
+from .validation import (KERNEL_LAYOUT_PERMS, as_kernel_array, kernel_lse, neuron_shape, validate_bwd_inputs,
+                         validate_fwd_inputs)
 
 __all__ = ["LSE_LAYOUTS", "attention_bwd", "attention_fwd", "check_lse_layout", "lse_out", "raise_status",
            "run_bwd", "run_fwd", "to_dtype", "user_dbias", "user_dsinks", "bwd_outputs"]
@@ -166,6 +169,12 @@ def run_fwd(ins: FwdInputs, plan, items=None, n_threads=None, exponent=-1, signa
                       np.empty((nb, nheads, seqlen_q), dtype=acc))
     if items is None:
         items = _all(nb * nheads_kv * plan.tiling.q_chunks)
+    e, status = _launch_fwd(ins, outs, plan, items, n_threads, exponent, signature)
+    return outs, e, status
+
+
+def _launch_fwd(ins, outs, plan, items, n_threads, exponent, signature):
+    """The forward entry on allocated outputs (:func:`run_fwd`): ``(e, status)``."""
     status = np.zeros(STATUS_WORDS, dtype=np.int64)
     with kernel_call("forward", _dtype_name(ins, plan)), _on_threads(n_threads):
         prepare_forward(ins, outs, plan, signature)
@@ -174,7 +183,7 @@ def run_fwd(ins: FwdInputs, plan, items=None, n_threads=None, exponent=-1, signa
             ensure_plugins(exact_scores_plugin(ins, plan))
             status[:] = 0
             e = call_entry(forward_entry, (ins, outs, plan, items, exponent, status), signature)
-    return outs, e, status
+    return e, status
 
 
 def run_bwd(ins: BwdInputs, plan, items=None, units=None, n_threads=None, state=None, exponent=-1,
@@ -260,20 +269,110 @@ def _signature(prob) -> tuple:
     return ("core", prob.q.dtype.char)
 
 
+# --- remembered calls --------------------------------------------------------------------
+#
+# Small models make thousands of calls with one shape. A call with no option arrays (sinks,
+# packing bounds, a bias, ALiBi slopes) and no dropout depends on its arrays' metadata and the
+# scalar options only, up to the values, which the compiled entry checks on every call: what
+# the first such call derived from them -- the checks passed, the layout, the plan -- is
+# remembered as a recipe (:class:`_Recipe`), and a later call with the same key (:func:`_call_key`)
+# runs the entry straight away. Any failure reported by the entry is raised by the full path,
+# which runs the call again and words the error.
+
+class _Recipe:
+    """What a remembered call needs: the kernel layout code, the plan, the empty sinks, the
+    work items (and units to finish), the input dtype, the natural lse shape, the shapes of the
+    forward's outputs, the entry's signature, and whether the kernels took the arrays as they are
+    (:func:`_kernel_arrays`)."""
+
+    __slots__ = ("layout", "perm", "plan", "sinks", "items", "units", "dtype", "lse_shape", "o_shape",
+                 "signature", "as_they_are", "bits", "bwd_shapes")
+
+    def __init__(self, prob, plan, arrays: tuple, kernel_arrays: tuple, items, units=None, state=None):
+        self.layout, self.plan, self.sinks, self.items, self.units = prob.layout, plan, prob.sinks, items, units
+        self.perm = KERNEL_LAYOUT_PERMS[prob.layout] if prob.layout else None
+        self.dtype, self.signature = prob.dtype, _signature(prob)
+        dims = prob.dims
+        self.lse_shape = (dims.bs, dims.nheads, dims.seqlen_q)
+        self.o_shape = _in_layout((dims.bs, dims.nheads, dims.d_head_v, dims.seqlen_q), prob.layout)
+        # the backward's outputs and statistics (:func:`bwd_outputs`, :func:`new_bwd_stats`)
+        self.bwd_shapes = None if state is None else tuple(tuple(x.shape for x in part) for part in state)
+        self.bits = kernel_arrays[0].dtype != prob.dtype   # bf16 as uint16 bits
+        self.as_they_are = all(x.flags.writeable and kx.dtype.itemsize == x.dtype.itemsize
+                               and kx.__array_interface__["data"][0] == x.__array_interface__["data"][0]
+                               for x, kx in zip(arrays, kernel_arrays))
+
+
+def _kernel_arrays(arrays: tuple, recipe: _Recipe) -> tuple:
+    """The kernels' views of a remembered call's 4-D arrays: the arrays themselves, in the kernel
+    layout (and bf16 as bits), when the first call took them so; else
+    :func:`~numbafa.validation.as_kernel_array` (a copy, a widening, a writable view)."""
+    if not recipe.as_they_are:
+        return tuple(as_kernel_array(x, recipe.layout) for x in arrays)
+    if recipe.perm is not None:
+        arrays = tuple(x.transpose(recipe.perm) for x in arrays)
+    return tuple(x.view(np.uint16) for x in arrays) if recipe.bits else arrays
+
+
+_RECIPES = Memo()
+
+
+def _call_key(arrays: tuple, options: AttentionOptions, backward: bool, lse_layout: str):
+    """The key of a call that can be remembered (:class:`_Recipe`), else None: each array's
+    type, shape, strides, dtype and flags (the kernels' views of them follow), the scalar options,
+    the pass, the lse layout and the GEMM path."""
+    if (options.sinks is not None or options.bound_min is not None or options.bound_max is not None
+            or options.bias is not None or options.alibi_slopes is not None
+            or type(options.dropout_p) not in (int, float) or options.dropout_p != 0):
+        return None
+    parts = []
+    for x in arrays:
+        if type(x) is not np.ndarray:
+            return None
+        flags = x.flags
+        parts.append((x.shape, x.strides, x.dtype, flags.aligned, flags.writeable))
+    scalars = options.scalar_key()
+    return None if scalars is None else (tuple(parts), scalars, backward, lse_layout, active_gemm_path())
+
+
+def _remember(key, recipe) -> None:
+    """Remember the :class:`_Recipe` ``recipe()`` for ``key`` (None: not to be remembered)."""
+    if key is not None:
+        recipe = recipe()
+        if not recipe.plan.scores.active and not recipe.plan.dropout.active:
+            _RECIPES.put(key, recipe)
+
+
+def _fwd_outputs(outs, dtype, layout: int, lse_layout: str) -> tuple:
+    return _as_neuron(to_dtype(outs.o, dtype, "o"), layout), lse_out(outs.lse, lse_layout)
+
+
 def attention_fwd(q, k, v, options: AttentionOptions, caller: Caller, lse_layout: str = "natural"):
     """The forward of a whole problem: ``(o, lse)``, ``o`` in the inputs' dtype, lse in ``lse_layout``.
 
     ``q, k, v``: Neuron-layout NumPy arrays; ``options`` as the user gave them (checked here);
     ``caller``: names and layout for the messages.
     """
+    key = _call_key((q, k, v), options, False, lse_layout)
+    recipe = _RECIPES.get(key)
+    if recipe is not None:
+        acc = recipe.plan.acc.dtype
+        outs = FwdOutputs(np.empty(recipe.o_shape, acc), np.empty(recipe.lse_shape, acc))
+        _, status = _launch_fwd(FwdInputs(*_kernel_arrays((q, k, v), recipe), recipe.sinks), outs, recipe.plan,
+                                recipe.items, None, -1, recipe.signature)
+        if not status[0]:
+            return _fwd_outputs(outs, recipe.dtype, recipe.layout, lse_layout)
     check_lse_layout(lse_layout)
     prob = validate_fwd_inputs(q, k, v, options, caller, any_layout=True)
     check_lse_layout(lse_layout, prob.dims.seqlen_q)
     plan = shared_plan(prob, backward=False)
-    outs, _, status = run_fwd(FwdInputs(prob.q, prob.k, prob.v, prob.sinks), plan, signature=_signature(prob))
+    items = _all(prob.dims.bs * prob.dims.nheads_kv * plan.tiling.q_chunks)
+    ins = FwdInputs(prob.q, prob.k, prob.v, prob.sinks)
+    outs, _, status = run_fwd(ins, plan, items=items, signature=_signature(prob))
     if status[0]:
         raise_status(status, prob, caller)
-    return _as_neuron(to_dtype(outs.o, prob.dtype, "o"), prob.layout), lse_out(outs.lse, lse_layout)
+    _remember(key, lambda: _Recipe(prob, plan, (q, k, v), ins[:3], items))
+    return _fwd_outputs(outs, prob.dtype, prob.layout, lse_layout)
 
 
 #: The permutation from each kernel layout (by code) back to the Neuron layout.
@@ -285,17 +384,38 @@ def _as_neuron(x: np.ndarray, layout: int) -> np.ndarray:
     return x.transpose(_TO_NEURON[layout]) if layout else x
 
 
+def _grads(outs, dtype, layout: int) -> tuple:
+    return tuple(_as_neuron(to_dtype(getattr(outs, name), dtype, name), layout) for name in ("dq", "dk", "dv"))
+
+
 def attention_bwd(q, k, v, o, dy, lse, options: AttentionOptions, caller: Caller) -> tuple:
     """The backward of a whole problem: ``(dq, dk, dv)`` in the inputs' dtype, ``+ (dsinks,)``
     in the sinks' shape and dtype when there are sinks, ``+ (dbias,)`` in the bias's shape and
     dtype when ``options.return_dbias``. Arguments as :func:`attention_fwd`."""
+    key = _call_key((q, k, v, o, dy, lse), options, True, "")
+    recipe = _RECIPES.get(key)
+    if recipe is not None:
+        ins = BwdInputs(*_kernel_arrays((q, k, v, o, dy), recipe), kernel_lse(lse, recipe.lse_shape), recipe.sinks)
+        acc = recipe.plan.acc.dtype
+        outs_shapes, stats_shapes = recipe.bwd_shapes
+        state = (BwdOutputs(*(np.empty(shape, acc) for shape in outs_shapes)),
+                 BwdStats(*(np.empty(shape, acc) for shape in stats_shapes)))
+        outs, _, _, status = run_bwd(ins, recipe.plan, items=recipe.items, units=recipe.units, state=state,
+                                     signature=recipe.signature)
+        if not status[0]:
+            return _grads(outs, recipe.dtype, recipe.layout)
     prob = validate_bwd_inputs(q, k, v, o, dy, lse, options, caller, any_layout=True)
     plan = shared_plan(prob, backward=True)
-    outs, _, _, status = run_bwd(BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks), plan,
-                                 signature=_signature(prob))
+    ins = BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks)
+    dims = prob.dims
+    items = _all(n_backward_items(dims.bs, dims.nheads_kv, plan.tiling.q_chunks, plan.scores))
+    units = _all(dims.bs * dims.nheads_kv if needs_finish(ins, plan) else 0)
+    outs, stats, _, status = run_bwd(ins, plan, items=items, units=units, signature=_signature(prob))
     if status[0]:
         raise_status(status, prob, caller)
-    grads = tuple(_as_neuron(to_dtype(getattr(outs, name), prob.dtype, name), prob.layout) for name in ("dq", "dk", "dv"))
+    if prob.sinks_shape is None and not prob.return_dbias:
+        _remember(key, lambda: _Recipe(prob, plan, (q, k, v, o, dy), ins[:5], items, units, (outs, stats)))
+    grads = _grads(outs, prob.dtype, prob.layout)
     if prob.sinks_shape is not None:
         grads += (user_dsinks(outs.dsinks, prob.sinks_shape, prob.sinks_dtype),)
     if prob.return_dbias:

@@ -62,7 +62,7 @@ from .dtypes import accumulator_dtype, from_bf16_array, from_fp16_array, is_bf16
 from .memo import Memo
 from .options import KERNEL_CALLER, AttentionOptions, Caller
 
-__all__ = ["Dims", "Problem", "check_options", "check_tensors", "kernel_view", "kernel_layout", "layout_of_strides", "neuron_shape",
+__all__ = ["Dims", "Problem", "check_options", "check_tensors", "kernel_view", "kernel_layout", "layout_of_strides", "as_kernel_array", "kernel_lse", "neuron_shape",
            "resolve_scale", "validate_bwd_inputs", "validate_dropout", "validate_fwd_inputs"]
 
 #: Largest finite float32, the bound of ``|softmax_scale|``.
@@ -212,7 +212,7 @@ def layout_of_strides(shape: tuple, strides: tuple) -> int:
     return 0
 
 
-def _as_kernel_array(x: np.ndarray, layout: int = 0) -> np.ndarray:
+def as_kernel_array(x: np.ndarray, layout: int = 0) -> np.ndarray:
     """The Neuron-layout view ``x`` as the kernels take it: the array in the layout of code
     ``layout`` (:func:`kernel_view`: a copy only if it is not C-contiguous there); bf16 as
     uint16 bits, float32 and float64 as they are, float16 widened to a new float32 array (exact:
@@ -535,10 +535,9 @@ def check_tensors(tensors: dict, options: AttentionOptions, caller: Caller = KER
 
 # --- values: the kernels' arrays -----------------------------------------------------------
 
-def _kernel_lse(lse: np.ndarray, dims: Dims) -> np.ndarray:
-    """The lse in the natural layout ``[bs, nheads, seqlen_q]`` (its values: checked in the
-    compiled entry)."""
-    natural = (dims.bs, dims.nheads, dims.seqlen_q)
+def kernel_lse(lse: np.ndarray, natural: tuple) -> np.ndarray:
+    """The lse (of checked shape) in the ``natural`` layout ``[bs, nheads, seqlen_q]`` (its
+    values: checked in the compiled entry)."""
     if lse.ndim == 4:  # lse[b, h, p, t] is row t * 128 + p
         lse = np.ascontiguousarray(lse.transpose(0, 1, 3, 2)).reshape(natural)
     return kernel_view(lse)
@@ -642,9 +641,9 @@ def _validate(c: Caller, tensors: dict, options: AttentionOptions, any_layout: b
     dtype = np.dtype(tensors["q_ref"].dtype)
     bmin, bmax = _kernel_bounds(c, opts)
     layout = kernel_layout(tensors["q_ref"]) if any_layout else 0
-    arrays = {key: _as_kernel_array(x, layout) for key, x in tensors.items() if key != "lse_ref"}
+    arrays = {key: as_kernel_array(x, layout) for key, x in tensors.items() if key != "lse_ref"}
     return Problem(q=arrays["q_ref"], k=arrays["k_ref"], v=arrays["v_ref"], o=arrays.get("o_ref"),
-                   dy=arrays.get("dy_ref"), lse=_kernel_lse(tensors["lse_ref"], dims) if "lse_ref" in tensors else None,
+                   dy=arrays.get("dy_ref"), lse=kernel_lse(tensors["lse_ref"], (dims.bs, dims.nheads, dims.seqlen_q)) if "lse_ref" in tensors else None,
                    sinks=_kernel_sinks(c, opts.sinks, dims, dtype),
                    sinks_shape=None if opts.sinks is None else tuple(opts.sinks.shape),
                    sinks_dtype=None if opts.sinks is None else opts.sinks.dtype, bound_min=bmin, bound_max=bmax,

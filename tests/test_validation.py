@@ -317,3 +317,66 @@ def test_length_one_axes_with_any_strides_are_taken(seqlen):
     grads = numbafa.attention_bwd(view, view, view, o, view, lse)
     for a, b in zip(grads, numbafa.attention_bwd(dense, dense, dense, o2, dense, lse2)):
         np.testing.assert_array_equal(a, b)
+
+
+# --- calls remembered whole (numbafa.core._RECIPES) ------------------------------------------
+
+def _boom(*args, **kwargs):
+    raise AssertionError("the full path ran")
+
+
+def test_a_remembered_call_skips_the_python_checks_with_the_same_bits(monkeypatch):
+    """A call without option arrays or dropout whose metadata and scalar options a successful
+    call had runs the compiled entry straight away (the checks and the plan remembered)."""
+    from numbafa import core
+
+    f = good_inputs()
+    qkv = (f["q_ref"], f["k_ref"], f["v_ref"])
+    first = numbafa.attention_fwd(*qkv, use_causal_mask=True)
+    grads = numbafa.attention_bwd(*qkv, f["o_ref"], f["dy_ref"], first[1], use_causal_mask=True)
+    monkeypatch.setattr(core, "validate_fwd_inputs", _boom)
+    monkeypatch.setattr(core, "validate_bwd_inputs", _boom)
+    again = numbafa.attention_fwd(*qkv, use_causal_mask=True)
+    grads2 = numbafa.attention_bwd(*qkv, f["o_ref"], f["dy_ref"], first[1], use_causal_mask=True)
+    for a, b in zip(first + grads, again + grads2):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(AssertionError, match="the full path ran"):   # other options: the full path
+        numbafa.attention_fwd(*qkv, use_causal_mask=False)
+    with pytest.raises(AssertionError, match="the full path ran"):   # other strides: the full path
+        numbafa.attention_fwd(np.asfortranarray(f["q_ref"]), *qkv[1:], use_causal_mask=True)
+
+
+def test_a_remembered_call_still_checks_values_and_words_errors_as_the_caller_did():
+    f = good_inputs()
+    qkv = (f["q_ref"], f["k_ref"], f["v_ref"])
+    o, lse = numbafa.attention_fwd(*qkv)
+    numbafa.attention_bwd(*qkv, o, f["dy_ref"], lse)
+    with pytest.raises(ValueError, match=r"^q_ref must be finite, got 1 NaN/inf element\(s\) of 16384$"):
+        numbafa.attention_fwd(with_nan(f["q_ref"]), *qkv[1:])
+    with pytest.raises(ValueError, match=r"^dy_ref must be finite, got 1 NaN/inf element\(s\) of 16384$"):
+        numbafa.attention_bwd(*qkv, o, with_nan(f["dy_ref"], np.inf), lse)
+    with pytest.raises(ValueError, match="^lse_ref must not contain NaN or -inf"):
+        numbafa.attention_bwd(*qkv, o, f["dy_ref"], with_nan(lse, -np.inf))
+    with pytest.raises(FloatingPointError, match="^the attention scores"):
+        numbafa.attention_fwd(f["q_ref"] * np.float32(1e30), f["k_ref"] * np.float32(1e30), f["v_ref"])
+    with pytest.raises(FloatingPointError, match="^the attention scores"):   # its second call, remembered
+        numbafa.attention_fwd(f["q_ref"] * np.float32(1e30), f["k_ref"] * np.float32(1e30), f["v_ref"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_remembered_calls_follow_the_arrays_layout_and_flags(dtype):
+    """Arrays of one Neuron shape in other memory orders, read-only or not, each with their own
+    remembered call: every result is the full path's on a fresh copy."""
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    f = good_inputs(dt)
+    q = f["q_ref"]
+    bshd = np.ascontiguousarray(q.transpose(0, 3, 1, 2)).transpose(0, 2, 3, 1)
+    readonly = q.copy()
+    readonly.flags.writeable = False
+    expected = numbafa.attention_fwd(q.copy(), f["k_ref"], f["v_ref"])
+    for _ in range(2):
+        for variant in (q, bshd, readonly):
+            o, lse = numbafa.attention_fwd(variant, f["k_ref"], f["v_ref"])
+            assert o.dtype == expected[0].dtype
+            np.testing.assert_array_equal(o.astype(np.float32), expected[0].astype(np.float32))
+            np.testing.assert_array_equal(lse, expected[1])
