@@ -87,16 +87,32 @@ def _optional(*arrays):
     return [None if a is None else np.asarray(a) for a in arrays]
 
 
+def _offsets(words) -> list:
+    """The dropout's seed offsets of a host call: ``words`` ``[..., 2]`` uint32 (low, high word),
+    one pair per mapped element under ``jax.vmap``."""
+    pairs = np.asarray(words, dtype=np.uint64).reshape(-1, 2)
+    return [int(lo) | int(hi) << 32 for lo, hi in pairs]
+
+
+def _host_calls(static, arrays, options):
+    """``(lead, calls)`` of :func:`_fold` for a host call, each call with its seed offset: one
+    call per mapped element when the score variants or the offsets differ along the vmap axes."""
+    sinks, bound_min, bound_max, bias, slopes, offset_words = options
+    offsets = _offsets(offset_words)
+    loop = bias is not None or slopes is not None or len(set(offsets)) > 1
+    lead, calls = _fold(arrays + _optional(sinks, bias, slopes), _optional(bound_min, bound_max), 4, loop=loop)
+    return lead, [(*call, offsets[i if len(calls) > 1 else 0]) for i, call in enumerate(calls)]
+
+
 def _host_fwd(static, q, k, v, *options):
-    """The forward on the host; ``options`` the ``(sinks, bound_min, bound_max, bias, slopes)``."""
-    causal, window, scale, layout, softcap = static
-    sinks, bound_min, bound_max, bias, slopes = options
-    arrays = [np.asarray(x) for x in (q, k, v)] + _optional(sinks, bias, slopes)
-    bounds = _optional(bound_min, bound_max)
-    lead, calls = _fold(arrays, bounds, 4, loop=bias is not None or slopes is not None)
+    """The forward on the host; ``options`` the ``(sinks, bound_min, bound_max, bias, slopes,
+    seed-offset words)``."""
+    causal, window, scale, layout, softcap, dropout_p, seed = static
+    lead, calls = _host_calls(static, [np.asarray(x) for x in (q, k, v)], options)
     results = []
-    for (qa, ka, va, sa, ba, aa), bmin, bmax in calls:
-        options = _frameworks.host_options((sa, bmin, bmax), causal, window, scale, variants=(ba, aa, softcap, False))
+    for (qa, ka, va, sa, ba, aa), bmin, bmax, offset in calls:
+        options = _frameworks.host_options((sa, bmin, bmax), causal, window, scale, (dropout_p, seed, offset),
+                                           variants=(ba, aa, softcap, False))
         o, lse = _frameworks.host_forward(to_neuron(qa, layout), to_neuron(ka, layout), to_neuron(va, layout),
                                           options, layout)
         results.append((from_neuron(o, layout), lse))
@@ -105,15 +121,12 @@ def _host_fwd(static, q, k, v, *options):
 
 def _host_bwd(static, q, k, v, o, do, lse, *options):
     """The backward on the host; ``options`` as :func:`_host_fwd`'s."""
-    causal, window, scale, layout, softcap = static
-    sinks, bound_min, bound_max, bias, slopes = options
-    arrays = [np.asarray(x) for x in (q, k, v, o, do, lse)] + _optional(sinks, bias, slopes)
-    bounds = _optional(bound_min, bound_max)
-    lead, calls = _fold(arrays, bounds, 4, loop=bias is not None or slopes is not None)
+    causal, window, scale, layout, softcap, dropout_p, seed = static
+    lead, calls = _host_calls(static, [np.asarray(x) for x in (q, k, v, o, do, lse)], options)
     results = []
-    for (qa, ka, va, oa, da, la, sa, ba, aa), bmin, bmax in calls:
+    for (qa, ka, va, oa, da, la, sa, ba, aa), bmin, bmax, offset in calls:
         neuron = tuple(to_neuron(x, layout) for x in (qa, ka, va, oa, da))
-        options = _frameworks.host_options((sa, bmin, bmax), causal, window, scale,
+        options = _frameworks.host_options((sa, bmin, bmax), causal, window, scale, (dropout_p, seed, offset),
                                            variants=(ba, aa, softcap, ba is not None))
         grads = _frameworks.host_backward(neuron, la, options, layout)
         results.append(tuple(from_neuron(g, layout) for g in grads[:3]) + tuple(grads[3:]))
@@ -135,7 +148,7 @@ def _forward_call(static, q, k, v, options):
                              vmap_method=VMAP_METHOD)
 
 
-# options: (sinks, bound_min, bound_max, bias, alibi_slopes), each an array or None
+# options: (sinks, bound_min, bound_max, bias, alibi_slopes, seed-offset words), arrays or None
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(static, q, k, v, options):
     return _forward_call(static, q, k, v, options)[0]
@@ -148,7 +161,7 @@ def _attention_fwd(static, q, k, v, options):
 
 def _attention_bwd(static, residuals, do):
     q, k, v, o, lse, options = residuals
-    sinks, bound_min, bound_max, bias, slopes = options
+    sinks, bound_min, bound_max, bias, slopes, offset_words = options
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     for x in (sinks, bias):   # the gradients the host returns after dq, dk, dv
         if x is not None:
@@ -158,7 +171,8 @@ def _attention_bwd(static, residuals, do):
     zero = (lambda b: None if b is None else jnp.zeros_like(b))
     dsinks = grads.pop(3) if sinks is not None else None
     dbias = grads.pop(3) if bias is not None else None
-    return tuple(grads[:3]) + ((dsinks, zero(bound_min), zero(bound_max), dbias, zero(slopes)),)
+    offset_zero = np.zeros(offset_words.shape, dtype=jax.dtypes.float0)   # an integer input's cotangent
+    return tuple(grads[:3]) + ((dsinks, zero(bound_min), zero(bound_max), dbias, zero(slopes), offset_zero),)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -169,7 +183,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # ---------------------------------------------------------------------------
 
 def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None, bound_max=None,
-              softmax_scale=None, layout="bshd", bias=None, alibi_slopes=None, softcap=None):
+              softmax_scale=None, layout="bshd", bias=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
+              seed=None, seed_offset=0):
     """Attention with numbafa's CPU kernels, differentiable with respect to q, k, v, sinks and bias.
 
     Parameters
@@ -203,6 +218,12 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         ALiBi, flash-attn's convention (``-slope * |i + seq_k - seq_q - j|``); zero cotangent.
     softcap : float, optional (static)
         Logit soft cap: ``softcap * tanh(s / softcap)`` before the bias. ``None`` or 0: none.
+    dropout_p : float in ``[0, 1)``, optional (static)
+        Attention dropout, as :func:`numbafa.attention_fwd`'s: the same mask in the forward and
+        the backward, a pure function of ``(seed, seed_offset, batch, head, query, key)``.
+    seed : int in ``[0, 2**63)``, required when ``dropout_p > 0`` (static)
+    seed_offset : int in ``[0, 2**63)``, or an integer JAX scalar (may be traced: a step
+        counter under ``jax.jit`` gives a fresh mask per step without retracing), default 0
 
     Returns
     -------
@@ -212,8 +233,10 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
     -----
     bfloat16 is computed with ``mixed_precision=True`` (bf16 operands,
     float32 accumulation). Static arguments (``causal``, ``window``,
-    ``softmax_scale``, ``layout``, ``softcap``) must be Python values, not traced arrays. Under
-    ``jax.vmap`` with a bias or slopes, the host runs one call per mapped element.
+    ``softmax_scale``, ``layout``, ``softcap``, ``dropout_p``, ``seed``) must be Python values, not
+    traced arrays. Under ``jax.vmap`` with a bias, slopes or per-element seed offsets, the host
+    runs one call per mapped element; otherwise the mapped axis is folded into the batch, so
+    each mapped element's dropout mask is that of its place in the folded batch.
 
     Raises
     ------
@@ -227,9 +250,17 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         if x is not None and not (hasattr(x, "shape") and hasattr(x, "dtype")):
             raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
     given = {name: (tuple(x.shape), _dtype_name(x)) for name, x in named if x is not None}
+    offset_words = _offset_words(seed_offset)
     options = _frameworks.check_call(layout, given, AttentionOptions(
         use_causal_mask=causal, mixed_precision=True, softmax_scale=softmax_scale, sliding_window=window,
-        softcap=softcap))
+        softcap=softcap, dropout_p=dropout_p, seed=seed,
+        seed_offset=seed_offset if isinstance(seed_offset, int) else 0))   # (a JAX scalar: its words)
+    for name in ("seed", "seed_offset"):
+        value = getattr(options, name)
+        if value is not None and value >= 2 ** 63:
+            raise ValueError(f"{name} must be in [0, 2**63), got {value}")
+    if offset_words is None:
+        offset_words = _offset_words(options.seed_offset)
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
     if sinks is not None:
         sinks = jnp.asarray(sinks)
@@ -239,8 +270,25 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
     if bound_min is not None:
         bound_min, bound_max = jnp.asarray(bound_min), jnp.asarray(bound_max)
     bias, alibi_slopes = (None if x is None else jnp.asarray(x) for x in (bias, alibi_slopes))
-    static = (options.use_causal_mask, options.sliding_window, options.softmax_scale or 0.0, layout, options.softcap)
-    return _attention(static, q, k, v, (sinks, bound_min, bound_max, bias, alibi_slopes))
+    static = (options.use_causal_mask, options.sliding_window, options.softmax_scale or 0.0, layout, options.softcap,
+              options.dropout_p, options.seed)
+    return _attention(static, q, k, v, (sinks, bound_min, bound_max, bias, alibi_slopes, offset_words))
+
+
+def _offset_words(seed_offset):
+    """A seed offset as the ``uint32[2]`` (low, high word) the host calls take, or None for a Python
+    int (checked by the options first). An integer JAX or NumPy scalar, traced or not, is its low
+    word (int32 without ``jax_enable_x64``)."""
+    if isinstance(seed_offset, int):
+        if isinstance(seed_offset, bool) or not 0 <= seed_offset < 2 ** 63:
+            return None
+        return jnp.asarray([seed_offset & 0xFFFFFFFF, seed_offset >> 32], dtype=jnp.uint32)
+    if not (hasattr(seed_offset, "dtype") and hasattr(seed_offset, "shape")):
+        raise TypeError(f"seed_offset must be an int or an integer JAX scalar, got {type(seed_offset).__name__}")
+    if seed_offset.shape != () or not jnp.issubdtype(seed_offset.dtype, jnp.integer):
+        raise TypeError(f"seed_offset must be an int or an integer JAX scalar, got an array of shape "
+                        f"{tuple(seed_offset.shape)} and dtype {seed_offset.dtype}")
+    return jnp.stack([jnp.asarray(seed_offset).astype(jnp.uint32), jnp.uint32(0)])
 
 
 def cu_seqlens_to_bounds(cu_seqlens, seqlen=None):

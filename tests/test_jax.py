@@ -323,3 +323,52 @@ def test_value_errors_on_the_host_name_the_argument():
     do_nan[1, 0, 0, 0] = np.inf
     with pytest.raises(Exception, match=r"do must be finite, got 1 NaN/inf element\(s\) of 40960"):
         np.asarray(jax.grad(lambda q: jnp.sum(f(q) * do_nan))(q))
+
+
+# ---------------------------------------------------------------------------
+# dropout
+# ---------------------------------------------------------------------------
+
+def test_dropout_is_numbafa_bit_for_bit_with_a_traced_seed_offset():
+    """dropout_p and seed static, seed_offset a Python int or a traced step counter: o and the
+    gradients are numbafa.attention's with the same seed and offset; another offset, another mask."""
+    q, k, v, do = make(seed=9)
+    kw = dict(dropout_p=0.25, seed=11)
+    f = jax.jit(lambda q, k, v, step: nj.attention(q, k, v, causal=True, seed_offset=step, **kw))
+    for step in (5, 6):
+        o, got = vjp(lambda q, k, v: f(q, k, v, jnp.int32(step)), q, k, v, do)
+        o_int, got_int = vjp(lambda q, k, v: nj.attention(q, k, v, causal=True, seed_offset=step, **kw), q, k, v, do)
+        o_np, ctx = numbafa.attention(q, k, v, use_causal_mask=True, mixed_precision=True, seed_offset=step, **kw)
+        expected = ctx.backward(do)
+        np.testing.assert_array_equal(o, o_np)
+        np.testing.assert_array_equal(o_int, o_np)
+        for g, g_int, e in zip(got, got_int, expected):
+            np.testing.assert_array_equal(g, e)
+            np.testing.assert_array_equal(g_int, e)
+        if step == 5:
+            first = o_np
+    assert not np.array_equal(first, o_np)
+
+
+@pytest.mark.parametrize("kw,error,message", [
+    (dict(dropout_p=0.1), ValueError, "seed"),
+    (dict(dropout_p=0.1, seed=1, seed_offset=2 ** 63), ValueError, r"^seed_offset must be in \[0, 2\*\*63\)"),
+    (dict(dropout_p=0.1, seed=1, seed_offset=jnp.zeros(2, jnp.int32)), TypeError,
+     r"^seed_offset must be an int or an integer JAX scalar, got an array of shape \(2,\)"),
+    (dict(dropout_p=0.1, seed=1, seed_offset=1.5), TypeError, "^seed_offset must be an int"),
+])
+def test_bad_dropout_arguments_are_named(kw, error, message):
+    q, k, v, _ = make()
+    with pytest.raises(error, match=message):
+        nj.attention(q, k, v, **kw)
+
+
+def test_vmapped_seed_offsets_give_each_elements_own_mask():
+    """Per-element seed offsets under jax.vmap: one host call per element, each the unmapped call."""
+    q, k, v, do = make(seed=10)
+    f = jax.jit(lambda q, step: nj.attention(q, k, v, causal=True, dropout_p=0.3, seed=2, seed_offset=step))
+    steps = jnp.arange(3, dtype=jnp.int32)
+    out = jax.vmap(f, in_axes=(None, 0))(q, steps)
+    for i in range(3):
+        np.testing.assert_array_equal(out[i], f(q, steps[i]))
+    assert not np.array_equal(out[0], out[1])
