@@ -19,24 +19,18 @@ keeps for the backward (bytes of saved tensors, counted with
     python examples/train_torch.py              # 300 steps, batch 4 x 256 tokens (< 1 min on 2 idle cores)
     python examples/train_torch.py --long       # 1000 steps, batch 4 x 1024 tokens
 
-OMP_WAIT_POLICY is set to PASSIVE (unless set already) before torch is
-imported: by default torch's OpenMP threads spin for a while after each op
-and take the cores from the numbafa kernel that follows (see docs/frameworks.md).
+OpenMP's default wait policy serves such a mixed loop best (docs/frameworks.md, "Threads").
 """
 
 from __future__ import annotations
 
-import os
+import argparse
+import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch
+import torch.nn.functional as F
 
-import argparse  # noqa: E402
-import time  # noqa: E402
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import numbafa.torch  # noqa: E402
+import numbafa.torch
 
 TEXT = (
     "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age "
