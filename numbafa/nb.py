@@ -389,12 +389,12 @@ def _store_overload(y, x, kind):
             else:   # bf16 values: their upper half (exact)
                 for i in range(src.size):
                     out[i] = np.uint16(np.float32(src[i]).view(np.uint32) >> np.uint32(16))
-            x[...] = out.reshape(x.shape)
+            _assign(x, out.reshape(x.shape))
         return bits
 
     def values(y, x, kind):
         if y.ctypes.data != x.ctypes.data:
-            x[...] = y
+            _assign(x, y)
     return values
 
 
@@ -710,7 +710,7 @@ def _store_lse(natural, lse):  # pragma: no cover - replaced inside njit code
 def _store_lse_overload(natural, lse):
     if lse.ndim == 3:
         def same(natural, lse):
-            lse[...] = natural
+            _assign(lse, natural)
         return same
 
     def neuron(natural, lse):
@@ -749,7 +749,7 @@ def _store_dsinks_overload(dsinks, out):
         return rows
 
     def whole(dsinks, out):
-        out[...] = dsinks
+        _assign(out, dsinks)
     return whole
 
 
@@ -767,7 +767,16 @@ def _store_dbias_overload(kernel_dbias, dbias):
 @jit()
 def _copy_flat(src, dst):
     """``dst`` (any layout) gets the elements of the C-contiguous ``src`` of its size, in C order."""
-    dst[...] = src.reshape(dst.shape)
+    _assign(dst, src.reshape(dst.shape))
+
+
+@jit()
+def _assign(dst, src):
+    """``dst[...] = src`` for arrays of one shape, element by element: Numba compiles a
+    shape-formatting error path into the slice assignment, a second or more of every user's
+    compile."""
+    for index in np.ndindex(dst.shape):
+        dst[index] = src[index]
 
 
 # --- the status of a failed entry, raised --------------------------------------------------

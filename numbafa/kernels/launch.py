@@ -7,13 +7,13 @@ the bundles' types, so it is compiled once for every pass, dtype and option, and
 parallel backend compiles nothing else. The entries reach it, as their work items, through the
 kernel table (:func:`ensure_launcher`), so no entry's code holds it.
 
-:func:`forward_items` and :func:`backward_items` are the compiled entries of the passes: they
+:func:`forward_items` and :func:`backward_items` launch a pass's work items for the compiled
+entries (:mod:`numbafa.kernels.entry`, which every front door calls): they
 pack the bundles behind one pointer (:func:`numbafa.linking.pack`), look up the work item
 compiled for exactly their types in the process's kernel table
 (:data:`numbafa.linking.KERNELS`: a work item not compiled or loaded in this process is an
 error, never a jump into nothing), launch the items and, in the backward, finish the units (a
 split unit's dK/dV partials summed in chunk order, the sink gradients: :func:`bwd_finish_unit`).
-The Python API, :mod:`numbafa.nb` from a user's ``@njit`` code and the Dask shares all call them.
 
 :func:`prepare_forward` and :func:`prepare_backward` register, from Python, the work items
 of the bundles' types (compiling them, or loading them from the disk cache, on the first
@@ -106,13 +106,14 @@ def _launch(address, args, items):
     if launcher == 0:
         raise ValueError("numbafa: the launcher was not compiled or loaded in this process")
     work = np.empty(items.size, dtype=np.int64)
-    work[:] = items
+    for i in range(items.size):   # (not work[:] = items: Numba compiles a shape-formatting error path for that)
+        work[i] = items[i]
     status = np.zeros(items.size, dtype=np.int32)
     call_or_raise(launcher, (address, address_of(args), work, status))
     _raise_failed(address, args, work, status)
 
 
-@jit(entry=True)
+@jit()
 def forward_items(ins, outs, plan, items):
     """The forward's work ``items`` (``unit * q_chunks + chunk``) of the bundles ``ins``, ``outs``,
     ``plan`` (:mod:`numbafa.kernels.bundles`)."""
@@ -120,7 +121,7 @@ def forward_items(ins, outs, plan, items):
     _launch(kernel_address(_key_of("fwd_work_item", (ins, outs, plan))), args, items)
 
 
-@jit(entry=True)
+@jit()
 def backward_items(ins, outs, stats, plan, items, units):
     """The backward's work ``items``, then the ``units`` to finish (:func:`bwd_finish_unit`), in
     order: O(seqlen) work per unit, not worth a second parallel region."""
