@@ -34,7 +34,7 @@ from numba.core import event
 from . import golden
 from .api import attention_bwd, attention_fwd
 from .info import backend_info
-from .jit import cache_info
+from .jit import COMPILE_TIME, cache_info
 from .dtypes import bf16_dtype
 from .layout import MAX_BOUND, cu_seqlens_to_bounds
 from .onednn import gemm_path
@@ -57,9 +57,6 @@ DESCRIPTION = """\
 Forward + backward of numbafa's flash attention on a built-in default shape,
 timed and checked against the float64 golden."""
 
-#: The measured cold compile (docs/performance.md, "Compile time"), for the epilog and the notice.
-COMPILE_TIME = ("15-26 s of CPU for float32's forward and backward, 9-14 s more for bf16 in the "
-                "same process (a 2-core AMD EPYC Zen 3, release 0.1.0)")
 
 EPILOG = "example: numbafa --seqlen 4096 --head-dim 64 --dtype bf16 --json\n\n" + textwrap.fill(
     "Exit status: 0 all checks passed, 1 a check failed, 2 bad options (NUMBAFA_GEMM included) or a "

@@ -9,9 +9,9 @@ change them, set the environment variables below *before* ``import numbafa``.
 
 The kernel cache
 ----------------
-A cold first call compiles the kernels of its dtype (15-26 s of CPU for
-float32's forward and backward on a 2-core AMD EPYC Zen 3, release 0.1.0;
-README); with the on-disk cache, a later process loads them in 0.3-0.6 s.
+A cold first call compiles the kernels of its dtype (:data:`COMPILE_TIME`;
+docs/performance.md, "Compile time"); with the on-disk cache, a later process
+loads them in 0.3-0.6 s.
 Compiled code is kept in::
 
     <cache root>/<source hash>-numba<numba version>-py<python version>/
@@ -109,7 +109,11 @@ from numba.core.registry import CPUDispatcher
 from . import linking
 
 __all__ = ["JIT_FLAGS", "jit", "callable_from_python", "KernelDispatcher", "cache_info", "source_hash",
-           "CacheWarning", "KEEP_SOURCE_VERSIONS"]
+           "CacheWarning", "KEEP_SOURCE_VERSIONS", "COMPILE_TIME"]
+
+#: What a cold compile costs, quoted by every compile notice (docs/performance.md, "Compile time",
+#: measures it per CPU).
+COMPILE_TIME = "20-31 s of CPU for float32's forward and backward together, less for each later dtype or variant"
 
 #: The package directory: functions defined under it are "the package's".
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -231,8 +235,8 @@ def _resolve_cache() -> _CacheConfig:
                 if new:
                     _prune(root, directory)
                 return _CacheConfig(True, directory, f"from {origin}", digest)
-    warnings.warn(f"numbafa: kernels are compiled in every process (15-26 s of CPU for float32's "
-                  f"forward and backward on a 2-core AMD EPYC Zen 3): {reason}", CacheWarning, stacklevel=2)
+    warnings.warn(f"numbafa: kernels are compiled in every process ({COMPILE_TIME}): {reason}", CacheWarning,
+                  stacklevel=2)
     return _CacheConfig(False, None, reason)
 
 

@@ -22,12 +22,8 @@ counted (see :mod:`numbafa.blas`).
 Compile announcement
 --------------------
 The first call of a kernel for a dtype compiles it unless the on-disk cache
-(:mod:`numbafa.jit`) holds it. On a 2-core AMD EPYC Zen 3 (release 0.1.0,
-2026-12-03) float32's forward and backward take 15-26 s of CPU together,
-about half each; a later kernel or dtype in the same process takes less
-(bf16's forward 3 s and backward 6 s after float32's), and the backward's
-sinks code, compiled at its first call with sinks and not announced apart,
-1-2 s. Just before Numba starts compiling inside a kernel call, logger
+(:mod:`numbafa.jit`) holds it: :data:`numbafa.jit.COMPILE_TIME` (docs/performance.md,
+"Compile time", per CPU); a later kernel or dtype in the same process takes less. Just before Numba starts compiling inside a kernel call, logger
 ``"numbafa"`` emits one WARNING naming the kernel, the dtype, that figure
 and where the compiled code is cached. It is triggered by Numba's
 ``"numba:compile"`` event, which fires only for a real compilation (not for
@@ -49,15 +45,13 @@ import numba
 from numba.core import event
 
 from .blas import pin, unpin
-from .jit import cache_info
+from .jit import COMPILE_TIME, cache_info
 
 __all__ = ["kernel_call"]
 
 logger = logging.getLogger("numbafa")
 
 #: The measured cold compile (docs/performance.md, "Compile time"), in the announcement.
-COMPILE_TIME = ("float32's forward and backward take 15-26 s of CPU together on a 2-core AMD EPYC Zen 3, "
-                "release 0.1.0; a later kernel or dtype less")
 
 class _CompileAnnouncer(event.Listener):
     """Logs one WARNING per (kernel, dtype) when Numba really compiles inside a kernel call."""

@@ -260,16 +260,16 @@ def test_compile_line_only_when_the_disk_cache_is_cold(tmp_path):
 
 
 def test_compile_time_is_the_readme_figure(capsys):
-    """--help and the notice quote the README's measured cold compile, with its CPU."""
+    """--help and the notice quote the README's measured cold compile (the README names the CPU)."""
     readme = " ".join((pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text().split())
     figure = re.search(r"\(([\d.]+-[\d.]+ s of CPU) for float32's forward and backward together, "
-                       r"([\d.]+-[\d.]+ s more for bf16) in the same process", readme)
+                       r"[\d.-]+ s more for bf16 in the same process", readme)
     assert figure, "README: the compile-time sentence moved"
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     for text in (help_text, cli._compile_notice("float32")):
-        assert figure[1] in text and figure[2] in text and "AMD EPYC Zen 3" in text, text
+        assert figure[1] in text and "Zen" not in text, text
         assert "15-30" not in text and "tens of seconds" not in text
 
 
