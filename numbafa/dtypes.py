@@ -35,6 +35,8 @@ from numba.extending import intrinsic, overload
 from .jit import jit
 
 __all__ = [
+    "fp16_bits_to_f32",
+    "f32_to_fp16_bits",
     "ROUND_NONE",
     "ROUND_BF16",
     "ROUND_FP16",
@@ -284,7 +286,7 @@ def to_bf16_array(x: np.ndarray) -> np.ndarray:
 
 
 @intrinsic
-def _fp16_bits_to_f32(typingctx, bits):
+def fp16_bits_to_f32(typingctx, bits):
     """The float32 value of fp16 bits (uint16): LLVM's ``fpext`` of the half (F16C: ``vcvtph2ps``)."""
     if bits != types.uint16:
         return None
@@ -296,7 +298,7 @@ def _fp16_bits_to_f32(typingctx, bits):
 
 
 @intrinsic
-def _f32_to_fp16_bits(typingctx, x):
+def f32_to_fp16_bits(typingctx, x):
     """The fp16 bits (uint16) of a float32 rounded to fp16: LLVM's ``fptrunc`` (F16C: ``vcvtps2ph``)."""
     if x != types.float32:
         return None
@@ -310,13 +312,13 @@ def _f32_to_fp16_bits(typingctx, x):
 @jit(entry=True)
 def _widen_fp16(bits, out):
     for i in range(bits.size):
-        out[i] = _fp16_bits_to_f32(bits[i])
+        out[i] = fp16_bits_to_f32(bits[i])
 
 
 @jit(entry=True)
 def _narrow_fp16(x, bits):
     for i in range(x.size):
-        bits[i] = _f32_to_fp16_bits(x[i])
+        bits[i] = f32_to_fp16_bits(x[i])
 
 
 def from_fp16_array(x: np.ndarray) -> np.ndarray:

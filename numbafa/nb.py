@@ -59,7 +59,7 @@ from numba.extending import overload
 
 from . import core
 from .blas import single_threaded_blas
-from .dtypes import ROUND_FP16, bf16_dtype, f32_to_bf16_bits, is_bf16, widen
+from .dtypes import ROUND_FP16, bf16_dtype, f32_to_bf16_bits, f32_to_fp16_bits, fp16_bits_to_f32, is_bf16, widen
 from .jit import jit
 from .kernels.backward import BwdStats
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, Plan, make_plan
@@ -342,32 +342,8 @@ def _widen_fp16(x):
     src = np.ascontiguousarray(x).reshape(-1)
     dst = out.reshape(-1)
     for i in range(src.size):
-        dst[i] = _fp16_value(src[i])
+        dst[i] = fp16_bits_to_f32(src[i])
     return out
-
-
-@intrinsic
-def _fp16_value(typingctx, bits):
-    if bits != types.uint16:
-        return None
-
-    def codegen(context, builder, sig, args):
-        import llvmlite.ir as ir
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return types.float32(types.uint16), codegen
-
-
-@intrinsic
-def _fp16_bits(typingctx, x):
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        import llvmlite.ir as ir
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return types.uint16(types.float32), codegen
 
 
 def _store(y, x, kind):  # pragma: no cover - replaced inside njit code
@@ -385,7 +361,7 @@ def _store_overload(y, x, kind):
             out = np.empty(y.size, dtype=np.uint16)
             if kind == FP16:
                 for i in range(src.size):
-                    out[i] = _fp16_bits(src[i])
+                    out[i] = f32_to_fp16_bits(src[i])
             else:   # bf16 values: their upper half (exact)
                 for i in range(src.size):
                     out[i] = np.uint16(np.float32(src[i]).view(np.uint32) >> np.uint32(16))
@@ -486,7 +462,7 @@ def _value(x, kind):  # pragma: no cover - replaced inside njit code
 @overload(_value)
 def _value_overload(x, kind):
     if x == types.uint16:
-        return lambda x, kind: _fp16_value(x) if kind == FP16 else widen(x)
+        return lambda x, kind: fp16_bits_to_f32(x) if kind == FP16 else widen(x)
     return lambda x, kind: x
 
 

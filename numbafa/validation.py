@@ -179,21 +179,14 @@ def neuron_shape(x: np.ndarray, layout: int) -> tuple:
         (shape[0], shape[1], shape[3], shape[2]) if layout == 1 else (shape[0], shape[2], shape[3], shape[1])
 
 
-def _contiguous(x: np.ndarray) -> bool:
-    flags = x.flags
-    return flags.c_contiguous and flags.aligned and (1 not in x.shape or _canonical_strides(x))
-
-
 def kernel_layout(x: np.ndarray) -> int:
     """The layout code in which the Neuron-layout view ``x`` is C-contiguous in memory: 0
     (Neuron), 1 (``[b, h, s, d]``), 2 (``[b, s, h, d]``); 0 when none (its copy is then made in
     the Neuron layout)."""
-    if x.size == 0:
+    itemsize = x.itemsize
+    if not x.flags.aligned or any(stride % itemsize for stride in x.strides):
         return 0
-    for code, perm in enumerate(KERNEL_LAYOUT_PERMS):
-        if _contiguous(x.transpose(perm)):
-            return code
-    return 0
+    return layout_of_strides(x.shape, tuple(stride // itemsize for stride in x.strides))
 
 
 def layout_of_strides(shape: tuple, strides: tuple) -> int:
