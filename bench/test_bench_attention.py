@@ -16,6 +16,8 @@ benchmark is warmed up first (compiles outside the timing) and records in ``extr
   before every round (the median is kept); ``gemm_fraction``, the median over the rounds of
   the round's GFLOP/s over the ceiling measured just before it: the kernel's share of the
   GEMM ceiling, round by round, so that a slower (or busier) moment moves both;
+  ``gemm_fractions``, every round's (their spread is the noise ``bench.track compare`` judges
+  a change against; cheap calls get more rounds, up to 3x the profile's);
 * ``torch_ratio``: torch's SDPA time on the same shape over numbafa's, measured right after
   (where torch is installed and SDPA takes the shape's options);
 * ``source``, ``gemm_path``, ``threads``: numbafa's source hash and backend for this run.
@@ -52,9 +54,13 @@ QUICK_SHAPES = [
     ("mqa4/1-s256-d32-causal-packing", 1, 4, 1, 256, 32, dict(use_causal_mask=True, packing=(100, 156))),
     ("mla-s256-d48-dv32-causal", 1, 2, 2, 256, 48, dict(use_causal_mask=True, head_dim_v=32)),
 ]
-#: Per profile: (shapes, dtypes on every shape, dtypes on the first shape only, rounds).
+#: Per profile: (shapes, dtypes on every shape, dtypes on the first shape only, rounds). The
+#: full profile's rounds are a minimum: cheap calls get more (:func:`_rounds`).
 PROFILES = {"full": (SHAPES + HEAD_DIM_SHAPES[:1], ("float32", "bf16"), ("float16", "float64"), 5),
             "quick": (QUICK_SHAPES, ("float32", "bf16"), ("float16", "float64"), 9)}
+#: Seconds of calls a full-profile benchmark times at most when it adds rounds to the minimum
+#: (up to 3x the minimum): more rounds where they are cheap, for the spread ``bench.track`` judges by.
+ROUND_BUDGET_S = 1.5
 #: The score variants, on the first shape of the profile.
 VARIANTS = {"softcap": dict(softcap=30.0), "alibi": dict(alibi=True), "bias": dict(bias=True),
             "bias+dbias": dict(bias=True, return_dbias=True)}
@@ -164,17 +170,32 @@ def _run_info(benchmark, flop_count, d, shape=None, dtype=None, pass_=None, roun
     ceilings = list(ceilings)[-len(times):] or [_gemm_gflops(d)] * len(times)
     fractions = [flop_count / t / 1e9 / c for t, c in zip(times, ceilings)]
     benchmark.extra_info.update(flops=flop_count, gflops=flop_count / benchmark.stats.stats.median / 1e9,
-                                gemm_gflops=statistics.median(ceilings), gemm_fraction=statistics.median(fractions))
+                                gemm_gflops=statistics.median(ceilings), gemm_fraction=statistics.median(fractions),
+                                gemm_fractions=[float(f"{f:.5g}") for f in fractions])
     if shape is not None:
         torch_s = _torch_seconds(shape, dtype, pass_, rounds)
         if torch_s is not None:
             benchmark.extra_info["torch_ratio"] = torch_s / benchmark.stats.stats.median
 
 
-def _with_ceilings(benchmark, run, d, rounds):
-    """Time ``run`` over ``rounds`` rounds, the GEMM ceiling (:func:`_gemm_gflops`) measured
-    right before each (pedantic's untimed setup): each round's time is judged against the
-    machine as it was then. Returns the ceilings (the warm-up round's first)."""
+def _rounds(run, minimum, request):
+    """``minimum`` rounds in the quick profile; in the full one as many as fit in
+    :data:`ROUND_BUDGET_S` of calls (one call timed here), between ``minimum`` and 3x it."""
+    if request.config.getoption("--numbafa-profile") != "full":
+        return minimum
+    t0 = time.perf_counter()
+    run()
+    seconds = time.perf_counter() - t0
+    return int(min(3 * minimum, max(minimum, ROUND_BUDGET_S // max(seconds, 1e-6))))
+
+
+def _with_ceilings(benchmark, run, d, rounds, request=None):
+    """Time ``run`` over ``rounds`` rounds (more where cheap, with ``request``: :func:`_rounds`),
+    the GEMM ceiling (:func:`_gemm_gflops`) measured right before each (pedantic's untimed
+    setup): each round's time is judged against the machine as it was then. Returns the
+    ceilings (the warm-up round's first)."""
+    if request is not None:
+        rounds = _rounds(run, rounds, request)
     ceilings = []
 
     def setup():
@@ -197,7 +218,7 @@ def _bench_pass(benchmark, request, shape, dtype, pass_, extra=None, rounds=3):
         def run():
             return numbafa.attention_bwd(q, k, v, o, dy, lse, **kw)
     _, bs, h, _, s, d, options = shape
-    ceilings = _with_ceilings(benchmark, run, d, rounds)
+    ceilings = _with_ceilings(benchmark, run, d, rounds, request)
     _run_info(benchmark, flops(pass_, bs, h, s, d, options), d, None if extra else shape, dtype, pass_, rounds,
               ceilings)
 
@@ -248,7 +269,7 @@ def test_layouts(benchmark, request, profile_of_case, layout):
         return ctx.backward(do)
     step()
     benchmark.group = f"layouts {PROFILES[profile_of_case][0][0][0]}"
-    ceilings = _with_ceilings(benchmark, step, d, PROFILES[profile_of_case][3])
+    ceilings = _with_ceilings(benchmark, step, d, PROFILES[profile_of_case][3], request)
     causal = dict(use_causal_mask=True)
     _run_info(benchmark, flops("forward", bs, h, s, d, causal) + flops("backward", bs, h, s, d, causal), d,
               ceilings=ceilings)
@@ -269,7 +290,7 @@ def test_torch_adapter(benchmark, request, profile_of_case):
         nt.attention(q, k, v, causal=True).sum().backward()
     step()
     benchmark.group = "torch adapter"
-    ceilings = _with_ceilings(benchmark, step, d, PROFILES[profile_of_case][3])
+    ceilings = _with_ceilings(benchmark, step, d, PROFILES[profile_of_case][3], request)
     causal = dict(use_causal_mask=True)
     _run_info(benchmark, flops("forward", bs, h, s, d, causal) + flops("backward", bs, h, s, d, causal), d,
               ceilings=ceilings)

@@ -72,7 +72,7 @@ def test_a_run_compared_with_itself_passes(saved):
 
 def test_a_slower_run_fails_with_a_readable_report(saved, tmp_path):
     """A copy of the run with one kernel at half its GEMM fraction and the compile 30 % slower:
-    exit 1, both named as regressions; a 10 % slowdown stays within the 15 % threshold."""
+    exit 1, both named as regressions; a 10 % slowdown stays within a 15 % threshold."""
     storage, path = saved
     data = json.loads(path.read_text())
     slowed = None
@@ -86,13 +86,73 @@ def test_a_slower_run_fails_with_a_readable_report(saved, tmp_path):
             b["extra_info"]["gemm_fraction"] *= 0.9
     new = tmp_path / "slower.json"
     new.write_text(json.dumps(data))
-    done = _track("compare", str(path), str(new))
+    # --sigmas 0: the threshold alone (the quick profile's sub-millisecond rounds scatter
+    # widely; the noise band is tested on records of known spread below)
+    done = _track("compare", str(path), str(new), "--threshold", "15", "--sigmas", "0")
     assert done.returncode == 1, done.stdout + done.stderr
     flagged = [line for line in done.stdout.splitlines() if line.endswith("REGRESSION")]
     assert len(flagged) == 2, done.stdout
     assert any("gemm_fraction" in line and "-50.0%" in line for line in flagged)
     assert any("median_s" in line and "-30.0%" in line for line in flagged)
     assert "2 of" in done.stdout.splitlines()[-1]
+
+
+def _track_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("numbafa_bench_track", ROOT / "bench" / "track.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record(fractions=None, median=None, iqr=0.0, rounds=5):
+    """A saved benchmark record judged on ``gemm_fraction`` (its per-round ``fractions``) or,
+    without them, on its median time."""
+    if fractions is not None:
+        import statistics
+
+        return {"extra_info": {"gemm_fraction": statistics.median(fractions), "gemm_fractions": list(fractions)},
+                "stats": {"median": 1.0, "iqr": 0.0, "rounds": len(fractions)}}
+    return {"extra_info": {}, "stats": {"median": median, "iqr": iqr, "rounds": rounds}}
+
+
+def test_the_spread_of_a_run_is_its_rounds_robust_deviation():
+    track = _track_module()
+    record = _record([0.9, 0.95, 1.0, 1.05, 1.1])       # deviations 0.1 0.05 0 0.05 0.1: MAD 0.05
+    assert track.spread(record, "gemm_fraction") == pytest.approx(1.4826 * 0.05)
+    assert track.spread(_record([0.9, 1.1]), "gemm_fraction") == 0.0          # too few rounds
+    assert track.spread(_record(median=2.0, iqr=0.2698), "median_s") == pytest.approx(0.1)
+    assert track.spread(_record(median=2.0, iqr=0.5, rounds=1), "median_s") == 0.0
+    old = {"extra_info": {"gemm_fraction": 0.5}, "stats": {"median": 1.0, "iqr": 0.0, "rounds": 5}}
+    assert track.spread(old, "gemm_fraction") == 0.0     # saved before per-round figures
+
+
+def test_a_change_is_judged_against_the_runs_own_noise():
+    """20 % worse: a regression between two tight runs; noise between two runs whose rounds
+    scatter by 15 % (robust deviation; band 3 x sqrt(2) x 14.8 % = 63 %); a 70 % loss is
+    caught even there."""
+    track = _track_module()
+    tight = [0.99, 1.0, 1.0, 1.01, 1.0]
+    noisy = [0.8, 0.9, 1.0, 1.1, 1.2, 1.0, 0.9]          # MAD 0.1: robust deviation 14.8 %
+    scaled = lambda rounds, f: [x * f for x in rounds]   # noqa: E731
+    cases = {"tight -20%": (_record(tight), _record(scaled(tight, 0.8))),
+             "noisy -20%": (_record(noisy), _record(scaled(noisy, 0.8))),
+             "noisy -70%": (_record(noisy), _record(scaled(noisy, 0.3))),
+             "tight +20%": (_record(tight), _record(scaled(tight, 1.2))),
+             "time +20%, tight": (_record(median=1.0, iqr=0.01), _record(median=1.2, iqr=0.012)),
+             "time +20%, noisy": (_record(median=1.0, iqr=0.2), _record(median=1.2, iqr=0.24))}
+    base = {name: pair[0] for name, pair in cases.items()}
+    new = {name: pair[1] for name, pair in cases.items()}
+    rows, regressions = track.compare(base, new, threshold=10.0, sigmas=3.0)
+    assert sorted(regressions) == ["noisy -70%", "tight -20%", "time +20%, tight"]
+    bands = {row[0]: row[5] for row in rows}
+    assert bands["tight -20%"] == 10.0                   # the threshold is the smallest band
+    assert bands["noisy -20%"] == pytest.approx(3 * 2 ** 0.5 * 14.826)
+    text = track.report(rows, regressions, 10.0, 3.0, "a.json", "b.json")
+    assert "band" in text.splitlines()[2] and "3 of 6 benchmarks worse than their band" in text
+    # the threshold alone (--sigmas 0) flags the noisy 20 % changes too
+    assert len(track.compare(base, new, threshold=10.0, sigmas=0.0)[1]) == 5
 
 
 def test_a_missing_run_is_exit_two(saved):
