@@ -22,6 +22,12 @@ golden
     Textbook float64 NumPy references (slow, O(S^2) memory) used by the tests.
 """
 
+import time as _time
+
+#: When this process started importing the package: the kernel cache, keyed by a hash of the
+#: sources taken on first use, is off if a source file changed after it (numbafa.jit).
+_IMPORTED_NS = _time.time_ns()
+
 from . import golden, layout
 from .api import attention_bwd, attention_fwd, dropout_mask
 from .info import backend_info

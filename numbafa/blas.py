@@ -159,9 +159,14 @@ class _BlasPin:
         self._lock = threading.Lock()
         self._active = 0      # kernel calls inside the pin
         self._saved = []      # (library, thread count) to restore when the last call leaves
+        self._hooked = False  # the fork hook registered (first enter: importing registers nothing)
 
     def enter(self) -> None:
         with self._lock:
+            if not self._hooked:
+                if hasattr(os, "register_at_fork"):
+                    os.register_at_fork(after_in_child=self._after_fork_in_child)
+                self._hooked = True
             if self._active == 0:
                 direct = _direct_calls()
                 if direct is not None and _controlling_thread() is None:
@@ -198,8 +203,6 @@ class _BlasPin:
 
 
 _PIN = _BlasPin()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_PIN._after_fork_in_child)
 
 
 def pin() -> None:

@@ -4,8 +4,10 @@ Every ``@njit`` in the package is created through :func:`jit`, so its flags
 (``fastmath``, ``error_model``, ``nogil``, the cache) come from :data:`JIT_FLAGS`
 and nowhere else. ``tests/test_jit.py`` greps the sources for hard-coded flags.
 
-Flags are read when this module is first imported (by ``import numbafa``). To
-change them, set the environment variables below *before* ``import numbafa``.
+Importing this module only defines: the cache settings below are read, the
+package sources hashed and the cache directory created on first use (the
+first compile or cached load of a package function, or :func:`cache_info`),
+once per process. Set the environment variables below before that.
 
 The kernel cache
 ----------------
@@ -17,7 +19,7 @@ Compiled code is kept in::
     <cache root>/<source hash>-numba<numba version>-py<python version>/
 
 ``<source hash>`` is a SHA-256 of every ``.py`` file of the package (path and
-content, computed at import, about a millisecond). Numba stamps each cached
+content, computed on first use, a few milliseconds). Numba stamps each cached
 function with its own file only, so a kernel compiled against an older helper
 in another module would look fresh; keying the whole directory by the package
 sources means code compiled from different sources never shares a file, even
@@ -165,6 +167,22 @@ def source_hash(package_dir=PACKAGE_DIR) -> str:
     return digest.hexdigest()
 
 
+def _changed_since_import(package_dir=PACKAGE_DIR) -> list:
+    """The package's ``.py`` files modified after this process began importing the package
+    (``numbafa._IMPORTED_NS``): the code in memory is not what their hash describes."""
+    since = getattr(sys.modules.get(__package__), "_IMPORTED_NS", None)
+    if since is None:
+        return []
+    changed = []
+    for path in sorted(pathlib.Path(package_dir).rglob("*.py")):
+        try:
+            if path.stat().st_mtime_ns > since:
+                changed.append(path.relative_to(package_dir).as_posix())
+        except OSError:
+            changed.append(path.relative_to(package_dir).as_posix())
+    return changed
+
+
 def _cache_root():
     """The cache root and the setting it came from, or ``(None, why)``."""
     explicit = os.environ.get("NUMBAFA_CACHE_DIR", "").strip()
@@ -214,12 +232,18 @@ def _resolve_cache() -> _CacheConfig:
     root, origin = _cache_root()
     how = ("set NUMBAFA_CACHE_DIR (or NUMBA_CACHE_DIR) to a writable directory to cache them, "
            "or NUMBAFA_CACHE=0 to compile without a cache silently")
+    changed = []
     try:
         digest = source_hash()
+        changed = _changed_since_import()
     except FileNotFoundError as exc:
         reason = f"cannot key the cache by the package sources ({exc})"
     else:
-        if root is None:
+        if changed:
+            reason = (f"the package's sources changed after this process imported them ({', '.join(changed[:3])}"
+                      f"{', ...' if len(changed) > 3 else ''}): its code is not theirs, so this process compiles "
+                      f"without the cache; a new process uses it again")
+        elif root is None:
             reason = f"no cache directory ({origin}); {how}"
         else:
             version = f"numba{numba.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
@@ -235,12 +259,22 @@ def _resolve_cache() -> _CacheConfig:
                 if new:
                     _prune(root, directory)
                 return _CacheConfig(True, directory, f"from {origin}", digest)
-    warnings.warn(f"numbafa: kernels are compiled in every process ({COMPILE_TIME}): {reason}", CacheWarning,
-                  stacklevel=2)
+    lead = "kernels are compiled in this process" if changed else "kernels are compiled in every process"
+    warnings.warn(f"numbafa: {lead} ({COMPILE_TIME}): {reason}", CacheWarning, stacklevel=2)
     return _CacheConfig(False, None, reason)
 
 
-_CACHE = _resolve_cache()
+_resolved: list = []                 # [the _CacheConfig], once resolved
+_resolve_lock = threading.Lock()
+
+
+def _cache_config() -> _CacheConfig:
+    """The process's cache decision (:func:`_resolve_cache`), made on first use, once."""
+    if not _resolved:
+        with _resolve_lock:
+            if not _resolved:
+                _resolved.append(_resolve_cache())
+    return _resolved[0]
 
 
 #: Why the last save to the cache failed in this process (None: none failed).
@@ -258,16 +292,16 @@ def cache_info() -> dict:
         is off) and ``save_error`` (why saving compiled code failed in this
         process, e.g. a full disk; None while every save succeeded).
     """
-    return {"enabled": _CACHE.enabled,
-            "dir": None if _CACHE.directory is None else str(_CACHE.directory),
-            "reason": _CACHE.reason, "save_error": _save_error[0]}
+    config = _cache_config()
+    return {"enabled": config.enabled,
+            "dir": None if config.directory is None else str(config.directory),
+            "reason": config.reason, "save_error": _save_error[0]}
 
 
-#: Flags shared by every jitted function of the package. ``cache`` says whether
-#: the on-disk cache is on (see the module docstring); the others go to Numba.
+#: The Numba flags shared by every jitted function of the package (the on-disk cache is the
+#: package's own, decided on first use: :func:`cache_info`).
 JIT_FLAGS: dict = {
     "fastmath": frozenset({"contract"}),
-    "cache": _CACHE.enabled,
     # 'numpy' error model: float division by zero gives inf/nan instead of
     # raising, as in NumPy, and lets LLVM vectorise divisions.
     "error_model": "numpy",
@@ -321,7 +355,7 @@ def _cache_path_for(py_file: str) -> str:
         sub = parent.relative_to(PACKAGE_DIR)
     except ValueError:  # jit() used outside the package (tests): keyed by the folder's path
         sub = pathlib.Path("external", f"{parent.name}_{hashlib.sha1(str(parent).encode()).hexdigest()[:12]}")
-    return str(_CACHE.directory / sub)
+    return str(_cache_config().directory / sub)
 
 
 class _Locator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
@@ -474,7 +508,7 @@ class _Cache(caching.FunctionCache):
                                          filename_base=self._impl.filename_base,
                                          source_stamp=self._impl.locator.get_source_stamp(),
                                          owner=(f"{py_func.__module__}.{py_func.__qualname__}",
-                                                _CACHE.source_hash))
+                                                _cache_config().source_hash))
 
     def _load_overload(self, sig, target_context):
         try:
@@ -494,7 +528,7 @@ class _Cache(caching.FunctionCache):
         except Exception as exc:  # the compiled code is in memory already: only the cache misses out
             _save_error[0] = f"{type(exc).__name__}: {exc}"
             _warn_once("save", f"numbafa: could not save compiled code to the kernel cache in "
-                               f"{_CACHE.directory} ({exc}); results are unaffected, but later "
+                               f"{_cache_config().directory} ({exc}); results are unaffected, but later "
                                f"processes compile again")
 
     def _drop_entries(self, data_file=None) -> int:
@@ -527,14 +561,48 @@ class _Cache(caching.FunctionCache):
         return removed
 
 
+class _LazyCache(caching.NullCache):
+    """A dispatcher's cache that becomes the package's disk cache (:class:`_Cache`) or none on
+    its first use, when Numba first tries to load or save one of the function's signatures
+    (always before it compiles one): the cache is decided then (:func:`_cache_config`), not at
+    import."""
+
+    def __init__(self, py_func):
+        self._py_func = py_func
+        self._cache = None
+        self._lock = threading.Lock()
+
+    def _real(self):
+        if self._cache is None:
+            with self._lock:
+                if self._cache is None:
+                    self._cache = _Cache(self._py_func) if _cache_config().enabled else caching.NullCache()
+        return self._cache
+
+    @property
+    def cache_path(self):
+        return self._real().cache_path
+
+    def load_overload(self, sig, target_context):
+        return self._real().load_overload(sig, target_context)
+
+    def save_overload(self, sig, cres):
+        return self._real().save_overload(sig, cres)
+
+    def flush(self):
+        if self._cache is not None:
+            self._cache.flush()
+
+
 def _enable_cache(dispatcher) -> None:
-    """Give ``dispatcher`` the package's disk cache (what ``cache=True`` does with Numba's)."""
+    """Give ``dispatcher`` the package's disk cache (what ``cache=True`` does with Numba's),
+    decided on its first use (:class:`_LazyCache`)."""
     try:
         source = inspect.getfile(dispatcher.py_func)
     except TypeError:
         return
     if os.path.exists(source):  # not for "<stdin>", "<string>", ...
-        dispatcher._cache = _Cache(dispatcher.py_func)
+        dispatcher._cache = _LazyCache(dispatcher.py_func)
 
 
 class KernelDispatcher(CPUDispatcher):
@@ -577,7 +645,7 @@ def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True, 
         (:mod:`numbafa.linking`): for the large steps of a kernel, each called
         at most once per tile. Returns the intrinsic ``@njit`` code calls.
     """
-    flags = {key: value for key, value in JIT_FLAGS.items() if key != "cache"}
+    flags = dict(JIT_FLAGS)
     flags["fastmath"] = set(flags["fastmath"]) if contract else False
     wrappers = entry and not apart
     njit = numba.njit(parallel=parallel, inline="always" if inline else "never",
@@ -587,8 +655,7 @@ def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True, 
         dispatcher = njit(func)
         if not wrappers:
             dispatcher.__class__ = KernelDispatcher
-        if JIT_FLAGS["cache"]:
-            _enable_cache(dispatcher)
+        _enable_cache(dispatcher)
         return linking.apart(dispatcher) if apart else dispatcher
 
     return decorate

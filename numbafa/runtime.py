@@ -60,9 +60,23 @@ class _CompileAnnouncer(event.Listener):
         self._current = threading.local()   # .call: the (kernel, dtype) this thread runs
         self._announced = set()              # (kernel, dtype) already announced
         self._lock = threading.Lock()
+        self._listening = False              # registered with Numba's compile events (first enter)
+
+    def _listen(self) -> None:
+        """Listen to Numba's compile events (and reset the lock in a forked child) from the first
+        kernel call on: importing numbafa registers nothing."""
+        with self._lock:
+            if self._listening:
+                return
+            event.register("numba:compile", self)
+            if hasattr(os, "register_at_fork"):
+                os.register_at_fork(after_in_child=self._after_fork_in_child)
+            self._listening = True
 
     def enter(self, call: tuple):
         """Mark this thread as running ``call`` (kernel, dtype); returns what to :meth:`leave` with."""
+        if not self._listening:
+            self._listen()
         previous = getattr(self._current, "call", None)
         self._current.call = call
         return previous
@@ -98,10 +112,6 @@ class _CompileAnnouncer(event.Listener):
 
 
 _ANNOUNCER = _CompileAnnouncer()
-event.register("numba:compile", _ANNOUNCER)
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_ANNOUNCER._after_fork_in_child)
 
 
 class kernel_call:  # noqa: N801 -- used as a function: ``with kernel_call(kernel, dtype):``

@@ -167,3 +167,51 @@ def test_each_module_imports_alone():
     proc = subprocess.run([sys.executable, "-c", IMPORT_EACH_ALONE.format(root=ROOT), *names],
                           cwd=PACKAGE_DIR.parent, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+IMPORT_ONLY_DEFINES = """\
+import json, os, sys
+root = sys.argv[1]
+seen = []
+
+def audit(event, args):
+    if event in ("os.mkdir", "os.rename", "os.remove", "os.utime", "shutil.rmtree", "os.chmod"):
+        seen.append([event, str(args[0])])
+    elif event == "open" and isinstance(args[0], str):
+        path, mode = args[0], str(args[1] or "r")
+        writes = any(c in mode for c in "wax+") or (isinstance(args[2], int) and args[2] & (os.O_WRONLY | os.O_RDWR))
+        if writes or (path.endswith(".py") and "b" in mode and "/{root}/" in path):
+            seen.append([event, path, mode])     # a write, or a source read as bytes (the hash)
+
+sys.addaudithook(audit)
+import {root}
+from {root} import blas, jit, runtime
+from numba.core import event
+state = dict(seen=list(seen), resolved=len(jit._resolved), listening=runtime._ANNOUNCER._listening,
+             hooked=blas._PIN._hooked, listeners=[type(x).__module__ for x in event._registered["numba:compile"]],
+             files=sorted(os.listdir(root)))
+{root}.backend_info()                             # first use: the cache is decided now
+state["after"] = dict(resolved=len(jit._resolved), files=sorted(os.listdir(root)))
+print(json.dumps(state))
+"""
+
+
+def test_import_only_defines(tmp_path):
+    """``import numbafa`` writes no file, hashes no source, registers no Numba listener or fork
+    hook (all on first use); the first use (``backend_info``) then decides the cache."""
+    import json
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = {key: value for key, value in __import__("os").environ.items()
+           if not key.startswith(("NUMBAFA_", "NUMBA_CACHE", "XDG_"))}
+    env.update(NUMBAFA_CACHE_DIR=str(empty / "cache"), XDG_CACHE_HOME=str(empty / "xdg"), HOME=str(empty),
+               PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.run([sys.executable, "-c", IMPORT_ONLY_DEFINES.replace("{root}", ROOT), str(empty)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert state["seen"] == [] and state["files"] == [], state
+    assert state["resolved"] == 0 and not state["listening"] and not state["hooked"], state
+    assert not [m for m in state["listeners"] if m.startswith(ROOT)], state
+    assert state["after"] == {"resolved": 1, "files": ["cache"]}, state
