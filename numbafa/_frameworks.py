@@ -117,13 +117,11 @@ def _check_call(layout: str, given: dict, options: AttentionOptions) -> Attentio
     return dataclasses.replace(options, sliding_window=min(options.sliding_window, dims.seqlen_k))
 
 
-def host_options(arrays: tuple, causal: bool, window: int, softmax_scale: float, dropout=(0.0, None, 0),
-                 variants=(None, None, 0.0, False)):
-    """The options of a host call: ``arrays`` the ``(sinks, bound_min, bound_max)`` NumPy arrays (or
-    None), ``softmax_scale`` 0.0 for the default, ``dropout`` ``(dropout_p, seed, seed_offset)``,
-    ``variants`` ``(bias, alibi_slopes, softcap, return_dbias)`` (arrays or None; softcap 0.0: none);
-    bf16 accumulates in float32 (``mixed_precision=True``)."""
-    return AttentionOptions(*arrays, causal, True, softmax_scale, window, *dropout, *variants)
+def host_options(**fields) -> AttentionOptions:
+    """The options of a host call: :class:`~numbafa.options.AttentionOptions` of ``fields``, by
+    name (its arrays as NumPy arrays or None; ``softmax_scale`` 0.0 for the default), bf16
+    accumulating in float32 (``mixed_precision=True``)."""
+    return AttentionOptions(mixed_precision=True, **fields)
 
 
 def host_forward(qn, kn, vn, options: AttentionOptions, layout: str):

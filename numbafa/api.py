@@ -59,8 +59,11 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     float32 (``mixed_precision=True``) or bf16 (``False``), o is written in
     bf16. See ``docs/numerics.md``.
     """
-    options = AttentionOptions(sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
-                               sliding_window, dropout_p, seed, seed_offset, bias, alibi_slopes, softcap)
+    options = AttentionOptions(sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
+                               use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
+                               softmax_scale=softmax_scale, sliding_window=sliding_window, dropout_p=dropout_p,
+                               seed=seed, seed_offset=seed_offset, bias=bias, alibi_slopes=alibi_slopes,
+                               softcap=softcap)
     return core.attention_fwd(q_ref, k_ref, v_ref, options, KERNEL_CALLER, lse_layout)
 
 
@@ -176,9 +179,11 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
         broadcastable (or with NaN / ``+inf``), ALiBi slopes of another shape, a ``softcap``
         that is negative or NaN, ``return_dbias`` without a bias.
     """
-    options = AttentionOptions(sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
-                               sliding_window, dropout_p, seed, seed_offset, bias, alibi_slopes, softcap,
-                               return_dbias)
+    options = AttentionOptions(sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
+                               use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
+                               softmax_scale=softmax_scale, sliding_window=sliding_window, dropout_p=dropout_p,
+                               seed=seed, seed_offset=seed_offset, bias=bias, alibi_slopes=alibi_slopes,
+                               softcap=softcap, return_dbias=return_dbias)
     return core.attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, options, KERNEL_CALLER)
 
 

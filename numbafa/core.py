@@ -134,11 +134,11 @@ def bwd_outputs(ins: BwdInputs, plan) -> BwdOutputs:
     _, nheads_kv, d_v, seqlen_k = neuron_shape(ins.v, layout)
     acc = ins.lse.dtype   # float32, or float64 for float64 inputs
     lead, keys = ((nb * nheads_kv, q_chunks - 1), seqlen_k) if q_chunks > 1 else ((1, 1), 0)
-    return BwdOutputs(np.empty(_in_layout((nb, nheads, d_head, seqlen_q), layout), dtype=acc),
-                      np.empty(_in_layout((nb, nheads_kv, d_head, seqlen_k), layout), dtype=acc),
-                      np.empty(_in_layout((nb, nheads_kv, d_v, seqlen_k), layout), dtype=acc),
-                      np.empty(ins.sinks.shape, dtype=acc), np.empty(lead + (d_head, keys), dtype=acc),
-                      np.empty(lead + (d_v, keys), dtype=acc))
+    return BwdOutputs(dq=np.empty(_in_layout((nb, nheads, d_head, seqlen_q), layout), dtype=acc),
+                      dk=np.empty(_in_layout((nb, nheads_kv, d_head, seqlen_k), layout), dtype=acc),
+                      dv=np.empty(_in_layout((nb, nheads_kv, d_v, seqlen_k), layout), dtype=acc),
+                      dsinks=np.empty(ins.sinks.shape, dtype=acc), part_dk=np.empty(lead + (d_head, keys), dtype=acc),
+                      part_dv=np.empty(lead + (d_v, keys), dtype=acc))
 
 
 def new_bwd_stats(ins: BwdInputs, plan) -> BwdStats:
@@ -296,7 +296,8 @@ class _Recipe:
         self.lse_shape = (dims.bs, dims.nheads, dims.seqlen_q)
         self.o_shape = _in_layout((dims.bs, dims.nheads, dims.d_head_v, dims.seqlen_q), prob.layout)
         # the backward's outputs and statistics (:func:`bwd_outputs`, :func:`new_bwd_stats`)
-        self.bwd_shapes = None if state is None else tuple(tuple(x.shape for x in part) for part in state)
+        self.bwd_shapes = None if state is None else tuple({name: x.shape for name, x in part._asdict().items()}
+                                                           for part in state)
         self.bits = kernel_arrays[0].dtype != prob.dtype   # bf16 as uint16 bits
         self.as_they_are = all(x.flags.writeable and kx.dtype.itemsize == x.dtype.itemsize
                                and kx.__array_interface__["data"][0] == x.__array_interface__["data"][0]
@@ -395,18 +396,19 @@ def attention_bwd(q, k, v, o, dy, lse, options: AttentionOptions, caller: Caller
     key = _call_key((q, k, v, o, dy, lse), options, True, "")
     recipe = _RECIPES.get(key)
     if recipe is not None:
-        ins = BwdInputs(*_kernel_arrays((q, k, v, o, dy), recipe), kernel_lse(lse, recipe.lse_shape), recipe.sinks)
+        qk, kk, vk, ok, dyk = _kernel_arrays((q, k, v, o, dy), recipe)
+        ins = BwdInputs(q=qk, k=kk, v=vk, o=ok, dy=dyk, lse=kernel_lse(lse, recipe.lse_shape), sinks=recipe.sinks)
         acc = recipe.plan.acc.dtype
         outs_shapes, stats_shapes = recipe.bwd_shapes
-        state = (BwdOutputs(*(np.empty(shape, acc) for shape in outs_shapes)),
-                 BwdStats(*(np.empty(shape, acc) for shape in stats_shapes)))
+        state = (BwdOutputs(**{name: np.empty(shape, acc) for name, shape in outs_shapes.items()}),
+                 BwdStats(**{name: np.empty(shape, acc) for name, shape in stats_shapes.items()}))
         outs, _, _, status = run_bwd(ins, recipe.plan, items=recipe.items, units=recipe.units, state=state,
                                      signature=recipe.signature)
         if not status[0]:
             return _grads(outs, recipe.dtype, recipe.layout)
     prob = validate_bwd_inputs(q, k, v, o, dy, lse, options, caller, any_layout=True)
     plan = shared_plan(prob, backward=True)
-    ins = BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks)
+    ins = BwdInputs(q=prob.q, k=prob.k, v=prob.v, o=prob.o, dy=prob.dy, lse=prob.lse, sinks=prob.sinks)
     dims = prob.dims
     items = _all(n_backward_items(dims.bs, dims.nheads_kv, plan.tiling.q_chunks, plan.scores))
     units = _all(dims.bs * dims.nheads_kv if needs_finish(ins, plan) else 0)

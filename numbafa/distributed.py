@@ -328,8 +328,11 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     """
     _check_client(client)
     check_lse_layout(lse_layout)
-    options = AttentionOptions(sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
-                               sliding_window, dropout_p, seed, seed_offset, bias, alibi_slopes, softcap)
+    options = AttentionOptions(sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
+                               use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
+                               softmax_scale=softmax_scale, sliding_window=sliding_window, dropout_p=dropout_p,
+                               seed=seed, seed_offset=seed_offset, bias=bias, alibi_slopes=alibi_slopes,
+                               softcap=softcap)
     named = dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref)
     if _dask_mode(named):
         _no_variants_with_dask(options)
@@ -425,9 +428,11 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
         lost with a worker ``MAX_ATTEMPTS`` (3) times.
     """
     _check_client(client)
-    options = AttentionOptions(sinks_ref, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
-                               sliding_window, dropout_p, seed, seed_offset, bias, alibi_slopes, softcap,
-                               return_dbias)
+    options = AttentionOptions(sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
+                               use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
+                               softmax_scale=softmax_scale, sliding_window=sliding_window, dropout_p=dropout_p,
+                               seed=seed, seed_offset=seed_offset, bias=bias, alibi_slopes=alibi_slopes,
+                               softcap=softcap, return_dbias=return_dbias)
     named = dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, o_ref=o_ref, dy_ref=dy_ref, lse_ref=lse_ref)
     if _dask_mode(named):
         _no_variants_with_dask(options)
@@ -453,8 +458,8 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     def piece(b, heads, kv, c):
         def rows_of(x):
             return shards.pack_rows(x[b, heads], rows[c])
-        return BwdInputs(rows_of(prob.q), prob.k[b, kv], prob.v[b, kv], rows_of(prob.o),
-                         rows_of(prob.dy), rows_of(prob.lse), prob.sinks[b, heads])
+        return BwdInputs(q=rows_of(prob.q), k=prob.k[b, kv], v=prob.v[b, kv], o=rows_of(prob.o),
+                         dy=rows_of(prob.dy), lse=rows_of(prob.lse), sinks=prob.sinks[b, heads])
 
     shares = [tuple(piece(b, heads, kv, c) for c in range(n_chunks))
               + (shards.block_scores(scores, b, heads, kv.stop - kv.start),) for b, heads, kv in units]

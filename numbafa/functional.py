@@ -223,10 +223,12 @@ def attention(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causal_ma
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     qn, kn, vn = (to_neuron(x, layout, name=name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     caller = Caller(NAMES, layout)
-    options = AttentionOptions(sinks, bound_min, bound_max, use_causal_mask, mixed_precision, softmax_scale,
-                               sliding_window, dropout_p, seed, seed_offset, bias, alibi_slopes, softcap)
+    options = AttentionOptions(sinks=sinks, bound_min=bound_min, bound_max=bound_max, use_causal_mask=use_causal_mask,
+                               mixed_precision=mixed_precision, softmax_scale=softmax_scale,
+                               sliding_window=sliding_window, dropout_p=dropout_p, seed=seed, seed_offset=seed_offset,
+                               bias=bias, alibi_slopes=alibi_slopes, softcap=softcap)
     o, lse = core.attention_fwd(qn, kn, vn, options, caller)   # checks the options (and the backward again)
     seed = int.from_bytes(os.urandom(8), "little") >> 1   # (an int64)
-    ctx = AttentionContext(qn, kn, vn, o, lse, options, layout, seed=seed)
+    ctx = AttentionContext(q=qn, k=kn, v=vn, o=o, lse=lse, options=options, layout=layout, seed=seed)
     checksums = {name: fingerprint(x, seed) for name, x in ctx._watched().items()}
     return from_neuron(o, layout), dataclasses.replace(ctx, checksums=checksums)

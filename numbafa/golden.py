@@ -523,8 +523,8 @@ def _head_tiles(ins, setup, b, h):
     ds_mod = rnd(ds_pre, "ds")
     ds = ds_mod if tanh is None else rnd(ds_mod * (f32(1.0) - tanh * tanh), "ds")
     p_dv = p if mult is None else rnd(p * mult, "p")
-    return HeadTiles(qs, kt, vt, dyt, neg_lse, prod, d_sum, t, p_pre, p, mult, dp, m, ds_pre, ds, p_dv, s, tanh,
-                     steps, ds_mod)
+    return HeadTiles(qs=qs, kt=kt, vt=vt, dyt=dyt, neg_lse=neg_lse, prod=prod, d_sum=d_sum, t=t, p_pre=p_pre, p=p,
+                     mult=mult, dp=dp, m=m, ds_pre=ds_pre, ds=ds, p_dv=p_dv, s=s, tanh=tanh, steps=steps, ds_mod=ds_mod)
 
 
 def _dq_of_head(tiles, setup, observer, index):
@@ -643,12 +643,15 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
                                                                          + np.shape(bias))
     slopes = None if alibi_slopes is None else \
         np.broadcast_to(np.asarray(alibi_slopes).astype(f32), (bs, nheads))
-    ins = _Inputs(q, k, v, o, dy, lse, sink3, mult, bias32, slopes, float(softcap or 0.0))
-    setup = Setup(f32(1.0 / np.sqrt(d_head) if not softmax_scale else softmax_scale),
-                  *_neuron_tiling(d_head, v.shape[2]),
-                  allowed_mask(seqlen_q, seqlen_k, use_causal_mask, sliding_window, bound_min, bound_max),
-                  n_rep, Rounding(bool(is_bf16), bool(mixed_precision), frozenset(disable), bool(is_fp16)),
-                  ins.softcap, None if bias32 is None else bias32.shape)
+    ins = _Inputs(q=q, k=k, v=v, o=o, dy=dy, lse=lse, sinks=sink3, mult=mult, bias=bias32, slopes=slopes,
+                  softcap=float(softcap or 0.0))
+    d_tile, section_len = _neuron_tiling(d_head, v.shape[2])
+    setup = Setup(scale=f32(1.0 / np.sqrt(d_head) if not softmax_scale else softmax_scale), d_tile=d_tile,
+                  section_len=section_len,
+                  allowed=allowed_mask(seqlen_q, seqlen_k, use_causal_mask, sliding_window, bound_min, bound_max),
+                  n_rep=n_rep, rounding=Rounding(bool(is_bf16), bool(mixed_precision), frozenset(disable),
+                                                 bool(is_fp16)),
+                  softcap=ins.softcap, bias_shape=None if bias32 is None else bias32.shape)
     observer = Observer() if observer is None else observer
     observer.start(setup)
 

@@ -111,8 +111,9 @@ def _host_fwd(static, q, k, v, *options):
     lead, calls = _host_calls(static, [np.asarray(x) for x in (q, k, v)], options)
     results = []
     for (qa, ka, va, sa, ba, aa), bmin, bmax, offset in calls:
-        options = _frameworks.host_options((sa, bmin, bmax), causal, window, scale, (dropout_p, seed, offset),
-                                           variants=(ba, aa, softcap, False))
+        options = _frameworks.host_options(sinks=sa, bound_min=bmin, bound_max=bmax, use_causal_mask=causal,
+                                           softmax_scale=scale, sliding_window=window, dropout_p=dropout_p,
+                                           seed=seed, seed_offset=offset, bias=ba, alibi_slopes=aa, softcap=softcap)
         o, lse = _frameworks.host_forward(to_neuron(qa, layout), to_neuron(ka, layout), to_neuron(va, layout),
                                           options, layout)
         results.append((from_neuron(o, layout), lse))
@@ -126,8 +127,10 @@ def _host_bwd(static, q, k, v, o, do, lse, *options):
     results = []
     for (qa, ka, va, oa, da, la, sa, ba, aa), bmin, bmax, offset in calls:
         neuron = tuple(to_neuron(x, layout) for x in (qa, ka, va, oa, da))
-        options = _frameworks.host_options((sa, bmin, bmax), causal, window, scale, (dropout_p, seed, offset),
-                                           variants=(ba, aa, softcap, ba is not None))
+        options = _frameworks.host_options(sinks=sa, bound_min=bmin, bound_max=bmax, use_causal_mask=causal,
+                                           softmax_scale=scale, sliding_window=window, dropout_p=dropout_p,
+                                           seed=seed, seed_offset=offset, bias=ba, alibi_slopes=aa, softcap=softcap,
+                                           return_dbias=ba is not None)
         grads = _frameworks.host_backward(neuron, la, options, layout)
         results.append(tuple(from_neuron(g, layout) for g in grads[:3]) + tuple(grads[3:]))
     return _unfold(lead, results)

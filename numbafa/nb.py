@@ -149,8 +149,8 @@ def plan(q, k, v, *, sinks=None, bound_min=None, bound_max=None, use_causal_mask
     options = AttentionOptions(sinks=_as_numpy_dtype(sinks), bound_min=bound_min, bound_max=bound_max,
                                use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
                                softmax_scale=softmax_scale, sliding_window=sliding_window, dropout_p=dropout_p,
-                               seed=seed, seed_offset=seed_offset, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap,
-                               return_dbias=return_dbias)
+                               seed=seed, seed_offset=seed_offset, bias=bias, alibi_slopes=alibi_slopes,
+                               softcap=softcap, return_dbias=return_dbias)
     prob = validate_fwd_inputs(q, k, v, options, _CALLER)
     core.check_lse_layout(lse_layout, prob.q.shape[3])
     _check_score_dtypes(prob, bias, alibi_slopes)
@@ -192,8 +192,8 @@ def _prepare(prob, fwd, bwd) -> None:
     q4 = np.empty((0,) * 4, storage.dtype)
     a4, a3 = np.empty((0,) * 4, acc), np.empty((0,) * 3, acc)
     fwd_ins, fwd_outs = FwdInputs(q4, q4, q4, a3), FwdOutputs(a4, a3)
-    bwd_ins = BwdInputs(q4, q4, q4, q4, q4, a3, a3)
-    bwd_outs, stats = BwdOutputs(a4, a4, a4, a3, a4, a4), BwdStats(a3, a3)
+    bwd_ins = BwdInputs(q=q4, k=q4, v=q4, o=q4, dy=q4, lse=a3, sinks=a3)
+    bwd_outs, stats = BwdOutputs(dq=a4, dk=a4, dv=a4, dsinks=a3, part_dk=a4, part_dv=a4), BwdStats(a3, a3)
     with core.kernel_call("forward", core._dtype_name(fwd_ins, fwd)):
         prepare_forward(fwd_ins, fwd_outs, fwd)
         ensure_plugins(exact_scores_plugin(fwd_ins, fwd))
@@ -924,19 +924,19 @@ def _run_backward_overload(plan, kernel_plan, raw, outs, stats, status):
         def bits(plan, kernel_plan, raw, outs, stats, status):
             items, units = work(plan, kernel_plan, raw.sinks.shape[2])
             if plan.kind == FP16:
-                ins = BwdInputs(_widen_fp16(raw.q), _widen_fp16(raw.k), _widen_fp16(raw.v), _widen_fp16(raw.o),
-                                _widen_fp16(raw.dy), raw.lse, raw.sinks)
+                ins = BwdInputs(q=_widen_fp16(raw.q), k=_widen_fp16(raw.k), v=_widen_fp16(raw.v), o=_widen_fp16(raw.o),
+                                dy=_widen_fp16(raw.dy), lse=raw.lse, sinks=raw.sinks)
                 backward_entry(ins, outs, stats, kernel_plan, items, units, -1, status)
             else:
-                ins = BwdInputs(_kernel_input(raw.q), _kernel_input(raw.k), _kernel_input(raw.v),
-                                _kernel_input(raw.o), _kernel_input(raw.dy), raw.lse, raw.sinks)
+                ins = BwdInputs(q=_kernel_input(raw.q), k=_kernel_input(raw.k), v=_kernel_input(raw.v),
+                                o=_kernel_input(raw.o), dy=_kernel_input(raw.dy), lse=raw.lse, sinks=raw.sinks)
                 backward_entry(ins, outs, stats, kernel_plan, items, units, -1, status)
         return bits
 
     def values(plan, kernel_plan, raw, outs, stats, status):
         items, units = work(plan, kernel_plan, raw.sinks.shape[2])
-        ins = BwdInputs(_kernel_input(raw.q), _kernel_input(raw.k), _kernel_input(raw.v), _kernel_input(raw.o),
-                        _kernel_input(raw.dy), raw.lse, raw.sinks)
+        ins = BwdInputs(q=_kernel_input(raw.q), k=_kernel_input(raw.k), v=_kernel_input(raw.v), o=_kernel_input(raw.o),
+                        dy=_kernel_input(raw.dy), lse=raw.lse, sinks=raw.sinks)
         backward_entry(ins, outs, stats, kernel_plan, items, units, -1, status)
     return values
 
@@ -987,12 +987,13 @@ def _backward(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks, bias, dbias,
     acc = kernel_plan.acc.dtype
     chunks = kernel_plan.tiling.q_chunks
     lead, keys = ((bs * nheads_kv, chunks - 1), seqlen_k) if chunks > 1 else ((1, 1), 0)
-    outs = BwdOutputs(_output(dq), _output(dk), _output(dv), np.empty(kernel_sinks.shape, dtype=acc),
-                      np.empty(lead + (d_head, keys), dtype=acc), np.empty(lead + (d_v, keys), dtype=acc))
+    outs = BwdOutputs(dq=_output(dq), dk=_output(dk), dv=_output(dv), dsinks=np.empty(kernel_sinks.shape, dtype=acc),
+                      part_dk=np.empty(lead + (d_head, keys), dtype=acc),
+                      part_dv=np.empty(lead + (d_v, keys), dtype=acc))
     shape = (bs * nheads_kv, nheads // nheads_kv, seqlen_q)
     stats = BwdStats(np.empty(shape, dtype=acc), np.empty(shape, dtype=acc))
     status = np.zeros(STATUS_WORDS, dtype=np.int64)
-    raw = BwdInputs(q, k, v, o, dy, _natural_lse(lse), kernel_sinks)
+    raw = BwdInputs(q=q, k=k, v=v, o=o, dy=dy, lse=_natural_lse(lse), sinks=kernel_sinks)
     _run_backward(plan, kernel_plan, raw, outs, stats, status)
     if status[0] != 0:
         _raise_status(status)

@@ -103,10 +103,12 @@ class AttentionOptions:
         if not (call.seed or call.seed_offset or call.sinks is not None or call.bound_min is not None
                 or call.bound_max is not None or call.bias is not None or call.alibi_slopes is not None):
             return self
-        return AttentionOptions(call.sinks, call.bound_min, call.bound_max, self.use_causal_mask,
-                                self.mixed_precision, self.softmax_scale, self.sliding_window, self.dropout_p,
-                                call.seed or 0, call.seed_offset, call.bias, call.alibi_slopes, self.softcap,
-                                self.return_dbias)
+        return AttentionOptions(sinks=call.sinks, bound_min=call.bound_min, bound_max=call.bound_max,
+                                use_causal_mask=self.use_causal_mask, mixed_precision=self.mixed_precision,
+                                softmax_scale=self.softmax_scale, sliding_window=self.sliding_window,
+                                dropout_p=self.dropout_p, seed=call.seed or 0, seed_offset=call.seed_offset,
+                                bias=call.bias, alibi_slopes=call.alibi_slopes, softcap=self.softcap,
+                                return_dbias=self.return_dbias)
 
 
 def _plain_uint64(x) -> bool:

@@ -33,7 +33,7 @@ def check(prob, caller, backward: bool) -> int:
     none = np.empty(0, dtype=np.int64)
     plan = make_plan(prob, backward)
     if backward:
-        ins = BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks)
+        ins = BwdInputs(q=prob.q, k=prob.k, v=prob.v, o=prob.o, dy=prob.dy, lse=prob.lse, sinks=prob.sinks)
         *_, e, status = run_bwd(ins, plan, none, none)
     else:
         _, e, status = run_fwd(FwdInputs(prob.q, prob.k, prob.v, prob.sinks), plan, none)

@@ -204,8 +204,8 @@ def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
     def full(x):
         return kernel_view(_unpack_rows(x, rows if packed else None, seqlen_q))
 
-    ins = BwdInputs(full(ins.q), kernel_view(ins.k), kernel_view(ins.v), full(ins.o),
-                    full(ins.dy), full(ins.lse), kernel_view(ins.sinks))
+    ins = BwdInputs(q=full(ins.q), k=kernel_view(ins.k), v=kernel_view(ins.v), o=full(ins.o),
+                    dy=full(ins.dy), lse=full(ins.lse), sinks=kernel_view(ins.sinks))
     q_chunks = plan.tiling.q_chunks
     n_units = ins.q.shape[0] * ins.k.shape[1]
     finish = q_chunks == 1 and needs_finish(ins, plan)
@@ -225,8 +225,8 @@ def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
     else:
         dk = outs.part_dk[:, chunk - 1].reshape(outs.dk.shape)
         dv = outs.part_dv[:, chunk - 1].reshape(outs.dv.shape)
-    return BwdShard(to_dtype(pack_rows(outs.dq, rows), out_dtype), dk, dv,
-                    pack_rows(stats.neg_lse, rows), pack_rows(stats.d_sum, rows))
+    return BwdShard(dq=to_dtype(pack_rows(outs.dq, rows), out_dtype), dk=dk, dv=dv,
+                    neg_lse=pack_rows(stats.neg_lse, rows), d_sum=pack_rows(stats.d_sum, rows))
 
 
 def bwd_merge(plan, sinks: np.ndarray, shards, seqlen_q: int, out_dtype):
@@ -263,11 +263,11 @@ def bwd_merge(plan, sinks: np.ndarray, shards, seqlen_q: int, out_dtype):
     dummy_q = np.empty((nb, nheads, 0, 0), dtype=kernel_dtype)
     dummy_kv = np.empty((nb, nheads_kv, 0, 0), dtype=kernel_dtype)
     sinks = kernel_view(sinks)
-    ins = BwdInputs(dummy_q, dummy_kv, dummy_kv, dummy_q, dummy_q,
-                    np.empty((nb, nheads, 0), dtype=acc), sinks)
-    outs = BwdOutputs(np.empty((nb, nheads, 0, 0), dtype=acc), np.array(first.dk, order="C"),
-                      np.array(first.dv, order="C"), np.empty(sinks.shape, dtype=acc),
-                      np.ascontiguousarray(parts[0]), np.ascontiguousarray(parts[1]))
+    ins = BwdInputs(q=dummy_q, k=dummy_kv, v=dummy_kv, o=dummy_q, dy=dummy_q,
+                    lse=np.empty((nb, nheads, 0), dtype=acc), sinks=sinks)
+    outs = BwdOutputs(dq=np.empty((nb, nheads, 0, 0), dtype=acc), dk=np.array(first.dk, order="C"),
+                      dv=np.array(first.dv, order="C"), dsinks=np.empty(sinks.shape, dtype=acc),
+                      part_dk=np.ascontiguousarray(parts[0]), part_dv=np.ascontiguousarray(parts[1]))
     *_, status = run_bwd(ins, plan, np.empty(0, dtype=np.int64), np.arange(n_units, dtype=np.int64),
                          state=(outs, stats), exponent=0)
     if status[0]:
@@ -325,7 +325,7 @@ def bwd_block(plan, share: tuple, options: AttentionOptions, tensors: tuple, ext
     prob = validate_bwd_inputs(*tensors, _block_options(options, extras))
     e = check(prob, KERNEL_CALLER, backward=True)
     prob = scaled_input(prob, e, backward=True)
-    ins = BwdInputs(prob.q, prob.k, prob.v, prob.o, prob.dy, prob.lse, prob.sinks)
+    ins = BwdInputs(q=prob.q, k=prob.k, v=prob.v, o=prob.o, dy=prob.dy, lse=prob.lse, sinks=prob.sinks)
     out = bwd_chunk(plan, ins, False, prob.q.shape[3], chunk, prob.dtype, origin)
     if plan.tiling.q_chunks > 1:
         return out._replace(scale_exp=e)

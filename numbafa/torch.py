@@ -100,9 +100,11 @@ def _host_options(option_arrays: tuple, scalars: tuple, return_dbias: bool = Fal
     """``(options, layout)`` of an operator call: ``option_arrays`` the NumPy sinks, bound_min,
     bound_max, bias, alibi_slopes (or None), ``scalars`` the operator's causal ... softcap."""
     causal, window, softmax_scale, layout, dropout_p, seed, seed_offset, softcap = scalars
-    return _frameworks.host_options(option_arrays[:3], causal, window, softmax_scale,
-                                    (dropout_p, seed, seed_offset),
-                                    (*option_arrays[3:], softcap, return_dbias)), layout
+    sinks, bound_min, bound_max, bias, alibi_slopes = option_arrays
+    return _frameworks.host_options(sinks=sinks, bound_min=bound_min, bound_max=bound_max, use_causal_mask=causal,
+                                    softmax_scale=softmax_scale, sliding_window=window, dropout_p=dropout_p,
+                                    seed=seed, seed_offset=seed_offset, bias=bias, alibi_slopes=alibi_slopes,
+                                    softcap=softcap, return_dbias=return_dbias), layout
 
 
 @_attention_fwd.register_fake
@@ -217,7 +219,11 @@ def _folded(x: Optional[torch.Tensor], bdim: Optional[int], size: int) -> Option
     return x.reshape(size * x.shape[1], *x.shape[2:])
 
 
-def _vmap_rule(op, n_tensors: int):
+#: The arguments a folded call folds (the mapped axis into the batch axis); the others pass as they are.
+_FOLDED = frozenset({"q", "k", "v", "o", "do", "lse", "sinks"})
+
+
+def _vmap_rule(op):
     """A batching rule for ``op``: one call on the mapped axis folded into the batch axis.
 
     Each (batch, KV head) unit is computed on its own, so the folded call gives
@@ -225,20 +231,22 @@ def _vmap_rule(op, n_tensors: int):
     element, as PyTorch's fallback) where folding would change a result: with
     dropout (the mask depends on the batch index), packing bounds that differ
     along the mapped axis, ``[heads]`` sinks (their gradient is summed over the batch), or
-    score variants (a bias or slopes may or may not carry the batch).
+    score variants (a bias or slopes may or may not carry the batch). Arguments are read
+    by their names in the operator's schema.
     """
+    names = [argument.name for argument in op._schema.arguments]
+
     def rule(info, in_dims, *args):
-        tensors, options = args[:n_tensors], args[n_tensors:]
-        sinks, sinks_dim = tensors[-5], in_dims[n_tensors - 5]
-        if options[4] > 0 or any(d is not None for d in in_dims[n_tensors - 4:n_tensors - 2]) or (
-                sinks is not None and sinks.dim() - (sinks_dim is not None) < 2) or (
-                tensors[-2] is not None or tensors[-1] is not None or options[7]):
+        arg, dim = dict(zip(names, args)), dict(zip(names, in_dims))
+        sinks = arg["sinks"]
+        if (arg["dropout_p"] > 0 or dim["bound_min"] is not None or dim["bound_max"] is not None
+                or (sinks is not None and sinks.dim() - (dim["sinks"] is not None) < 2)
+                or arg["bias"] is not None or arg["alibi_slopes"] is not None or arg["softcap"]):
             outs = [op(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
                     for i in range(info.batch_size)]
             return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
         size = info.batch_size
-        folded = [_folded(t, d, size) for t, d in zip(tensors[:-4], in_dims)] + list(tensors[-4:])
-        outs = op(*folded, *options)
+        outs = op(*(_folded(a, d, size) if name in _FOLDED else a for name, a, d in zip(names, args, in_dims)))
         if len(outs) == 2:   # the forward: o, lse
             return tuple(o.reshape(size, -1, *o.shape[1:]) for o in outs), (0, 0)
         unfolded = tuple(o.reshape(size, -1, *o.shape[1:]) for o in outs[:3])
@@ -248,8 +256,8 @@ def _vmap_rule(op, n_tensors: int):
     return rule
 
 
-_attention_fwd.register_vmap(_vmap_rule(torch.ops.numbafa.attention_fwd.default, 8))
-_attention_bwd.register_vmap(_vmap_rule(torch.ops.numbafa.attention_bwd.default, 11))
+_attention_fwd.register_vmap(_vmap_rule(torch.ops.numbafa.attention_fwd.default))
+_attention_bwd.register_vmap(_vmap_rule(torch.ops.numbafa.attention_bwd.default))
 
 
 class _AttentionBackward(torch.autograd.Function):
@@ -418,8 +426,11 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         _check_tensor(name, t, required=False)
     given = {name: (tuple(t.shape), _DTYPES.get(t.dtype, str(t.dtype).replace("torch.", "")))
              for name, t in (("q", q), ("k", k), ("v", v)) + optional if t is not None}
-    options = _frameworks.check_call(layout, given, AttentionOptions(
-        None, None, None, causal, True, softmax_scale, window, dropout_p, seed, seed_offset, softcap=softcap))
+    options = _frameworks.check_call(layout, given, AttentionOptions(sinks=None, bound_min=None, bound_max=None,
+                                                                     use_causal_mask=causal, mixed_precision=True,
+                                                                     softmax_scale=softmax_scale, sliding_window=window,
+                                                                     dropout_p=dropout_p, seed=seed,
+                                                                     seed_offset=seed_offset, softcap=softcap))
     for name in ("seed", "seed_offset"):
         if getattr(options, name) >= 2 ** 63:
             raise ValueError(f"{name} must be in [0, 2**63) for PyTorch's int64 operator arguments, "

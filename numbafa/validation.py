@@ -118,7 +118,8 @@ class Problem:
         """The problem's sizes, whatever the arrays' layout."""
         bs, nheads, d_head, seqlen_q = neuron_shape(self.q, self.layout)
         _, nheads_kv, d_v, seqlen_k = neuron_shape(self.v, self.layout)
-        return Dims(bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_v)
+        return Dims(bs=bs, nheads=nheads, nheads_kv=nheads_kv, d_head=d_head, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                    d_head_v=d_v)
 
     @property
     def has_score_mods(self) -> bool:
@@ -334,9 +335,11 @@ def check_options(options: AttentionOptions, caller: Caller = KERNEL_CALLER) -> 
     return_dbias = _require_bool(c, "return_dbias", options.return_dbias)
     if return_dbias and options.bias is None:
         raise ValueError(f"{c('return_dbias')}=True needs a {c('bias')} to differentiate, got {c('bias')}=None")
-    return AttentionOptions(options.sinks, options.bound_min, options.bound_max, causal, mixed, scale, window,
-                            dropout["dropout_p"], dropout["seed"], dropout["seed_offset"], options.bias,
-                            options.alibi_slopes, softcap, return_dbias)
+    return AttentionOptions(sinks=options.sinks, bound_min=options.bound_min, bound_max=options.bound_max,
+                            use_causal_mask=causal, mixed_precision=mixed, softmax_scale=scale, sliding_window=window,
+                            dropout_p=dropout["dropout_p"], seed=dropout["seed"], seed_offset=dropout["seed_offset"],
+                            bias=options.bias, alibi_slopes=options.alibi_slopes, softcap=softcap,
+                            return_dbias=return_dbias)
 
 
 def _check_softcap(c: Caller, softcap) -> float:
@@ -419,7 +422,8 @@ def _check_dims(c: Caller, tensors: dict, causal: bool) -> Dims:
     if causal and seqlen_q != seqlen_k:
         sq, sk = c("seqlen_q"), c("seqlen_k")
         raise ValueError(f"{c('use_causal_mask')}=True requires {sq} == {sk}, got {sq}={seqlen_q}, {sk}={seqlen_k}")
-    return Dims(bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_head_v)
+    return Dims(bs=bs, nheads=nheads, nheads_kv=nheads_kv, d_head=d_head, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                d_head_v=d_head_v)
 
 
 def _check_lse_shape(c: Caller, lse, dims: Dims, dtype) -> None:

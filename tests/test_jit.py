@@ -123,3 +123,43 @@ def test_the_exceptions_are_real():
                 sizes[node.name] = max(sizes.get(node.name, 0), _size(node)[0])
         for function in functions:
             assert sizes.get(function, 0) > 10, (name, function, sizes.get(function))
+
+
+def _record_fields(trees) -> dict:
+    """``{name: field count}`` of the package's records: ``namedtuple`` assignments,
+    dataclasses and ``NamedTuple`` classes."""
+    records = {}
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                    and _call_name(node.value) == "namedtuple" and len(node.value.args) >= 2):
+                fields = node.value.args[1]
+                count = (len(fields.elts) if isinstance(fields, (ast.List, ast.Tuple))
+                         else len(str(fields.value).replace(",", " ").split()))
+                records.update({target.id: count for target in node.targets if isinstance(target, ast.Name)})
+            elif isinstance(node, ast.ClassDef) and (
+                    any("dataclass" in ast.unparse(d) for d in node.decorator_list)
+                    or any("NamedTuple" in ast.unparse(b) for b in node.bases)):
+                records[node.name] = sum(isinstance(s, ast.AnnAssign) for s in node.body)
+    return records
+
+
+def test_records_are_built_by_name():
+    """No record of five or more fields is built positionally (``Record(a, b, ...)``,
+    ``Record(*values)``, ``Record._make(values)``) anywhere in the package, kernels included:
+    a swapped pair of same-typed fields would pass silently."""
+    trees = {path: ast.parse(path.read_text()) for path in sorted(PACKAGE.rglob("*.py"))}
+    records = _record_fields(trees)
+    assert records["AttentionOptions"] == 14 and records["BwdInputs"] == 7       # the scan sees them
+    offenders = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            name = _call_name(node)
+            made = (isinstance(node.func, ast.Attribute) and node.func.attr == "_make"
+                    and _call_name(ast.Call(node.func.value, [], [])) in records)
+            record = _call_name(ast.Call(node.func.value, [], [])) if made else name
+            if records.get(record, 0) >= 5 and (node.args or made):
+                offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert not offenders, offenders

@@ -256,9 +256,10 @@ def recompute_p_ds(plan, sec, qg, blk, scratch):
     k_abs0 = sec.start + blk.k0
     q_abs0 = qg.start + blk.r0
     k_cols = columns(sec.k, blk.k0, blk.k0 + blk.n_k)
-    gemm(k_cols, columns(qg.q_s, blk.r0, blk.r1), s_t, True, False, _ONE, _ZERO, plan.gemm)
-    gemm(columns(sec.v, blk.k0, blk.k0 + blk.n_k), columns(qg.dy, blk.r0, blk.r1), dp_t, True, False, _ONE, _ZERO,
-         plan.gemm)
+    gemm(k_cols, columns(qg.q_s, blk.r0, blk.r1), s_t, trans_a=True, trans_b=False, alpha=_ONE, beta=_ZERO,
+         path=plan.gemm)
+    gemm(columns(sec.v, blk.k0, blk.k0 + blk.n_k), columns(qg.dy, blk.r0, blk.r1), dp_t, trans_a=True, trans_b=False,
+         alpha=_ONE, beta=_ZERO, path=plan.gemm)
     if plan.dropout.active:
         drop_args = (scratch.mult, dp_t, k_abs0, q_abs0, qg.q_head, qg.batch, plan.dropout)
         call_or_raise(plugin_address(_plugin_key(drop_scores, drop_args)), (pack(drop_args), np.int64(0)))
@@ -301,21 +302,23 @@ def update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum, cut, scratch):
     q_cols = columns(qg.q_s, blk.r0, blk.r1)
     dy_cols = columns(qg.dy, blk.r0, blk.r1)
     if prec.round_kernel != ROUND_NONE:  # rounded tiles keep dQ's PSUM apart (dQ is rounded between sections)
-        gemm(k_cols, ds_t, dq_psum, False, False, _ONE, _ONE if cut else _ZERO, plan.gemm)
+        gemm(k_cols, ds_t, dq_psum, trans_a=False, trans_b=False, alpha=_ONE, beta=_ONE if cut else _ZERO,
+             path=plan.gemm)
     else:
-        gemm(k_cols, ds_t, qg.dq[:, blk.r0:blk.r1], False, False, plan.softmax_scale, _ONE, plan.gemm)
+        gemm(k_cols, ds_t, qg.dq[:, blk.r0:blk.r1], trans_a=False, trans_b=False, alpha=plan.softmax_scale, beta=_ONE,
+             path=plan.gemm)
     d_v = sec.dv_acc.shape[1]
     d_head = sec.dk_acc.shape[1]
     if prec.round_acc != ROUND_NONE:
         dv_psum = scratch.kd_psum[:blk.n_k * d_v].reshape(blk.n_k, d_v)
-        gemm(p_t, dy_cols, dv_psum, False, True, _ONE, _ZERO, plan.gemm)
+        gemm(p_t, dy_cols, dv_psum, trans_a=False, trans_b=True, alpha=_ONE, beta=_ZERO, path=plan.gemm)
         accumulate(sec.dv_acc[keys], dv_psum, _ONE, prec.round_acc)
         dk_psum = scratch.kd_psum[:blk.n_k * d_head].reshape(blk.n_k, d_head)
-        gemm(ds_t, q_cols, dk_psum, False, True, _ONE, _ZERO, plan.gemm)
+        gemm(ds_t, q_cols, dk_psum, trans_a=False, trans_b=True, alpha=_ONE, beta=_ZERO, path=plan.gemm)
         accumulate(sec.dk_acc[keys], dk_psum, _ONE, prec.round_acc)
     else:
-        gemm(p_t, dy_cols, sec.dv_acc[keys], False, True, _ONE, _ONE, plan.gemm)
-        gemm(ds_t, q_cols, sec.dk_acc[keys], False, True, _ONE, _ONE, plan.gemm)
+        gemm(p_t, dy_cols, sec.dv_acc[keys], trans_a=False, trans_b=True, alpha=_ONE, beta=_ONE, path=plan.gemm)
+        gemm(ds_t, q_cols, sec.dk_acc[keys], trans_a=False, trans_b=True, alpha=_ONE, beta=_ONE, path=plan.gemm)
 
 
 @jit(apart=True)
@@ -410,7 +413,8 @@ def load_q_group(ins, outs, plan, sec, head, i_group, scratch, copies):
         else:
             gather_head(head_rows(ins.o, layout, head.batch, head.q_head), q_grp0, rows, copies.o)
             compute_rowsum(copies.o, copies.dy, 0, rows, plan.tiling.d_tile, head.d_sum[q_grp0:q_grp0 + rows], prec)
-    return QGroup(q_grp0, rows, q_op, dy_op, dq, head.neg_lse, head.d_sum, head.batch, head.q_head)
+    return QGroup(start=q_grp0, rows=rows, q_s=q_op, dy=dy_op, dq=dq, neg_lse=head.neg_lse, d_sum=head.d_sum,
+                  batch=head.batch, q_head=head.q_head)
 
 
 @jit()
@@ -434,7 +438,8 @@ def load_kv_section(ins, plan, batch, kv_head, i_section, scratch, copies):
         v_op = input_operand(copies.v[:, :length], plan, scratch.no_values, scratch.no_bits)
     scratch.dk_acc[:] = _ZERO
     scratch.dv_acc[:] = _ZERO
-    return KVSection(start, length, i_section == 0, k_op, v_op, scratch.dk_acc, scratch.dv_acc)
+    return KVSection(start=start, length=length, first=i_section == 0, k=k_op, v=v_op, dk_acc=scratch.dk_acc,
+                     dv_acc=scratch.dv_acc)
 
 
 @jit(apart=True)
@@ -498,21 +503,21 @@ def make_scratch(d_head, d_v, seqlen_q, seqlen_k, plan):
     drop = tile if plan.dropout.active else 0
     cap = tile if plan.scores.active and plan.scores.softcap > 0 else 0
     acc = plan.acc.dtype
-    return Scratch(np.empty((d_head, q_rows), dtype=acc),
-                   np.empty((d_head, q_rows), dtype=acc),
-                   np.empty(tile, dtype=acc),
-                   np.empty(tile, dtype=acc),
-                   np.empty(tiling.k_tile * max(d_head, d_v), dtype=acc),
-                   np.empty(q_rows * d_head, dtype=acc),
-                   np.empty((sec_cap, d_head), dtype=acc),
-                   np.empty((sec_cap, d_v), dtype=acc),
-                   np.empty(d_head * q_rows if plan.gemm.bits else 0, dtype=np.uint16),
-                   np.empty(bits, dtype=np.uint16),
-                   np.empty(bits, dtype=np.uint16),
-                   np.empty(drop, dtype=acc),
-                   np.empty(cap, dtype=acc),
-                   np.empty((0, 0), dtype=acc),
-                   np.empty((0, 0), dtype=np.uint16))
+    return Scratch(q_s=np.empty((d_head, q_rows), dtype=acc),
+                   dq=np.empty((d_head, q_rows), dtype=acc),
+                   s_t=np.empty(tile, dtype=acc),
+                   dp_t=np.empty(tile, dtype=acc),
+                   kd_psum=np.empty(tiling.k_tile * max(d_head, d_v), dtype=acc),
+                   dq_psum=np.empty(q_rows * d_head, dtype=acc),
+                   dk_acc=np.empty((sec_cap, d_head), dtype=acc),
+                   dv_acc=np.empty((sec_cap, d_v), dtype=acc),
+                   q_bits=np.empty(d_head * q_rows if plan.gemm.bits else 0, dtype=np.uint16),
+                   p_bits=np.empty(bits, dtype=np.uint16),
+                   ds_bits=np.empty(bits, dtype=np.uint16),
+                   mult=np.empty(drop, dtype=acc),
+                   tanh=np.empty(cap, dtype=acc),
+                   no_values=np.empty((0, 0), dtype=acc),
+                   no_bits=np.empty((0, 0), dtype=np.uint16))
 
 
 @jit()

@@ -427,7 +427,7 @@ def backward_entry(ins, outs, stats, plan, items, units, exponent, status):
         if e < 0 or items.size + units.size == 0:
             return max(e, 0)
     if e > 0:
-        scaled = BwdInputs(ins.q, ins.k, ins.v, ins.o, _scaled(ins.dy, e), ins.lse, ins.sinks)
+        scaled = BwdInputs(q=ins.q, k=ins.k, v=ins.v, o=ins.o, dy=_scaled(ins.dy, e), lse=ins.lse, sinks=ins.sinks)
         backward_items(scaled, outs, stats, plan, items, units)
     else:
         backward_items(ins, outs, stats, plan, items, units)

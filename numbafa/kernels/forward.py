@@ -186,7 +186,7 @@ def online_softmax_block(plan, head, q_op, k_op, v_op, blk, stats, scratch):
     n_k = width(k_op, plan.gemm.bits)
     d_v = stats.acc.shape[1]
     s = scratch.s[:n_q * n_k].reshape(n_q, n_k)
-    gemm(q_op, k_op, s, True, False, _ONE, _ZERO, plan.gemm)
+    gemm(q_op, k_op, s, trans_a=True, trans_b=False, alpha=_ONE, beta=_ZERO, path=plan.gemm)
     if plan.scores.active:
         args = (s, q_abs0, k_abs0, head.batch, head.q_head, plan.scores)
         call_or_raise(plugin_address(_plugin_key(modify_scores, args)), (pack(args), np.int64(0)))
@@ -199,7 +199,7 @@ def online_softmax_block(plan, head, q_op, k_op, v_op, blk, stats, scratch):
     pv = scratch.pv[:n_q * d_v].reshape(n_q, d_v)
     # P as written (bf16 values for bf16 inputs): its bits are the operand on the bf16 path.
     p_op = tile_operand(any_layout(s), scratch.p_bits, scratch.no_values, scratch.no_bits, plan.gemm.bits)
-    gemm(p_op, v_op, pv, False, True, _ONE, _ZERO, plan.gemm)
+    gemm(p_op, v_op, pv, trans_a=False, trans_b=True, alpha=_ONE, beta=_ZERO, path=plan.gemm)
     rescale_accumulate(stats, pv, tile_sum, plan.precision.round_acc)
 
 
@@ -300,19 +300,19 @@ def make_fwd_scratch(d_head, d_v, seqlen_q, plan):
     k_cap = max(tiling.k_tile, 1)
     bits = 1 if plan.gemm.bits else 0
     acc = plan.acc.dtype
-    return FwdScratch(np.empty((d_head, q_rows), dtype=acc),
-                      np.empty((q_rows, d_v), dtype=acc),
-                      np.empty(q_rows, dtype=acc),
-                      np.empty(q_rows, dtype=acc),
-                      np.empty(q_rows, dtype=acc),
-                      np.empty(q_rows * k_cap, dtype=acc),
-                      np.empty(q_rows * d_v, dtype=acc),
-                      np.empty(q_rows, dtype=acc),
-                      np.ones(k_cap, dtype=acc),
-                      np.empty(bits * d_head * q_rows, dtype=np.uint16),
-                      np.empty(bits * q_rows * k_cap, dtype=np.uint16),
-                      np.empty((0, 0), dtype=acc),
-                      np.empty((0, 0), dtype=np.uint16))
+    return FwdScratch(q_s=np.empty((d_head, q_rows), dtype=acc),
+                      o_acc=np.empty((q_rows, d_v), dtype=acc),
+                      row_max=np.empty(q_rows, dtype=acc),
+                      row_sum=np.empty(q_rows, dtype=acc),
+                      alpha=np.empty(q_rows, dtype=acc),
+                      s=np.empty(q_rows * k_cap, dtype=acc),
+                      pv=np.empty(q_rows * d_v, dtype=acc),
+                      tile_sum=np.empty(q_rows, dtype=acc),
+                      ones=np.ones(k_cap, dtype=acc),
+                      q_bits=np.empty(bits * d_head * q_rows, dtype=np.uint16),
+                      p_bits=np.empty(bits * q_rows * k_cap, dtype=np.uint16),
+                      no_values=np.empty((0, 0), dtype=acc),
+                      no_bits=np.empty((0, 0), dtype=np.uint16))
 
 
 @jit()
