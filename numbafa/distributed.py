@@ -102,12 +102,6 @@ def _warm(client, kernel: str, dtype, dropout: bool, variants: bool = False) -> 
                                f"single-process call; install the same numbafa on every worker")
 
 
-def _no_variants_with_dask(options: AttentionOptions) -> None:
-    if options.has_score_mods:
-        raise TypeError("bias, alibi_slopes and softcap take NumPy q_ref, k_ref, v_ref in numbafa.distributed "
-                        "(not Dask arrays); compute the Dask arrays first, or call without the score variants")
-
-
 def _is_dask(x) -> bool:
     da, _ = _dask()
     return isinstance(x, da.Array)
@@ -307,8 +301,8 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
         As in :func:`numbafa.attention_fwd`: the same keep mask as the single-process call
         (each task draws it at its share's absolute batch and q-heads).
     bias, alibi_slopes, softcap
-        As in :func:`numbafa.attention_fwd`, with NumPy q, k, v (and a NumPy bias and slopes):
-        each task gets its block's slice of the bias and slopes.
+        As in :func:`numbafa.attention_fwd`; the bias and slopes NumPy arrays (also with Dask
+        q, k, v): each task gets its block's slice of them.
 
     Returns
     -------
@@ -335,7 +329,6 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
                                softcap=softcap)
     named = dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref)
     if _dask_mode(named):
-        _no_variants_with_dask(options)
         return _fwd_dask(client, named, options, lse_layout)
     prob = validate_fwd_inputs(q_ref, k_ref, v_ref, options)
     bs, nheads, d_head, seqlen_q = prob.q.shape
@@ -408,10 +401,12 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
         As in :func:`numbafa.attention_bwd` (the forward's mask, drawn again by every task at
         its share's absolute batch and q-heads).
     bias, alibi_slopes, softcap, return_dbias
-        As in :func:`numbafa.attention_bwd`, with NumPy q, k, v (and a NumPy bias and slopes).
-        With ``return_dbias``, the units that share a slab of the bias (its batch or head
-        dim 1) go to one task, run in the kernel's order, so every element of dbias comes
-        from one task, bitwise the single-process one.
+        As in :func:`numbafa.attention_bwd`; the bias and slopes NumPy arrays (also with Dask
+        inputs). With ``return_dbias``, the units that share a slab of the bias (its batch or
+        head dim 1) go to one task, run in the kernel's order, so every element of dbias comes
+        from one task, bitwise the single-process one (Dask inputs are joined into one chunk
+        along that axis for the pass, and the gradients given back in the inputs' chunks;
+        dbias is a Dask array in the bias's shape).
 
     Returns
     -------
@@ -435,7 +430,6 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
                                softcap=softcap, return_dbias=return_dbias)
     named = dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, o_ref=o_ref, dy_ref=dy_ref, lse_ref=lse_ref)
     if _dask_mode(named):
-        _no_variants_with_dask(options)
         return _bwd_dask(client, named, options)
     prob = validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, options)
     e = check(prob, KERNEL_CALLER, backward=True)
@@ -538,11 +532,18 @@ def _validate_dask(client, named: dict, options: AttentionOptions, validate):
                          f"of sinks must be [bs, nheads] or [bs, nheads, num_sinks], chunked as q_ref)")
     bounds = [None if b is None else np.asarray(client.compute(b).result()) if _is_dask(b) else b
               for b in (options.bound_min, options.bound_max)]
+    for name, x in (("bias", options.bias), ("alibi_slopes", options.alibi_slopes)):
+        if _is_dask(x):
+            raise TypeError(f"{name} must be a numpy.ndarray (each task gets its block's slice), got a "
+                            f"dask.array.Array; compute it first")
     checked = check_options(dataclasses.replace(options, sinks=None, bound_min=None, bound_max=None))
     standin_sinks = None if sinks is None else sinks if sinks.ndim == 1 and not _is_dask(sinks) else _standin(sinks)
+    bs = named["q_ref"].shape[0]
     try:
         prob = validate(*(_standin(x) for x in named.values()),
-                        dataclasses.replace(checked, sinks=standin_sinks, bound_min=bounds[0], bound_max=bounds[1]))
+                        dataclasses.replace(checked, sinks=standin_sinks, bound_min=bounds[0], bound_max=bounds[1],
+                                            bias=_batch0(checked.bias, 4, bs),
+                                            alibi_slopes=_batch0(checked.alibi_slopes, 2, bs)))
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{exc} (Dask inputs: checked on their metadata, shapes shown with "
                         f"batch 0)") from None
@@ -552,6 +553,46 @@ def _validate_dask(client, named: dict, options: AttentionOptions, validate):
             raise ValueError(f"{name} must have batch size {q.shape[0]} (q_ref.shape[0]), got shape "
                              f"{tuple(x.shape)}")
     return prob, checked, _dask_sinks(sinks, q), bounds
+
+
+def _batch0(x, ndim: int, bs: int):
+    """A bias (``ndim`` 4) or slopes (2) with a batch dim of ``bs``, cut to batch 0 for the
+    checks on batch-0 stand-ins (another one, or None, as it is)."""
+    if x is None or np.ndim(x) != ndim or np.shape(x)[0] != bs:
+        return x
+    return np.asarray(x)[:0]
+
+
+def _variants_of_block(options: AttentionOptions, batches: slice, heads: slice) -> tuple:
+    """``(bias, alibi_slopes)`` of the block of ``batches`` and q-``heads``: the bias as 4-D and
+    the slopes sliced along the dims they have (None where absent)."""
+    bias, alibi = options.bias, options.alibi_slopes
+    if bias is not None:
+        bias = np.asarray(bias)
+        bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+        bias = bias[shards._slice_of(bias, 0, batches), shards._slice_of(bias, 1, heads)]
+    if alibi is not None:
+        alibi = np.asarray(alibi)
+        alibi = alibi[heads] if alibi.ndim == 1 else alibi[shards._slice_of(alibi, 0, batches), heads]
+    return bias, alibi
+
+
+def _joined_for_dbias(named: dict, sinks, options: AttentionOptions, nheads_kv: int) -> tuple:
+    """``(named, sinks, joined axes)``: with ``return_dbias`` and a bias shared by the batches
+    (or the KV heads), the arrays joined into one chunk along that axis, so that the units
+    sharing a slab of dbias run in one task, in the kernel's order."""
+    bias = options.bias
+    if not options.return_dbias or bias is None:
+        return named, sinks, ()
+    bias4 = (1,) * (4 - np.ndim(bias)) + np.shape(bias)
+    q = named["q_ref"]
+    axes = tuple(axis for axis, shared in ((0, bias4[0] == 1 and q.shape[0] > 1), (1, bias4[1] == 1 and nheads_kv > 1))
+                 if shared)
+    if not axes:
+        return named, sinks, ()
+    join = {axis: -1 for axis in axes}
+    return ({name: x.rechunk(join) for name, x in named.items()},
+            None if sinks is None else sinks.rechunk(join), axes)
 
 
 def _batch_sum(dsinks, sinks):
@@ -598,11 +639,16 @@ def _blocks(x):
 
 
 def _per_block(q, arrays, block) -> list:
-    """``results[i][j] = block(blocks, origin)`` for every block ``(i, j)`` of ``q_ref``'s chunks:
-    ``blocks`` the Delayed blocks ``(i, j)`` of ``arrays`` (None for a None array), ``origin``
-    its absolute ``(batch0, head0)`` (:func:`_origin`)."""
+    """``results[i][j] = block(blocks, origin, extent)`` for every block ``(i, j)`` of ``q_ref``'s
+    chunks: ``blocks`` the Delayed blocks ``(i, j)`` of ``arrays`` (None for a None array),
+    ``origin`` its absolute ``(batch0, head0)`` (:func:`_origin`), ``extent`` its ``(batches,
+    q-heads)`` slices."""
     get = [_blocks(x) for x in arrays]
-    return [[block([g(i, j) for g in get], _origin(q.chunks, i, j)) for j in range(len(q.chunks[1]))]
+
+    def extent(i, j):
+        (b0, h0), (nb, nh) = _origin(q.chunks, i, j), (q.chunks[0][i], q.chunks[1][j])
+        return slice(b0, b0 + nb), slice(h0, h0 + nh)
+    return [[block([g(i, j) for g in get], _origin(q.chunks, i, j), extent(i, j)) for j in range(len(q.chunks[1]))]
             for i in range(len(q.chunks[0]))]
 
 
@@ -640,7 +686,8 @@ def _dask_plan(client, named, sinks, prob, backward: bool):
     _check_chunks(dict(named, **({} if sinks is None else {"sinks_ref": sinks})), ("k_ref", "v_ref"), n_rep)
     plan = make_plan(dataclasses.replace(prob, q=_shape_only(q.shape, prob.q.dtype),
                                          k=_shape_only(k.shape, prob.k.dtype)), backward=backward)
-    _warm(client, "backward" if backward else "forward", q.dtype, prob.dropout_p > 0)
+    plan = plan._replace(scores=make_scores(None, plan.acc.dtype))    # (each block makes its own)
+    _warm(client, "backward" if backward else "forward", q.dtype, prob.dropout_p > 0, prob.has_score_mods)
     return plan, delayed(plan, traverse=False)
 
 
@@ -655,9 +702,12 @@ def _fwd_dask(client, named, options, lse_layout):
     bounds_d = [None if b is None else delayed(b, traverse=False) for b in bounds]
     n_chunks = plan.tiling.q_chunks
 
-    def block(blocks, origin):
+    checked = dataclasses.replace(checked, bias=None, alibi_slopes=None)   # each block gets its slices
+
+    def block(blocks, origin, extent):
+        variants = [None if x is None else delayed(x, traverse=False) for x in _variants_of_block(options, *extent)]
         parts = [delayed(shards.fwd_block, pure=True, nout=2)(plan_d, (c, origin), checked, lse_layout,
-                                                               tuple(blocks[:3]), (blocks[3], *bounds_d))
+                                                               tuple(blocks[:3]), (blocks[3], *bounds_d, *variants))
                  for c in range(n_chunks)]
         return parts[0] if n_chunks == 1 else delayed(shards.fwd_block_merge, pure=True, nout=2)(
             plan_d, parts, seqlen_q, lse_layout)
@@ -671,6 +721,9 @@ def _fwd_dask(client, named, options, lse_layout):
 def _bwd_dask(client, named, options):
     from dask import delayed
     prob, checked, sinks, bounds = _validate_dask(client, named, options, validate_bwd_inputs)
+    given = {name: x.chunks for name, x in named.items()}
+    given_sinks = None if sinks is None else sinks.chunks
+    named, sinks, joined = _joined_for_dbias(named, sinks, options, named["k_ref"].shape[1])
     q, k = named["q_ref"], named["k_ref"]
     nheads, d_head, seqlen_q = q.shape[1:]
     nheads_kv, seqlen_k = k.shape[1], k.shape[3]
@@ -678,12 +731,14 @@ def _bwd_dask(client, named, options):
     plan, plan_d = _dask_plan(client, named, sinks, prob, backward=True)
     bounds_d = [None if b is None else delayed(b, traverse=False) for b in bounds]
     n_chunks = plan.tiling.q_chunks
+    checked = dataclasses.replace(checked, bias=None, alibi_slopes=None)   # each block gets its slices
 
-    def block(blocks, origin):
-        parts = [delayed(shards.bwd_block, pure=True, nout=4)(plan_d, (c, origin), checked, tuple(blocks[:6]),
-                                                               (blocks[6], *bounds_d))
+    def block(blocks, origin, extent):
+        variants = [None if x is None else delayed(x, traverse=False) for x in _variants_of_block(options, *extent)]
+        parts = [delayed(shards.bwd_block, pure=True, nout=5)(plan_d, (c, origin), checked, tuple(blocks[:6]),
+                                                               (blocks[6], *bounds_d, *variants))
                  for c in range(n_chunks)]
-        return parts[0] if n_chunks == 1 else delayed(shards.bwd_block_merge, pure=True, nout=4)(
+        return parts[0] if n_chunks == 1 else delayed(shards.bwd_block_merge, pure=True, nout=5)(
             plan_d, parts, blocks[6], seqlen_q, q.dtype)
 
     results = _per_block(q, list(named.values()) + [sinks], block)
@@ -691,7 +746,20 @@ def _bwd_dask(client, named, options):
     grads = (_assemble(results, 0, q.chunks[:2] + ((d_head,), (seqlen_q,)), q.dtype, "dq"),
              _assemble(results, 1, kv_heads + ((d_head,), (seqlen_k,)), q.dtype, "dk"),
              _assemble(results, 2, kv_heads + ((named["v_ref"].shape[2],), (seqlen_k,)), q.dtype, "dv"))
-    if sinks is None:
-        return grads
-    dsinks = _assemble(results, 3, q.chunks[:2] + tuple((n,) for n in sinks.shape[2:]), sinks.dtype, "dsinks")
-    return grads + (_batch_sum(dsinks, options.sinks),)
+    if joined:   # back in the chunks the inputs came in
+        grads = tuple(x.rechunk(given[name]) for x, name in zip(grads, ("q_ref", "k_ref", "v_ref")))
+    if sinks is not None:
+        dsinks = _assemble(results, 3, q.chunks[:2] + tuple((n,) for n in sinks.shape[2:]), sinks.dtype, "dsinks")
+        grads += (_batch_sum(dsinks.rechunk(given_sinks) if joined else dsinks, options.sinks),)
+    if prob.return_dbias:
+        grads += (_dbias(results, q.chunks, options.bias),)
+    return grads
+
+
+def _dbias(results: list, chunks: tuple, bias):
+    """The Dask array of dbias, in the bias's shape and dtype, from the blocks' slices (item 4 of
+    each block's result; a dim the bias broadcasts is one chunk: the blocks along it were joined)."""
+    bias = np.asarray(bias)
+    bias4 = (1,) * (4 - bias.ndim) + bias.shape
+    dbias_chunks = tuple((1,) if bias4[axis] == 1 else chunks[axis] for axis in (0, 1)) + tuple((n,) for n in bias4[2:])
+    return _assemble(results, 4, dbias_chunks, bias.dtype, "dbias").reshape(bias.shape)

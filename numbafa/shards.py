@@ -45,7 +45,7 @@ import numba
 import numpy as np
 
 from .api import attention_bwd, attention_fwd
-from .core import lse_out, raise_status, run_bwd, run_fwd, to_dtype, user_dsinks
+from .core import lse_out, raise_status, run_bwd, run_fwd, to_dtype, user_dbias, user_dsinks
 from .dtypes import bf16_dtype, is_bf16
 from .jit import source_hash
 from .kernels.backward import BwdStats
@@ -278,8 +278,16 @@ def bwd_merge(plan, sinks: np.ndarray, shards, seqlen_q: int, out_dtype):
 # --- blocks of Dask arrays: raw user arrays, validated on the worker ---------------------------
 
 def _block_options(options: AttentionOptions, extras: tuple) -> AttentionOptions:
-    """The call's checked scalar ``options`` with a block's ``extras`` ``(sinks, bound_min, bound_max)``."""
-    return dataclasses.replace(options, sinks=extras[0], bound_min=extras[1], bound_max=extras[2])
+    """The call's checked scalar ``options`` with a block's ``extras`` ``(sinks, bound_min,
+    bound_max, bias, alibi_slopes)`` (the last two: the block's slices, or None)."""
+    sinks, bound_min, bound_max, bias, alibi_slopes = extras
+    return dataclasses.replace(options, sinks=sinks, bound_min=bound_min, bound_max=bound_max, bias=bias,
+                               alibi_slopes=alibi_slopes)
+
+
+def _block_scores(prob, plan):
+    """The score variants of a validated block (:func:`~numbafa.kernels.scores.make_scores`), or None."""
+    return make_scores(prob, plan.acc.dtype) if prob.has_score_mods else None
 
 
 def fwd_block(plan, share: tuple, options: AttentionOptions, lse_layout: str, tensors: tuple, extras: tuple):
@@ -287,7 +295,7 @@ def fwd_block(plan, share: tuple, options: AttentionOptions, lse_layout: str, te
 
     ``share``: ``(chunk, origin)``, the Q chunk and the block's ``(batch0, head0)``
     (:func:`at_origin`); ``tensors``: the block's ``(q, k, v)``; ``extras``: its
-    ``(sinks, bound_min, bound_max)`` (None when absent). Validated here, as
+    ``(sinks, bound_min, bound_max, bias, alibi_slopes)`` (None when absent). Validated here, as
     :func:`numbafa.attention_fwd` validates. Returns ``(o, lse)``: final (lse in
     ``lse_layout``) when units are not split, else the chunk's rows for :func:`fwd_block_merge`.
     """
@@ -297,7 +305,7 @@ def fwd_block(plan, share: tuple, options: AttentionOptions, lse_layout: str, te
     prob = scaled_input(prob, e, backward=False)
     seqlen_q = prob.q.shape[3]
     o, lse = fwd_chunk(plan, FwdInputs(prob.q, prob.k, prob.v, prob.sinks), False, seqlen_q, chunk,
-                       prob.dtype, origin)
+                       prob.dtype, origin, scores=_block_scores(prob, plan))
     o = unscaled_output(o, e, "o")
     return (o, lse_out(lse, lse_layout)) if plan.tiling.q_chunks == 1 else (o, lse)
 
@@ -318,23 +326,25 @@ def bwd_block(plan, share: tuple, options: AttentionOptions, tensors: tuple, ext
     """Backward of one block of Dask chunks (the user's arrays).
 
     As :func:`fwd_block`, ``tensors`` the block's ``(q, k, v, o, dy, lse)``. Returns ``(dq,
-    dk, dv, dsinks)`` (dsinks None without sinks) when units are not split, else the
-    chunk's :data:`BwdShard` for :func:`bwd_block_merge`.
+    dk, dv, dsinks, dbias)`` (dsinks None without sinks; dbias the block's 4-D slice in the
+    bias's dtype, or None) when units are not split, else the chunk's :data:`BwdShard` for
+    :func:`bwd_block_merge` (units with dbias are never split).
     """
     chunk, origin = share
     prob = validate_bwd_inputs(*tensors, _block_options(options, extras))
     e = check(prob, KERNEL_CALLER, backward=True)
     prob = scaled_input(prob, e, backward=True)
     ins = BwdInputs(q=prob.q, k=prob.k, v=prob.v, o=prob.o, dy=prob.dy, lse=prob.lse, sinks=prob.sinks)
-    out = bwd_chunk(plan, ins, False, prob.q.shape[3], chunk, prob.dtype, origin)
+    out = bwd_chunk(plan, ins, False, prob.q.shape[3], chunk, prob.dtype, origin, scores=_block_scores(prob, plan))
     if plan.tiling.q_chunks > 1:
         return out._replace(scale_exp=e)
     dq, dk, dv, dsinks = (unscaled_output(x, e, name) for x, name in zip(out, ("dq", "dk", "dv", "dsinks")))
-    return dq, dk, dv, _user_dsinks(dsinks, extras[0])
+    dbias = None if out[4] is None else user_dbias(prob, unscaled_output(out[4], e, "dbias"))
+    return dq, dk, dv, _user_dsinks(dsinks, extras[0]), dbias
 
 
 def bwd_block_merge(plan, parts, sinks, seqlen_q: int, out_dtype):
-    """``(dq, dk, dv, dsinks)`` of a block from its chunks' shards (:func:`bwd_block`), by
+    """``(dq, dk, dv, dsinks, None)`` of a block from its chunks' shards (:func:`bwd_block`), by
     :func:`bwd_merge`; ``sinks``: the block of the user's sinks (or None)."""
     nb, nheads_kv = parts[0].dk.shape[:2]
     nheads = nheads_kv * parts[0].neg_lse.shape[1]
@@ -344,7 +354,7 @@ def bwd_block_merge(plan, parts, sinks, seqlen_q: int, out_dtype):
     merged = bwd_merge(plan, kernel_sinks, parts, seqlen_q, out_dtype)
     dq, dk, dv, dsinks = (unscaled_output(x, parts[0].scale_exp, name)
                           for x, name in zip(merged, ("dq", "dk", "dv", "dsinks")))
-    return dq, dk, dv, _user_dsinks(dsinks, sinks)
+    return dq, dk, dv, _user_dsinks(dsinks, sinks), None
 
 
 # --- the worker's set-up ------------------------------------------------------------------

@@ -526,10 +526,34 @@ def test_score_variants_give_the_single_process_bits(client, name, case, spec):
     assert_bitwise(got, expected)
 
 
-def test_score_variants_with_dask_inputs_are_a_clear_error(client, small):
+@pytest.mark.parametrize("name, case, spec", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
+def test_score_variants_with_dask_inputs_give_the_single_process_bits(client, name, case, spec):
+    """Dask q, k, v (one batch and one GQA group per chunk) with a NumPy bias and slopes: each
+    block gets its slices; a dbias shared by the batch (or the KV heads) joins those chunks
+    for the pass, and the gradients come back in the inputs' chunks."""
+    from test_score_variants import forward_kwargs, variant_inputs
+    inputs = variant_inputs(case, spec)
+    n_rep = case.nheads // case.nheads_kv
+    lazy_in = _dask_inputs(inputs, n_rep, n_rep)
+    qkv = [lazy_in[k] for k in ("q_ref", "k_ref", "v_ref")]
+    fwd = forward_kwargs(inputs)
+    expected = numbafa.attention_fwd(*(inputs[k] for k in ("q_ref", "k_ref", "v_ref")), **fwd)
+    lazy = nd.attention_fwd(client, *qkv, **forward_kwargs(lazy_in))
+    assert lazy[0].chunks == lazy_in["q_ref"].chunks
+    assert_bitwise(client.compute(list(lazy), sync=True), expected)
+    expected = numbafa.attention_bwd(**inputs)
+    lazy = nd.attention_bwd(client, **lazy_in)
+    assert all(isinstance(x, da.Array) for x in lazy) and len(lazy) == len(expected)
+    assert [x.chunks for x in lazy[:3]] == [lazy_in[k].chunks for k in ("q_ref", "k_ref", "v_ref")]
+    assert_bitwise(client.compute(list(lazy), sync=True), expected)
+
+
+def test_a_dask_bias_is_a_clear_error(client, small):
     lazy = [da.from_array(x, chunks=(1,) + x.shape[1:]) for x in (small["q_ref"], small["k_ref"], small["v_ref"])]
-    with pytest.raises(TypeError, match="bias, alibi_slopes and softcap take NumPy q_ref, k_ref, v_ref"):
-        nd.attention_fwd(client, *lazy, softcap=3.0)
+    seqlen = small["q_ref"].shape[3]
+    bias = da.zeros((seqlen, seqlen), dtype=np.float32, chunks=seqlen)
+    with pytest.raises(TypeError, match="bias must be a numpy.ndarray .* got a dask.array.Array"):
+        nd.attention_fwd(client, *lazy, bias=bias)
 
 
 def _kill_every_bwd_chunk():
