@@ -9,6 +9,7 @@ from numbafa.dtypes import ROUND_BF16, ROUND_FP16, ROUND_NONE
 from numbafa.jit import callable_from_python, jit
 from numbafa.kernels import common
 from numbafa.kernels.forward import _row_max as _kernel_row_max
+from numbafa.kernels.heads import gather_head, load_scaled_rows, store_head_rows
 from numbafa.kernels.loops import input_operand
 
 # The kernels' own helpers, compiled with a Python wrapper (kernel code calls them without one).
@@ -144,3 +145,51 @@ def test_row_max_of_random_rows_and_empty(dtype):
         assert _row_max(x) == np.max(x)
         assert _row_max(-np.abs(x)) == np.max(-np.abs(x))
     assert _row_max(np.empty(0, dtype)) == -np.inf
+
+
+# --- the s-major layouts' transposes (numbafa.kernels.heads): 8 x 8 vector blocks and the rest ---
+
+@jit()
+def _gather(rows, col0, d, start, count, out):
+    gather_head((rows, col0, d), start, count, out)
+
+
+@jit()
+def _load_scaled_rows(rows, col0, d, start, count, out, scale):
+    load_scaled_rows((rows, col0, d), start, count, out, scale, ROUND_NONE)
+
+
+@jit()
+def _store_head_rows(src, count, rows, col0, d, start):
+    store_head_rows(src, count, (rows, col0, d), start, ROUND_NONE)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "uint16"])
+@pytest.mark.parametrize("d, count", [(32, 256), (20, 37), (8, 8), (7, 5), (48, 129)])
+def test_head_transposes_are_exact_in_every_dtype_and_size(dtype, d, count):
+    """Rows ``start:start + count`` of a bshd-like head (three heads per row, the middle one)
+    transposed to ``[d, count]`` and back, whole 8 x 8 blocks and the remainders alike; bf16
+    bits (uint16) kept as bits by the gather and widened to float32 by the scaled load."""
+    rng = np.random.default_rng(d * 1000 + count)
+    start, heads = 3, 3
+    rows = (rng.standard_normal((start + count + 2, heads * d)) * 100).astype(np.float32)
+    if dtype == "uint16":
+        rows = rows.view(np.uint16)[:, ::2].copy()       # the float32 values' upper halves: bf16 bits
+    else:
+        rows = rows.astype(dtype)
+    head = rows[start:start + count, d:2 * d]
+    out = np.zeros((d, count + 3), dtype=rows.dtype)
+    callable_from_python(_gather)(rows, d, d, start, count, out)
+    np.testing.assert_array_equal(out[:, :count], head.T)
+    assert not out[:, count:].any()
+    if dtype != "float64":
+        values = np.zeros((d, count), np.float32)
+        callable_from_python(_load_scaled_rows)(rows, d, d, start, count, values, np.float32(1.0))
+        widened = ((head.astype(np.uint32) << 16).view(np.float32) if dtype == "uint16" else head)
+        np.testing.assert_array_equal(values, widened.T)
+    if dtype != "uint16":
+        back = np.zeros_like(rows)
+        callable_from_python(_store_head_rows)(np.ascontiguousarray(head.T), count, back, d, d, start)
+        np.testing.assert_array_equal(back[start:start + count, d:2 * d], head)
+        back[start:start + count, d:2 * d] = 0
+        assert not back.any()

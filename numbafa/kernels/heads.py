@@ -21,6 +21,11 @@ gives the Neuron layout's bits; no whole-array copy is made.
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+from numba.np import arrayobj
 
 from ..dtypes import round_inplace, rounded, widen
 from ..jit import jit
@@ -32,9 +37,63 @@ NEURON, BHSD, BSHD = np.int64(0), np.int64(1), np.int64(2)
 #: The plan's layout code of each layout name (:mod:`numbafa.layout`).
 LAYOUT_CODES = {"neuron": 0, "bhsd": 1, "bshd": 2}
 
-# Transposes go in square blocks: the block's source rows stay in L1 and each destination row
-# gets whole cache lines (numbafa.kernels.common).
-_BLOCK = 16
+# Transposes go in 8 x 8 blocks held in vector registers (:func:`_transpose8`).
+_BLOCK = 8
+
+# The shuffles of an 8 x 8 transpose of eight 8-lane vectors: within 128-bit halves, interleave
+# pairs of rows (unpack lo/hi), then pairs of pairs (shuffle 0x44/0xEE), then swap halves
+# (permute 0x20/0x31); LLVM lowers them to the target's shuffles (AVX2, AVX-512 or SSE pairs).
+_UNPACK = ((0, 8, 1, 9, 4, 12, 5, 13), (2, 10, 3, 11, 6, 14, 7, 15))
+_PAIRS = ((0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15))
+_HALVES = ((0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15))
+
+
+def _element_pointer(context, builder, array_type, array, row, col):
+    a = arrayobj.make_array(array_type)(context, builder, array)
+    return cgutils.get_item_pointer2(context, builder, a.data, cgutils.unpack_tuple(builder, a.shape),
+                                     cgutils.unpack_tuple(builder, a.strides), array_type.layout, [row, col])
+
+
+@intrinsic
+def _transpose8(typingctx, src, r0, c0, dst, o0, i0):
+    """``dst[o0 + j, i0 + i] = src[r0 + i, c0 + j]`` for ``i, j < 8`` (2-D arrays whose rows hold
+    the 8 elements contiguously): eight vector loads, 24 shuffles, eight vector stores. ``src``
+    and ``dst`` of one dtype, or bf16 bits (uint16) into float32 (widened as :func:`widen` does)."""
+    same = isinstance(src, types.Array) and isinstance(dst, types.Array) and src.dtype == dst.dtype
+    bits = (isinstance(src, types.Array) and isinstance(dst, types.Array) and src.dtype == types.uint16
+            and dst.dtype == types.float32)
+    if not ((same or bits) and src.ndim == 2 and dst.ndim == 2
+            and all(isinstance(x, types.Integer) for x in (r0, c0, o0, i0))):
+        return None
+
+    def codegen(context, builder, signature, args):
+        s_ty, _, _, d_ty, _, _ = signature.args
+        src_v, row0, col0, dst_v, out0, in0 = (
+            context.cast(builder, value, ty, types.intp) if isinstance(ty, types.Integer) else value
+            for value, ty in zip(args, signature.args))
+        intp = context.get_value_type(types.intp)
+        lanes = ir.VectorType(context.get_data_type(s_ty.dtype), 8)
+        rows = []
+        for i in range(8):
+            ptr = _element_pointer(context, builder, s_ty, src_v, builder.add(row0, intp(i)), col0)
+            rows.append(builder.load(builder.bitcast(ptr, lanes.as_pointer()), align=1))
+        if bits:   # bf16 bits -> float32: the bits in the upper half
+            i32 = ir.VectorType(ir.IntType(32), 8)
+            shift = ir.Constant(i32, [16] * 8)
+            rows = [builder.bitcast(builder.shl(builder.zext(r, i32), shift), ir.VectorType(ir.FloatType(), 8))
+                    for r in rows]
+
+        def shuffle(a, b, mask):
+            return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 8), list(mask)))
+        t = [shuffle(rows[k], rows[k + 1], m) for k in range(0, 8, 2) for m in _UNPACK]
+        u = [shuffle(t[k], t[k + 2], m) for k in (0, 1, 4, 5) for m in _PAIRS]
+        out = [shuffle(u[k], u[k + 4], m) for m in _HALVES for k in range(4)]
+        store_lanes = out[0].type
+        for j in range(8):
+            ptr = _element_pointer(context, builder, d_ty, dst_v, builder.add(out0, intp(j)), in0)
+            builder.store(out[j], builder.bitcast(ptr, store_lanes.as_pointer()), align=1)
+        return context.get_dummy_value()
+    return types.void(src, r0, c0, dst, o0, i0), codegen
 
 
 @jit()
@@ -69,9 +128,7 @@ def gather_head(head, start, count, out):
     full_j = d - d % b
     for i0 in range(0, full_i, b):
         for j0 in range(0, full_j, b):
-            for j in range(j0, j0 + b):
-                for i in range(i0, i0 + b):
-                    out[j, i] = rows[start + i, col0 + j]
+            _transpose8(rows, start + i0, col0 + j0, out, j0, i0)
         for j in range(full_j, d):
             for i in range(i0, i0 + b):
                 out[j, i] = rows[start + i, col0 + j]
@@ -90,9 +147,7 @@ def load_scaled_rows(head, start, count, out, scale, round_kernel):
     full_j = d - d % b
     for i0 in range(0, full_i, b):
         for j0 in range(0, full_j, b):
-            for j in range(j0, j0 + b):
-                for i in range(i0, i0 + b):
-                    out[j, i] = widen(rows[start + i, col0 + j])
+            _transpose8(rows, start + i0, col0 + j0, out, j0, i0)
         for j in range(full_j, d):
             for i in range(i0, i0 + b):
                 out[j, i] = widen(rows[start + i, col0 + j])
@@ -129,9 +184,7 @@ def store_head_rows(src, count, head, start, round_out):
     full_j = d - d % b
     for i0 in range(0, full_i, b):
         for j0 in range(0, full_j, b):
-            for i in range(i0, i0 + b):
-                for j in range(j0, j0 + b):
-                    rows[start + i, col0 + j] = src[j, i]
+            _transpose8(src, j0, i0, rows, start + i0, col0 + j0)
         for i in range(i0, i0 + b):
             for j in range(full_j, d):
                 rows[start + i, col0 + j] = src[j, i]
