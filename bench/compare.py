@@ -1,51 +1,48 @@
-"""numbafa against PyTorch's CPU SDPA and the NumPy golden, side by side in one process.
+"""numbafa against PyTorch's CPU SDPA and the NumPy golden: each in its own process, alternated.
 
     pip install ".[bench]" torch==2.13.0     # torch is optional; only that CPU wheel
     python bench/compare.py --json bench/results.json --plot docs/performance.png
 
-For every shape (bench/shapes.py), dtype and pass, the implementations are
-warmed up, then run alternately ``--repeats`` times; the table gives median
-milliseconds, GFLOP/s (forward 4*B*Hq*S*S*D, halved when causal; backward
-2.5x; bench/shapes.py) and numbafa's speed-up over torch. PyTorch gets the same values in
-``[batch, heads, seq, dim]`` (a transposed copy, made outside the timing);
-its backward is timed alone (the forward that builds the graph is not timed).
-Shapes with a sliding window or sinks have no SDPA equivalent and are
-skipped for torch; shapes whose v has a head dim of its own run on SDPA's
-math backend (``torch_backend`` in the JSON rows). The golden (float64,
-materialising) runs once per shape up to ``--golden-max-seqlen``.
-``--memory`` adds the peak extra memory of one float32 backward of each shape
-(bench/memory.py: a fresh process per measurement).
+For every shape (bench/shapes.py), dtype and pass, numbafa and torch each run in a worker
+process of their own (``python bench/compare.py --serve NAME``: this file, driven over a pipe),
+at the default OpenMP wait policy of each (in one process the two OpenMP runtimes slow each
+other, and ``OMP_WAIT_POLICY=PASSIVE`` slows SDPA several times at small shapes). The workers
+are warmed up, then asked for one timing each in turn ``--repeats`` times (a pause of
+``PAUSE_S`` before each, so that the other's spinning threads have gone to sleep); the table
+gives median milliseconds, GFLOP/s (forward 4*B*Hq*S*S*D, halved when causal; backward 2.5x;
+bench/shapes.py), that figure over the machine's peak measured in this run (``bench/peak.py``:
+float32 FMA for float32, ``vdpbf16ps`` for bf16 where the CPU has it) and numbafa's speed-up over
+torch. PyTorch gets the same values in ``[batch, heads, seq, dim]`` (a transposed copy, made
+outside the timing); its backward is timed alone (the forward that builds the graph is not
+timed). Shapes with a sliding window or sinks have no SDPA equivalent and are skipped for
+torch; shapes whose v has a head dim of its own run on SDPA's math backend (``torch_backend``
+in the JSON rows). The golden (float64, materialising) runs once per shape up to
+``--golden-max-seqlen``, in numbafa's worker. ``--memory`` adds the peak extra memory of one
+float32 backward of each shape (bench/memory.py: a fresh process per measurement).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import importlib.util
+import json
 import os
+import platform
+import subprocess
+import sys
+import time
 
-# Both libraries park idle worker threads; with the default OpenMP wait policy
-# torch's threads spin for a while after each call and steal the cores from
-# the next numbafa call (and vice versa), which skews an alternating run.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import ml_dtypes
+import numpy as np
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import time  # noqa: E402
+from memory import measure
+from peak import peak_gflops
+from shapes import HEAD_DIM_SHAPES, SHAPES, TRAINING_SHAPES, flops, make_inputs
 
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
-
-import numbafa  # noqa: E402
-from numbafa import golden  # noqa: E402
-
-from memory import measure  # noqa: E402
-from shapes import HEAD_DIM_SHAPES, SHAPES, TRAINING_SHAPES, flops, make_inputs  # noqa: E402
-
-try:
-    import torch
-    import torch.nn.functional as F
-except ImportError:  # optional peer
-    torch = None
+#: Seconds between two timings of different workers: a library's idle OpenMP threads spin a
+#: little after its last call (libgomp's default spin count is well under a millisecond).
+PAUSE_S = 0.05
 
 
 def _timed(fn):
@@ -67,13 +64,16 @@ class Numbafa:
     name = "numbafa"
 
     def __init__(self, q, k, v, dy, kw):
+        import numbafa
         self.args, self.dy, self.kw = (q, k, v), dy, dict(kw, mixed_precision=True)
         self.o, self.lse = numbafa.attention_fwd(*self.args, **self.kw)
 
     def forward(self):
+        import numbafa
         return _timed(lambda: numbafa.attention_fwd(*self.args, **self.kw))
 
     def backward(self):
+        import numbafa
         return _timed(lambda: numbafa.attention_bwd(*self.args, self.o, self.dy, self.lse, **self.kw))
 
 
@@ -81,6 +81,7 @@ class Torch:
     name = "torch"
 
     def __init__(self, q, k, v, dy, kw):
+        import torch
         dtype = torch.bfloat16 if q.dtype == ml_dtypes.bfloat16 else torch.float32
 
         def t(x):  # Neuron [b, h, d, s] -> SDPA [b, h, s, d], same values
@@ -93,11 +94,13 @@ class Torch:
         self.backend = "math" if q.shape[2] != v.shape[2] else "default"
 
     def _sdpa(self, q, k, v):
+        import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
         with sdpa_kernel(SDPBackend.MATH) if self.backend == "math" else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=self.gqa)
 
     def forward(self):
+        import torch
         with torch.no_grad():
             return _timed(lambda: self._sdpa(self.q, self.k, self.v))
 
@@ -111,6 +114,58 @@ class Torch:
         return _timed(backward)
 
 
+IMPLS = {"numbafa": Numbafa, "torch": Torch}
+
+
+def serve(name: str) -> None:
+    """A worker: JSON requests on stdin, one JSON reply per line on stdout. ``{"shape": [...],
+    "dtype": ...}`` sets up the implementation ``name`` on that shape; ``{"pass": ...}`` times one
+    pass (seconds); ``{"golden": pass}`` times the golden (ms, numbafa's worker)."""
+    if name == "torch":
+        import torch
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+    impl = inputs = None
+    for line in sys.stdin:
+        request = json.loads(line)
+        if "shape" in request:
+            _, bs, h, hkv, s, d, options = request["shape"]
+            dtype = ml_dtypes.bfloat16 if request["dtype"] == "bf16" else np.float32
+            inputs = make_inputs(bs, h, hkv, s, d, dtype, options)
+            impl = IMPLS[name](*inputs)
+            reply = {"backend": getattr(impl, "backend", None)}
+        elif "pass" in request:
+            reply = {"seconds": getattr(impl, request["pass"])()}
+        else:
+            reply = {"ms": _golden_ms(*inputs, request["golden"])}
+        print(json.dumps(reply), flush=True)
+
+
+class Worker:
+    """A worker process (:func:`serve`) for one implementation."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", name], text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=os.path.dirname(__file__))
+
+    def ask(self, **request) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.name} worker exited (code {self.proc.wait()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def _peaks() -> dict:
+    """The machine's peak GFLOP/s for each dtype's arithmetic, measured now (bench/peak.py)."""
+    return {"float32": peak_gflops("fma"), "bf16": peak_gflops("bf16")}
+
+
 def run(args):
     rows = []
     pool = SETS[args.set]
@@ -119,46 +174,65 @@ def run(args):
     if missing:
         raise SystemExit(f"--shapes {' '.join(sorted(missing))}: not in --set {args.set} "
                          f"(its shapes: {', '.join(s[0] for s in pool)}); --set all takes every shape")
-    for name, bs, h, hkv, s, d, options in shapes:
-        for dtype_name in args.dtypes:
-            dtype = ml_dtypes.bfloat16 if dtype_name == "bf16" else np.float32
-            q, k, v, dy, kw = make_inputs(bs, h, hkv, s, d, dtype, options)
-            impls = [Numbafa(q, k, v, dy, kw)]
-            if torch is not None and not args.no_torch and not (kw.get("sliding_window") or "sinks_ref" in kw):
-                impls.append(Torch(q, k, v, dy, kw))
-            for pass_ in args.passes:
-                n_flops = flops(pass_, bs, h, s, d, options)
-                times = {impl.name: [] for impl in impls}
-                for impl in impls:  # warm-up (compile, allocator, thread pools)
-                    getattr(impl, pass_)()
-                for _ in range(args.repeats):  # alternate, so drift hits everyone alike
-                    for impl in impls:
-                        times[impl.name].append(getattr(impl, pass_)())
-                row = dict(shape=name, dtype=dtype_name, pass_=pass_, flops=n_flops)
-                for impl_name, ts in times.items():
-                    row[f"{impl_name}_ms"] = float(np.median(ts)) * 1e3
-                    row[f"{impl_name}_gflops"] = n_flops / float(np.median(ts)) / 1e9
-                if "torch_ms" in row:
-                    row["speedup_vs_torch"] = row["torch_ms"] / row["numbafa_ms"]
-                    row["torch_backend"] = impls[1].backend
-                if args.memory and pass_ == "backward" and dtype_name == "float32" and bs == 1:
-                    row.update(_peak_memory(impls, h, hkv, s, d, options))
-                if s <= args.golden_max_seqlen and dtype_name == "float32":
-                    row["golden_ms"] = _golden_ms(q, k, v, dy, kw, pass_)
-                    row["speedup_vs_golden"] = row["golden_ms"] / row["numbafa_ms"]
-                rows.append(row)
-                _print_row(row)
-    return rows
+    with_torch = not args.no_torch and importlib.util.find_spec("torch") is not None
+    workers = [Worker("numbafa")] + ([Worker("torch")] if with_torch else [])
+    peaks = None
+    try:
+        for shape in shapes:
+            name, bs, h, hkv, s, d, options = shape
+            for dtype_name in args.dtypes:
+                impls = [w for w in workers if w.name == "numbafa" or not (options.get("sliding_window")
+                                                                            or options.get("sinks"))]
+                backends = {w.name: w.ask(shape=shape, dtype=dtype_name)["backend"] for w in impls}
+                if peaks is None:   # once the workers are up (their start-up would take cores)
+                    peaks = _peaks()
+                for pass_ in args.passes:
+                    rows.append(_measure(args, impls, shape, dtype_name, pass_, backends, peaks))
+                    _print_row(rows[-1])
+    finally:
+        for worker in workers:
+            worker.close()
+    return rows, peaks
 
 
-def _peak_memory(impls, h, hkv, s, d, options):
+def _measure(args, impls, shape, dtype_name, pass_, backends, peaks) -> dict:
+    """One row: each worker warmed up, then timed in turn ``args.repeats`` times."""
+    name, bs, h, hkv, s, d, options = shape
+    n_flops = flops(pass_, bs, h, s, d, options)
+    times = {w.name: [] for w in impls}
+    for w in impls:   # warm-up (compile, allocator, thread pools)
+        w.ask(**{"pass": pass_})
+    for _ in range(args.repeats):   # alternate, so drift hits everyone alike
+        for w in impls:
+            time.sleep(PAUSE_S)
+            times[w.name].append(w.ask(**{"pass": pass_})["seconds"])
+    row = dict(shape=name, dtype=dtype_name, pass_=pass_, flops=n_flops)
+    peak = peaks.get(dtype_name)
+    for impl_name, ts in times.items():
+        row[f"{impl_name}_ms"] = float(np.median(ts)) * 1e3
+        row[f"{impl_name}_gflops"] = n_flops / float(np.median(ts)) / 1e9
+        if peak:
+            row[f"{impl_name}_of_peak"] = row[f"{impl_name}_gflops"] / peak
+    if "torch_ms" in row:
+        row["speedup_vs_torch"] = row["torch_ms"] / row["numbafa_ms"]
+        row["torch_backend"] = backends["torch"]
+    if args.memory and pass_ == "backward" and dtype_name == "float32" and bs == 1:
+        row.update(_peak_memory(backends, h, hkv, s, d, options))
+    if s <= args.golden_max_seqlen and dtype_name == "float32":
+        row["golden_ms"] = impls[0].ask(golden=pass_)["ms"]
+        row["speedup_vs_golden"] = row["golden_ms"] / row["numbafa_ms"]
+    return row
+
+
+def _peak_memory(backends, h, hkv, s, d, options):
     """``{impl}_peak_mib``: peak extra memory of one float32 backward (bench/memory.py)."""
     spec = dict(heads=h, kv_heads=hkv, d_head_v=options.get("head_dim_v"), causal=options.get("use_causal_mask", False))
-    return {f"{impl.name}_peak_mib": measure(impl.name, s, d, math=getattr(impl, "backend", "") == "math", **spec)
-            / 2.0 ** 20 for impl in impls}
+    return {f"{name}_peak_mib": measure(name, s, d, math=backend == "math", **spec) / 2.0 ** 20
+            for name, backend in backends.items()}
 
 
 def _golden_ms(q, k, v, dy, kw, pass_):
+    from numbafa import golden
     gkw = dict(use_causal_mask=kw.get("use_causal_mask", False), sliding_window=kw.get("sliding_window"))
     sinks = kw.get("sinks_ref")
     if pass_ == "forward":
@@ -166,8 +240,8 @@ def _golden_ms(q, k, v, dy, kw, pass_):
     return _timed(lambda: golden.attention_bwd(q, k, v, None, dy, None, sinks_ref=sinks, **gkw)) * 1e3
 
 
-HEADER = (f"| {'shape':42} | dtype | pass | numbafa ms | GFLOP/s | torch ms | GFLOP/s | speed-up vs torch "
-          f"| golden ms |")
+HEADER = (f"| {'shape':42} | dtype | pass | numbafa ms | GFLOP/s | of peak | torch ms | GFLOP/s | of peak "
+          f"| speed-up vs torch | golden ms |")
 
 
 SETS = {"standard": SHAPES, "training": TRAINING_SHAPES, "head-dims": HEAD_DIM_SHAPES,
@@ -177,7 +251,7 @@ SETS = {"standard": SHAPES, "training": TRAINING_SHAPES, "head-dims": HEAD_DIM_S
 def _print_row(r):
     if _print_row.first:
         print(HEADER)
-        print("|" + "---|" * 9)
+        print("|" + "---|" * 11)
         _print_row.first = False
 
     def f(key, fmt):
@@ -190,14 +264,15 @@ def _print_row(r):
     memory = f" peak MiB: numbafa {f('numbafa_peak_mib', '.0f')}, torch {f('torch_peak_mib', '.0f')}" \
         if "numbafa_peak_mib" in r else ""
     print(f"| {r['shape']:42} | {r['dtype']} | {r['pass_']} | {f('numbafa_ms', 'ms')} | "
-          f"{f('numbafa_gflops', '.0f')} | {f('torch_ms', 'ms')} | {f('torch_gflops', '.0f')} | "
-          f"{f('speedup_vs_torch', '.2f')} | {f('golden_ms', 'ms')} |{memory}", flush=True)
+          f"{f('numbafa_gflops', '.0f')} | {f('numbafa_of_peak', '.0%')} | {f('torch_ms', 'ms')} | "
+          f"{f('torch_gflops', '.0f')} | {f('torch_of_peak', '.0%')} | {f('speedup_vs_torch', '.2f')} | "
+          f"{f('golden_ms', 'ms')} |{memory}", flush=True)
 
 
 _print_row.first = True
 
 
-def plot(rows, path):
+def plot(rows, path, torch_version):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -205,6 +280,7 @@ def plot(rows, path):
     except ImportError:
         print("matplotlib not installed (pip install '.[bench]'): no plot")
         return
+    import numbafa
     labels = [f"{r['shape']}\n{r['dtype']} {r['pass_'][:3]}" for r in rows]
     x = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(rows)), 5))
@@ -212,7 +288,7 @@ def plot(rows, path):
     ax.bar(x + 0.2, [r.get("torch_gflops", 0) for r in rows], 0.4, label="torch SDPA (CPU)")
     ax.set_xticks(x, labels, rotation=70, ha="right", fontsize=7)
     ax.set_ylabel("GFLOP/s (flash-attn convention)")
-    ax.set_title(f"numbafa {numbafa.__version__} vs torch {torch.__version__ if torch else '-'} "
+    ax.set_title(f"numbafa {numbafa.__version__} vs torch {torch_version or '-'} "
                  f"on {platform.processor() or platform.machine()}")
     ax.legend()
     fig.tight_layout()
@@ -220,8 +296,17 @@ def plot(rows, path):
     print(f"plot written to {path}")
 
 
+def _torch_version():
+    spec = importlib.util.find_spec("torch")
+    if spec is None:
+        return None
+    from importlib.metadata import version
+    return version("torch")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--serve", choices=list(IMPLS), help=argparse.SUPPRESS)
     p.add_argument("--set", choices=list(SETS), default="standard",
                    help="bench/shapes.py's SHAPES (long sequences), TRAINING_SHAPES, HEAD_DIM_SHAPES (a value "
                         "head dim of its own), or all")
@@ -237,17 +322,18 @@ def main(argv=None):
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--plot", help="write a PNG bar chart here (needs matplotlib)")
     args = p.parse_args(argv)
-    if torch is not None:
-        torch.set_num_threads(os.cpu_count())
-    rows = run(args)
-    meta = dict(numbafa=numbafa.__version__, torch=torch.__version__ if torch else None,
-                machine=platform.machine(), processor=platform.processor(), python=platform.python_version(),
-                cpu_count=os.cpu_count(), backend=numbafa.backend_info())
+    if args.serve:
+        return serve(args.serve)
+    rows, peaks = run(args)
+    import numbafa
+    meta = dict(numbafa=numbafa.__version__, torch=_torch_version(), machine=platform.machine(),
+                processor=platform.processor(), python=platform.python_version(), cpu_count=os.cpu_count(),
+                backend=numbafa.backend_info(), peak_gflops=peaks, processes="one per implementation")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(meta=meta, rows=rows), fh, indent=2)
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, meta["torch"])
 
 
 if __name__ == "__main__":

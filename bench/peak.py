@@ -1,0 +1,139 @@
+"""The machine's arithmetic peak, measured: a register-resident loop of vector FMAs (and of
+``vdpbf16ps`` where the CPU has AVX512_BF16), one per thread, built with llvmlite.
+
+    python bench/peak.py [--threads N]
+
+Each thread runs ``n`` iterations of ``ACCUMULATORS`` independent multiply-adds on vectors of
+the widest float32 width the CPU has (16 lanes with AVX-512, else 8): no memory traffic, enough
+independent chains to fill the FMA pipes. FLOPs are counted as 2 per lane (FMA) and 4 per lane
+for ``vdpbf16ps`` (two bf16 products and their sums into each float32 lane). The figure is the
+best of a few runs of ~0.1 s: what the cores can do now (a shared VM's neighbours included), the
+denominator ``bench/compare.py`` divides its GFLOP/s by.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import llvmlite.binding as llvm
+import llvmlite.ir as ir
+
+ACCUMULATORS = 12
+
+
+@functools.lru_cache(maxsize=None)
+def _engine():
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    features = llvm.get_host_cpu_features()
+    target = llvm.Target.from_default_triple().create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=features.flatten(), opt=2)
+    return target, features
+
+
+def _loop_module(kind: str, lanes: int) -> str:
+    """IR of ``void loop(i64 n, float* out)``: ``n`` rounds of ``ACCUMULATORS`` FMAs (``kind``
+    "fma") or ``vdpbf16ps`` ("bf16"), the accumulators summed into ``out`` (keeps them live)."""
+    f32 = ir.FloatType()
+    vec = ir.VectorType(f32, lanes)
+    module = ir.Module(name=f"peak_{kind}")
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [ir.IntType(64), f32.as_pointer()]), name="loop")
+    n, out = fn.args
+    entry, body, done = (fn.append_basic_block(x) for x in ("entry", "body", "done"))
+    b = ir.IRBuilder(entry)
+    if kind == "fma":
+        op = ir.Function(module, ir.FunctionType(vec, [vec, vec, vec]), name=f"llvm.fma.v{lanes}f32")
+        x = ir.Constant(vec, [1.0000001] * lanes)
+        y = ir.Constant(vec, [0.9999999] * lanes)
+    else:
+        words = ir.VectorType(ir.IntType(32), lanes)   # 2 x bf16 per 32-bit lane
+        op = ir.Function(module, ir.FunctionType(vec, [vec, words, words]), name="llvm.x86.avx512bf16.dpbf16ps.512")
+        x = ir.Constant(words, [0x3F803F80] * lanes)
+        y = ir.Constant(words, [0x3F7F3F7F] * lanes)
+    b.branch(body)
+    b = ir.IRBuilder(body)
+    i = b.phi(ir.IntType(64))
+    i.add_incoming(ir.Constant(ir.IntType(64), 0), entry)
+    accs = []
+    for a in range(ACCUMULATORS):
+        phi = b.phi(vec)
+        phi.add_incoming(ir.Constant(vec, [float(a)] * lanes), entry)
+        accs.append(phi)
+    new = [b.call(op, [x, y, acc]) if kind == "fma" else b.call(op, [acc, x, y]) for acc in accs]
+    i_next = b.add(i, ir.Constant(ir.IntType(64), 1))
+    i.add_incoming(i_next, body)
+    for phi, value in zip(accs, new):
+        phi.add_incoming(value, body)
+    b.cbranch(b.icmp_signed("<", i_next, n), body, done)
+    b = ir.IRBuilder(done)
+    total = new[0]
+    for value in new[1:]:
+        total = b.fadd(total, value)
+    b.store(b.extract_element(total, ir.Constant(ir.IntType(32), 0)), out)
+    b.ret_void()
+    return str(module)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(kind: str):
+    """``(loop, lanes)``: the compiled ``loop(n, out)`` of ``kind``, or ``(None, 0)`` when this CPU
+    has no such instruction (``vdpbf16ps`` needs AVX512_BF16)."""
+    target, features = _engine()
+    if kind == "bf16" and not features.get("avx512bf16"):
+        return None, 0
+    lanes = 16 if features.get("avx512f") else 8
+    module = llvm.parse_assembly(_loop_module(kind, lanes))
+    module.verify()
+    engine = llvm.create_mcjit_compiler(module, target)
+    engine.finalize_object()
+    address = engine.get_function_address("loop")
+    loop = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.POINTER(ctypes.c_float))(address)   # releases the GIL
+    loop._engine = engine   # keep the code alive
+    return loop, lanes
+
+
+def peak_gflops(kind: str = "fma", threads: int | None = None, seconds: float = 0.1, runs: int = 3):
+    """GFLOP/s of ``threads`` threads (default: the CPUs this process may use) each running the
+    loop of ``kind`` ("fma": float32 FMA; "bf16": ``vdpbf16ps``) for ~``seconds``: the best of
+    ``runs``. None when the CPU has no such instruction."""
+    loop, lanes = _compiled(kind)
+    if loop is None:
+        return None
+    threads = threads or len(os.sched_getaffinity(0))
+    flops_per_iter = ACCUMULATORS * lanes * (2 if kind == "fma" else 4)
+    sink = (ctypes.c_float * threads)()
+    n = 1000
+    while True:   # size the run to ~seconds on one thread
+        t0 = time.perf_counter()
+        loop(n, ctypes.cast(sink, ctypes.POINTER(ctypes.c_float)))
+        elapsed = time.perf_counter() - t0
+        if elapsed > seconds / 10:
+            n = int(n * seconds / elapsed)
+            break
+        n *= 10
+    best = 0.0
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            list(pool.map(lambda t: loop(n, ctypes.cast(ctypes.byref(sink, 4 * t), ctypes.POINTER(ctypes.c_float))),
+                          range(threads)))
+            best = max(best, threads * n * flops_per_iter / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int)
+    args = parser.parse_args(argv)
+    for kind, what in (("fma", "float32 FMA"), ("bf16", "vdpbf16ps")):
+        value = peak_gflops(kind, args.threads)
+        print(f"{what}: " + ("not on this CPU" if value is None else f"{value:.0f} GFLOP/s"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""bench/peak.py: the loops it times compute what they claim (the FLOPs counted are done)."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+
+from numbafa.cpu import cpu_flags
+
+_spec = importlib.util.spec_from_file_location(
+    "peak", pathlib.Path(__file__).resolve().parents[1] / "bench" / "peak.py")
+peak = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(peak)
+
+
+def _run(kind, n):
+    loop, lanes = peak._compiled(kind)
+    out = ctypes.c_float(0.0)
+    loop(n, ctypes.byref(out))
+    return out.value, lanes
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_the_fma_loop_does_its_multiply_adds(n):
+    """Accumulator ``a`` starts at ``a`` and gains ``x * y`` each round: lane 0 of their sum."""
+    got, lanes = _run("fma", n)
+    assert lanes in (8, 16)
+    x, y = np.float32(1.0000001), np.float32(0.9999999)
+    accs = np.arange(peak.ACCUMULATORS, dtype=np.float32)
+    for _ in range(n):
+        accs = (x.astype(np.float64) * y + accs).astype(np.float32)   # one rounding: a fused multiply-add
+    assert got == pytest.approx(float(accs.sum()), rel=1e-6)
+
+
+def test_the_bf16_loop_runs_where_the_cpu_has_vdpbf16ps():
+    if "avx512_bf16" not in (cpu_flags() or set()):
+        assert peak._compiled("bf16") == (None, 0) and peak.peak_gflops("bf16") is None
+        pytest.skip("no AVX512_BF16 here: the loop is not built (checked)")
+    got, _ = _run("bf16", 2)
+    # each round adds the two products of the lanes' bf16 pairs (1.0 * 0.99609375 each) to every lane
+    product = 1.0 * 0.99609375
+    assert got == pytest.approx(sum(a + 2 * 2 * product for a in range(peak.ACCUMULATORS)), rel=1e-5)
+
+
+def test_peak_is_positive_and_counts_every_thread():
+    one = peak.peak_gflops("fma", threads=1, seconds=0.02, runs=1)
+    assert one > 1.0
