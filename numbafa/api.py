@@ -6,6 +6,7 @@ import numpy as np
 
 from . import core
 from .kernels.dropout import drop_rows, make_dropout
+from .kernels.mask import TilePos
 from .options import KERNEL_CALLER, AttentionOptions
 from .validation import validate_dropout
 
@@ -235,6 +236,6 @@ def dropout_mask(bs, nheads, seqlen_q, seqlen_k, dropout_p, seed, seed_offset=0)
     for b in range(bs):
         for h in range(nheads):
             tile[:] = 1.0
-            drop_rows(tile, 0, 0, h, b, dropout, False)   # the forward's own code path
+            drop_rows(tile, TilePos(batch=b, q_head=h, q0=0, k0=0), dropout, False)   # the forward's own code path
             out[b, h] = tile != 0
     return out

@@ -14,6 +14,7 @@ from numbafa import golden
 from numbafa.jit import callable_from_python
 from numbafa.kernels import dropout as _dropout
 from numbafa.kernels.dropout import drop_rows, make_dropout, with_origin
+from numbafa.kernels.mask import TilePos
 
 fill_multipliers = callable_from_python(_dropout.fill_multipliers)
 philox_words = callable_from_python(_dropout.philox_words)
@@ -58,10 +59,10 @@ def test_any_sub_tile_draws_the_same_elements(keys_major):
         b, h = (int(x) for x in rng.integers(0, 2, 2))
         if keys_major:
             out = np.full((n_k, n_q), np.nan, np.float32)
-            fill_multipliers(out, k0, q0, h, b, dropout)
+            fill_multipliers(out, TilePos(batch=b, q_head=h, q0=q0, k0=k0), dropout)
         else:
             out = np.ones((n_q, n_k), np.float32)
-            drop_rows(out, k0, q0, h, b, dropout, False)
+            drop_rows(out, TilePos(batch=b, q_head=h, q0=q0, k0=k0), dropout, False)
         kept = (out.T if keys_major else out) != 0
         assert not np.isnan(out).any()
         np.testing.assert_array_equal(kept, mask[b, h, q0:q0 + n_q, k0:k0 + n_k], err_msg=str((k0, n_k, q0, n_q)))
@@ -81,10 +82,10 @@ def test_arrays_of_a_slice_draw_the_whole_mask_at_their_origin(keys_major):
     def draw(d, b, h):
         if keys_major:
             out = np.empty((130, 70), np.float32)
-            fill_multipliers(out, 0, 0, h, b, d)
+            fill_multipliers(out, TilePos(batch=b, q_head=h, q0=0, k0=0), d)
             return out.T != 0
         out = np.ones((70, 130), np.float32)
-        drop_rows(out, 0, 0, h, b, d, False)
+        drop_rows(out, TilePos(batch=b, q_head=h, q0=0, k0=0), d, False)
         return out != 0
     for (b0, h0), (b, h) in [((2, 3), (0, 0)), ((1, 2), (1, 1)), ((0, 4), (2, 0))]:
         np.testing.assert_array_equal(draw(with_origin(dropout, b0, h0), b, h), mask[b0 + b, h0 + h])

@@ -163,3 +163,27 @@ def test_records_are_built_by_name():
             if records.get(record, 0) >= 5 and (node.args or made):
                 offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)[:80]}")
     assert not offenders, offenders
+
+
+#: The (batch, head, query position, key position) family of parameter names, in the one order
+#: every function takes them (numbafa.kernels.mask.TilePos bundles all four for the plugins).
+_POSITION_FAMILY = (("batch", r"^(batch|batch0|b)$"), ("head", r"^(q_head|kv_head|head|head0|h)$"),
+                    ("query", r"^q(_abs)?(0|_start|_first|_last|_grp0)?$"),
+                    ("key", r"^k(_abs)?(0|_first|_last|_tile0)?$"))
+
+
+def test_positions_come_in_one_order():
+    """No function of the package takes a key position before a query position, a head before a
+    batch, ...: same-typed integers in a changing order are a swap that compiles silently."""
+    import re
+
+    family = [(rank, re.compile(pattern)) for rank, (_, pattern) in enumerate(_POSITION_FAMILY)]
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                ranks = [(rank, arg.arg) for arg in node.args.args for rank, rx in family if rx.match(arg.arg)]
+                if [r for r, _ in ranks] != sorted(r for r, _ in ranks):
+                    offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}"
+                                     f"({', '.join(name for _, name in ranks)})")
+    assert not offenders, offenders

@@ -61,7 +61,7 @@ def test_key_ranges_are_the_golden_mask(causal, window, name):
 
 @jit(entry=True)
 def _queries_seeing(mask, k, q0, n_q):
-    return queries_seeing_key(mask, k, q0, n_q)
+    return queries_seeing_key(mask, q0, n_q, k)
 
 
 @jit(entry=True)

@@ -80,7 +80,7 @@ from .fastexp import exp_of
 from .heads import (NEURON, dims4, gather_head, head_rows, load_scaled_rows, reduce_partials_rows, store_head_rows,
                     store_rows)
 from .loops import columns, group_rows, input_operand, n_q_groups, owns_group, tile_operand
-from .mask import cut_by_mask, queries_seeing_key, required_q_rows
+from .mask import cut_by_mask, queries_seeing_key, required_q_rows, tile_pos
 from .matmul import any_layout, gemm
 from .scores import item_units, modify_scores_t, score_gradients
 from .table import plugin_address
@@ -172,11 +172,11 @@ def _softmax_backward_row(s, dp, neg_lse, d_sum, k_abs, key_lo, key_hi, use_pack
 
 
 @jit(apart=True)
-def recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, qg, plan):
+def recompute_softmax_backward(s_t, dp_t, at, qg, plan):
     """Steps 2.3, 2.4 and 4 on one ``[keys, queries]`` tile, in place.
 
-    On entry ``s_t = S^T`` and ``dp_t = dP^T`` for keys ``k_abs0..`` and
-    queries ``q_abs0..``; on exit ``s_t = P^T`` and ``dp_t = dS^T``, both
+    On entry ``s_t = S^T`` and ``dp_t = dP^T`` for keys ``at.k0..`` and
+    queries ``at.q0..`` (``at`` a :data:`~numbafa.kernels.mask.TilePos`); on exit ``s_t = P^T`` and ``dp_t = dS^T``, both
     rounded to kernel_dtype:
 
     * mask (:mod:`numbafa.kernels.mask`): without packing the queries that
@@ -190,12 +190,13 @@ def recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, qg, plan):
     """
     mask = plan.mask
     n_k, n_q = s_t.shape
+    k_abs0, q_abs0 = at.k0, at.q0
     for j in range(n_k):
         k_abs = k_abs0 + j
         lo = 0
         hi = n_q
         if not mask.use_packing:
-            lo, hi = queries_seeing_key(mask, k_abs, q_abs0, n_q)
+            lo, hi = queries_seeing_key(mask, q0=q_abs0, n_q=n_q, k=k_abs)
         s_row = s_t[j]
         dp_row = dp_t[j]
         s_row[:lo] = _ZERO
@@ -253,23 +254,21 @@ def recompute_p_ds(plan, sec, qg, blk, scratch):
     n_q = blk.r1 - blk.r0
     s_t = scratch.s_t[:blk.n_k * n_q].reshape(blk.n_k, n_q)
     dp_t = scratch.dp_t[:blk.n_k * n_q].reshape(blk.n_k, n_q)
-    k_abs0 = sec.start + blk.k0
-    q_abs0 = qg.start + blk.r0
+    at = tile_pos(qg, q0=qg.start + blk.r0, k0=sec.start + blk.k0)
     k_cols = columns(sec.k, blk.k0, blk.k0 + blk.n_k)
     gemm(k_cols, columns(qg.q_s, blk.r0, blk.r1), s_t, trans_a=True, trans_b=False, alpha=_ONE, beta=_ZERO,
          path=plan.gemm)
     gemm(columns(sec.v, blk.k0, blk.k0 + blk.n_k), columns(qg.dy, blk.r0, blk.r1), dp_t, trans_a=True, trans_b=False,
          alpha=_ONE, beta=_ZERO, path=plan.gemm)
     if plan.dropout.active:
-        drop_args = (scratch.mult, dp_t, k_abs0, q_abs0, qg.q_head, qg.batch, plan.dropout)
+        drop_args = (scratch.mult, dp_t, at, plan.dropout)
         call_or_raise(plugin_address(_plugin_key(drop_scores, drop_args)), (pack(drop_args), np.int64(0)))
     if plan.scores.active:
-        score_args = (s_t, scratch.tanh, k_abs0, q_abs0, qg.batch, qg.q_head, plan.scores)
+        score_args = (s_t, scratch.tanh, at, plan.scores)
         call_or_raise(plugin_address(_plugin_key(modify_scores_t, score_args)), (pack(score_args), np.int64(0)))
-    recompute_softmax_backward(s_t, dp_t, k_abs0, q_abs0, qg, plan)
+    recompute_softmax_backward(s_t, dp_t, at, qg, plan)
     if plan.scores.active:
-        grad_args = (dp_t, scratch.tanh, k_abs0, q_abs0, qg.batch, qg.q_head, plan.scores,
-                     plan.precision.round_kernel)
+        grad_args = (dp_t, scratch.tanh, at, plan.scores, plan.precision.round_kernel)
         call_or_raise(plugin_address(_plugin_key(score_gradients, grad_args)), (pack(grad_args), np.int64(0)))
     if plan.dropout.active:
         p_args = (scratch.mult, s_t, plan.precision.round_kernel)
@@ -338,7 +337,7 @@ def _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch):
     t0, t1 = required_q_rows(mask, qg.start, qg.rows, tiling.q_tile, k_abs0, k_abs0 + n_k - 1)
     if t0 >= t1:
         return
-    cut = cut_by_mask(mask, k_abs0 + n_k - 1, qg.start + t0)
+    cut = cut_by_mask(mask, q_first=qg.start + t0, k_last=k_abs0 + n_k - 1)
     sub = min(tiling.k_sub_tile, n_k) if cut else n_k
     d_head = qg.dq.shape[0]
     dq_psum = scratch.dq_psum[:d_head * (t1 - t0)].reshape(d_head, t1 - t0)

@@ -49,6 +49,7 @@ import numpy as np
 from ..dtypes import round_inplace
 from ..jit import jit
 from ..linking import unpack
+from .mask import TilePos
 
 __all__ = ["Dropout", "make_dropout", "with_origin", "derive_key", "philox4x32_10", "philox_words",
            "fill_multipliers", "drop_rows", "drop_scores", "drop_probabilities", "drop_tile", "dropout_plugins"]
@@ -176,17 +177,16 @@ def _multiplier(word, threshold, scale):
 
 
 @jit()
-def fill_multipliers(out, k0, q0, q_head, batch, dropout):
+def fill_multipliers(out, at, dropout):
     """Write ``M = Z * scale`` into a ``[keys, queries]`` tile (the backward's orientation).
 
     Parameters
     ----------
     out : float32 ``[n_k, n_q]``, C-contiguous rows
-        Row ``j`` is key ``k0 + j``, column ``i`` query ``q0 + i`` (absolute indices).
-    k0, q0 : int
-    q_head, batch : int
-        The elements' q-head and batch in the arrays; the counter's last two words are
-        ``q_head + dropout.head0`` and ``batch + dropout.batch0`` (absolute indices).
+        Row ``j`` is key ``at.k0 + j``, column ``i`` query ``at.q0 + i`` (absolute indices).
+    at : :data:`~numbafa.kernels.mask.TilePos`
+        ``at.q_head``, ``at.batch``: the elements' q-head and batch in the arrays; the counter's
+        last two words are ``q_head + dropout.head0`` and ``batch + dropout.batch0`` (absolute).
     dropout : :data:`Dropout`
 
     The four words of a Philox call are four key rows: the loop runs along
@@ -194,12 +194,13 @@ def fill_multipliers(out, k0, q0, q_head, batch, dropout):
     not written.
     """
     n_k, n_q = out.shape
+    k0, q0 = at.k0, at.q0
     thr = np.uint64(dropout.threshold)
     scale = dropout.scale
     key0 = np.uint64(dropout.key0)
     key1 = np.uint64(dropout.key1)
-    c2 = np.uint64(q_head + dropout.head0)
-    c3 = np.uint64(batch + dropout.batch0)
+    c2 = np.uint64(at.q_head + dropout.head0)
+    c3 = np.uint64(at.batch + dropout.batch0)
     for blk in range(k0 // BLOCK_KEYS, (k0 + n_k + BLOCK_KEYS - 1) // BLOCK_KEYS):
         for g in range(CALLS_PER_BLOCK):
             c0 = np.uint64(blk * CALLS_PER_BLOCK + g)
@@ -224,11 +225,11 @@ def fill_multipliers(out, k0, q0, q_head, batch, dropout):
 
 
 @jit(entry=True)
-def drop_rows(s, k0, q0, q_head, batch, dropout, round_kernel):
+def drop_rows(s, at, dropout, round_kernel):
     """``s *= M`` in place on a ``[queries, keys]`` tile (the forward's orientation).
 
-    Row ``i`` is query ``q0 + i``, column ``j`` key ``k0 + j`` (``q_head``,
-    ``batch`` as in :func:`fill_multipliers`); each row is rounded afterwards to the format
+    Row ``i`` is query ``at.q0 + i``, column ``j`` key ``at.k0 + j`` (``at`` a
+    :data:`~numbafa.kernels.mask.TilePos`, as in :func:`fill_multipliers`); each row is rounded afterwards to the format
     ``round_kernel`` names (:func:`numbafa.dtypes.round_inplace`). Along a row, the 16 calls
     of a block of 64 keys run as one vectorised loop, each word multiplying
     its run of 16 consecutive keys in place. No tile of multipliers is
@@ -236,12 +237,13 @@ def drop_rows(s, k0, q0, q_head, batch, dropout, round_kernel):
     a per-row buffer of words 2x the time of this loop).
     """
     n_q, n_k = s.shape
+    k0, q0 = at.k0, at.q0
     thr = np.uint64(dropout.threshold)
     scale = dropout.scale
     key0 = np.uint64(dropout.key0)
     key1 = np.uint64(dropout.key1)
-    c2 = np.uint64(q_head + dropout.head0)
-    c3 = np.uint64(batch + dropout.batch0)
+    c2 = np.uint64(at.q_head + dropout.head0)
+    c3 = np.uint64(at.batch + dropout.batch0)
     blk0 = k0 // BLOCK_KEYS
     n_blk = (k0 + n_k + BLOCK_KEYS - 1) // BLOCK_KEYS - blk0
     step = CALLS_PER_BLOCK
@@ -280,13 +282,13 @@ def _drop_cut(row, j0, words, thr, scale):
 def drop_scores(args, _):
     """Backward, before Step 4: draw ``M^T`` into ``mult_buf`` and ``dP^T *= M^T``.
 
-    ``args`` points to ``(mult_buf, dp_t, k_abs0, q_abs0, q_head, batch, dropout)``;
-    ``mult_buf`` is flat scratch of at least ``dp_t.size`` elements; the multipliers stay there
-    for :func:`drop_probabilities`.
+    ``args`` points to ``(mult_buf, dp_t, at, dropout)`` (``at`` the tile's
+    :data:`~numbafa.kernels.mask.TilePos`); ``mult_buf`` is flat scratch of at least ``dp_t.size``
+    elements; the multipliers stay there for :func:`drop_probabilities`.
     """
-    mult_buf, dp_t, k_abs0, q_abs0, q_head, batch, dropout = unpack(args)
+    mult_buf, dp_t, at, dropout = unpack(args)
     mult = mult_buf[:dp_t.size].reshape(dp_t.shape)
-    fill_multipliers(mult, k_abs0, q_abs0, q_head, batch, dropout)
+    fill_multipliers(mult, at, dropout)
     a = dp_t.reshape(-1)
     b = mult.reshape(-1)
     for i in range(a.size):
@@ -308,9 +310,9 @@ def drop_probabilities(args, _):
 @jit()
 def drop_tile(args, _):
     """Forward: ``P~ = P * M`` on a ``[queries, keys]`` tile (:func:`drop_rows`); ``args`` points to
-    ``(s, k_abs0, q_abs0, q_head, batch, dropout, round_kernel)``."""
-    s, k_abs0, q_abs0, q_head, batch, dropout, round_kernel = unpack(args)
-    drop_rows(s, k_abs0, q_abs0, q_head, batch, dropout, round_kernel)
+    ``(s, at, dropout, round_kernel)``."""
+    s, at, dropout, round_kernel = unpack(args)
+    drop_rows(s, at, dropout, round_kernel)
 
 
 def dropout_plugins(plan) -> list:
@@ -319,5 +321,6 @@ def dropout_plugins(plan) -> list:
     acc = plan.acc.dtype
     vector, tile = np.empty(0, acc), np.empty((0, 0), acc)
     code = plan.precision.round_kernel
-    return [(drop_scores, (vector, tile, 0, 0, 0, 0, plan.dropout)), (drop_probabilities, (vector, tile, code)),
-            (drop_tile, (tile, 0, 0, 0, 0, plan.dropout, code))]
+    at = TilePos(batch=0, q_head=0, q0=0, k0=0)
+    return [(drop_scores, (vector, tile, at, plan.dropout)), (drop_probabilities, (vector, tile, code)),
+            (drop_tile, (tile, at, plan.dropout, code))]

@@ -53,7 +53,7 @@ from .dropout import drop_tile
 from .fastexp import exp_of, log_of
 from .heads import NEURON, dims4, gather_head, head_rows, load_scaled_rows, store_rows
 from .loops import columns, decode_item, group_rows, input_operand, n_q_groups, owns_group, tile_operand, width
-from .mask import cut_by_mask, required_q_rows, static_key_range, visible_keys
+from .mask import cut_by_mask, required_q_rows, static_key_range, tile_pos, visible_keys
 from .matmul import any_layout, gemm, row_sums
 from .scores import modify_scores
 from .table import plugin_address
@@ -127,8 +127,9 @@ def _exp_shifted(x, shift):
 
 
 @jit(apart=True)
-def online_softmax_update(s, q_abs0, k_abs0, stats, plan):
-    """Masked exp of one K tile of the online softmax, in place on ``[queries, keys]``.
+def online_softmax_update(s, at, stats, plan):
+    """Masked exp of one K tile of the online softmax, in place on ``[queries, keys]`` (queries
+    from ``at.q0``, keys from ``at.k0``: a :data:`~numbafa.kernels.mask.TilePos`).
 
     On exit ``s`` holds P (kernel_dtype; 0 on masked keys), ``stats.row_max``
     the new running max and ``stats.alpha = exp(m_old - m_new)``, the factor
@@ -139,7 +140,7 @@ def online_softmax_update(s, q_abs0, k_abs0, stats, plan):
     n_q, n_k = s.shape
     for i in range(n_q):
         row = s[i]
-        lo, hi = visible_keys(plan.mask, q_abs0 + i, k_abs0, n_k)
+        lo, hi = visible_keys(plan.mask, at.q0 + i, at.k0, n_k)
         row[:lo] = _ZERO
         row[hi:] = _ZERO
         seen = row[lo:hi]
@@ -182,19 +183,20 @@ def online_softmax_block(plan, head, q_op, k_op, v_op, blk, stats, scratch):
     (rows ``[rows, d]``).
     """
     q_abs0, k_abs0 = blk
+    at = tile_pos(head, q0=q_abs0, k0=k_abs0)
     n_q = width(q_op, plan.gemm.bits)
     n_k = width(k_op, plan.gemm.bits)
     d_v = stats.acc.shape[1]
     s = scratch.s[:n_q * n_k].reshape(n_q, n_k)
     gemm(q_op, k_op, s, trans_a=True, trans_b=False, alpha=_ONE, beta=_ZERO, path=plan.gemm)
     if plan.scores.active:
-        args = (s, q_abs0, k_abs0, head.batch, head.q_head, plan.scores)
+        args = (s, at, plan.scores)
         call_or_raise(plugin_address(_plugin_key(modify_scores, args)), (pack(args), np.int64(0)))
-    online_softmax_update(s, q_abs0, k_abs0, stats, plan)
+    online_softmax_update(s, at, stats, plan)
     tile_sum = scratch.tile_sum[:n_q]
     row_sums(s, scratch.ones[:n_k], tile_sum)   # rowsum(P)
     if plan.dropout.active:
-        args = (s, k_abs0, q_abs0, head.q_head, head.batch, plan.dropout, plan.precision.round_kernel)
+        args = (s, at, plan.dropout, plan.precision.round_kernel)
         call_or_raise(plugin_address(_plugin_key(drop_tile, args)), (pack(args), np.int64(0)))
     pv = scratch.pv[:n_q * d_v].reshape(n_q, d_v)
     # P as written (bf16 values for bf16 inputs): its bits are the operand on the bf16 path.
@@ -223,7 +225,7 @@ def fwd_k_tile(plan, head, q_op, k_op, v_op, q_grp0, k0, scratch):
     r0, r1 = required_q_rows(mask, q_grp0, rows, tiling.q_tile, k0, k0 + n_k - 1)
     if r0 >= r1:
         return
-    cut = cut_by_mask(mask, k0 + n_k - 1, q_grp0 + r0)
+    cut = cut_by_mask(mask, q_first=q_grp0 + r0, k_last=k0 + n_k - 1)
     step = tiling.q_tile if cut else r1 - r0
     for b0 in range(r0, r1, step):
         b1 = min(b0 + step, r1)

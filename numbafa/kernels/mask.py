@@ -27,13 +27,27 @@ never depends on the bounds' values.
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 
 import numpy as np
 
 from ..jit import jit
 
-__all__ = ["static_key_range", "fill_key_ranges", "visible_keys", "queries_seeing_key",
+__all__ = ["TilePos", "tile_pos", "static_key_range", "fill_key_ranges", "visible_keys", "queries_seeing_key",
            "required_q_rows", "cut_by_mask"]
+
+#: Where a score tile (or block) sits: its batch and q-head in the arrays, its first query and
+#: first key (absolute, int64). Every step that needs them takes this one bundle, built by name,
+#: so that no two of the four same-typed integers can be swapped in a call.
+TilePos = namedtuple("TilePos", ["batch", "q_head", "q0", "k0"])
+
+
+@jit(inline=True)
+def tile_pos(head_like, q0, k0):
+    """The :data:`TilePos` of a tile of ``head_like``'s (any record with ``batch`` and ``q_head``)
+    queries from ``q0`` and keys from ``k0``."""
+    return TilePos(batch=np.int64(head_like.batch), q_head=np.int64(head_like.q_head), q0=np.int64(q0),
+                   k0=np.int64(k0))
 
 
 @jit()
@@ -78,7 +92,7 @@ def visible_keys(mask, q, k0, n_k):
 
 
 @jit()
-def queries_seeing_key(mask, k, q0, n_q):
+def queries_seeing_key(mask, q0, n_q, k):
     """Queries of ``[q0, q0 + n_q)`` that see key ``k``, as ``[lo, hi)`` relative to ``q0``.
 
     Valid when the ranges are monotone in ``q`` (no packing): then the
@@ -132,7 +146,7 @@ def required_q_rows(mask, q_grp0, rows, q_tile, k_min, k_max):
 
 
 @jit()
-def cut_by_mask(mask, k_last, q_first):
+def cut_by_mask(mask, q_first, k_last):
     """True if the causal diagonal (or a window edge) may cut through a tile.
 
     ``k_last`` is the tile's last key, ``q_first`` its first query row. Such

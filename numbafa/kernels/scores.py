@@ -48,6 +48,7 @@ from numba.extending import overload
 from ..dtypes import round_inplace
 from ..jit import jit
 from ..linking import unpack
+from .mask import TilePos
 from .fastexp import tanh_of
 
 __all__ = ["ScoreMods", "make_scores", "serial_flags", "modify_scores", "modify_scores_t", "score_gradients",
@@ -137,9 +138,10 @@ def _like_overload(x, ref):
 
 
 @jit()
-def _slab(x, batch, q_head):
-    """The ``[seqlen_q or 1, seqlen_k]`` slab of a bias-shaped array for one batch and q-head."""
-    return x[batch if x.shape[0] > 1 else 0, q_head if x.shape[1] > 1 else 0]
+def _slab(x, at):
+    """The ``[seqlen_q or 1, seqlen_k]`` slab of a bias-shaped array for the batch and q-head of
+    ``at`` (a :data:`~numbafa.kernels.mask.TilePos`)."""
+    return x[at.batch if x.shape[0] > 1 else 0, at.q_head if x.shape[1] > 1 else 0]
 
 
 @jit()
@@ -158,10 +160,12 @@ def _alibi_row(row, slope, center, k0):
 
 @jit()
 def modify_scores(args, _):
-    """Forward: the variants on a ``[queries, keys]`` score tile of queries ``q_abs0..`` and keys
-    ``k_abs0..`` of one q-head, in place, before the masks. ``args`` points to ``(s, q_abs0,
-    k_abs0, batch, q_head, scores)``. A plugin (:mod:`numbafa.kernels.table`)."""
-    s, q_abs0, k_abs0, batch, q_head, scores = unpack(args)
+    """Forward: the variants on a ``[queries, keys]`` score tile of queries ``at.q0..`` and keys
+    ``at.k0..`` of one q-head, in place, before the masks. ``args`` points to ``(s, at,
+    scores)``, ``at`` the tile's :data:`~numbafa.kernels.mask.TilePos`. A plugin
+    (:mod:`numbafa.kernels.table`)."""
+    s, at, scores = unpack(args)
+    q_abs0, k_abs0 = at.q0, at.k0
     n_q, n_k = s.shape
     has_bias = scores.bias.shape[3] > 0
     has_alibi = scores.alibi.shape[1] > 0
@@ -170,12 +174,12 @@ def modify_scores(args, _):
         if scores.softcap > 0:
             _softcap_row(row, scores.softcap, scores.inv_softcap)
         if has_bias:
-            slab = _slab(scores.bias, batch, q_head)
+            slab = _slab(scores.bias, at)
             b_row = slab[q_abs0 + i if slab.shape[0] > 1 else 0, k_abs0:k_abs0 + n_k]
             for j in range(n_k):
                 row[j] += b_row[j]
         if has_alibi:
-            slope = scores.alibi[batch if scores.alibi.shape[0] > 1 else 0, q_head]
+            slope = scores.alibi[at.batch if scores.alibi.shape[0] > 1 else 0, at.q_head]
             _alibi_row(row, slope, q_abs0 + i + scores.offset, k_abs0)
 
 
@@ -184,12 +188,14 @@ _BLOCK = 16
 
 
 @jit()
-def _add_bias_t(s_t, slab, k_abs0, q_abs0):
-    """``s_t[j, i] += slab[q_abs0 + i, k_abs0 + j]`` (``slab[0, ...]`` for a bias shared by the
+def _add_bias_t(s_t, slab, at):
+    """``s_t[j, i] += slab[q_abs0 + i, k_abs0 + j]`` (``q_abs0, k_abs0 = at.q0, at.k0``;
+    ``slab[0, ...]`` for a bias shared by the
     queries), in square blocks of :data:`_BLOCK`: each bias row's 16 keys (one cache line) are
     read whole, and a block's 16 rows of the bias (``seqlen_k`` apart: one L1 set when that is a
     multiple of 1024) are each used once, so no line is evicted before it is used up."""
     n_k, n_q = s_t.shape
+    q_abs0, k_abs0 = at.q0, at.k0
     if slab.shape[0] == 1:
         b_row = slab[0]
         for j in range(n_k):
@@ -212,11 +218,12 @@ def _add_bias_t(s_t, slab, k_abs0, q_abs0):
 
 
 @jit()
-def _add_dbias_t(ds_t, slab, k_abs0, q_abs0):
-    """``slab[q_abs0 + i, k_abs0 + j] += ds_t[j, i]``, in blocks as :func:`_add_bias_t`; a slab
-    shared by the queries takes each key row's sum over the queries (in query order) in one
-    addition."""
+def _add_dbias_t(ds_t, slab, at):
+    """``slab[q_abs0 + i, k_abs0 + j] += ds_t[j, i]`` (``q_abs0, k_abs0 = at.q0, at.k0``), in
+    blocks as :func:`_add_bias_t`; a slab shared by the queries takes each key row's sum over the
+    queries (in query order) in one addition."""
     n_k, n_q = ds_t.shape
+    q_abs0, k_abs0 = at.q0, at.k0
     if slab.shape[0] == 1:
         d_row = slab[0]
         for j in range(n_k):
@@ -243,9 +250,9 @@ def _add_dbias_t(ds_t, slab, k_abs0, q_abs0):
 def modify_scores_t(args, _):
     """Backward: the variants on a ``[keys, queries]`` score tile, in place, before the masks;
     with a soft cap, ``t = tanh(s / softcap)`` is kept in ``t_buf`` (flat scratch) for
-    :func:`score_gradients`. ``args`` points to ``(s_t, t_buf, k_abs0, q_abs0, batch, q_head,
-    scores)``. A plugin (:mod:`numbafa.kernels.table`)."""
-    s_t, t_buf, k_abs0, q_abs0, batch, q_head, scores = unpack(args)
+    :func:`score_gradients`. ``args`` points to ``(s_t, t_buf, at, scores)``, ``at`` the tile's
+    :data:`~numbafa.kernels.mask.TilePos`. A plugin (:mod:`numbafa.kernels.table`)."""
+    s_t, t_buf, at, scores = unpack(args)
     n_k, n_q = s_t.shape
     if scores.softcap > 0:
         t_t = t_buf[:n_k * n_q].reshape(n_k, n_q)
@@ -259,12 +266,12 @@ def modify_scores_t(args, _):
                 t_row[i] = t
                 row[i] = cap * t
     if scores.bias.shape[3] > 0:
-        _add_bias_t(s_t, _slab(scores.bias, batch, q_head), k_abs0, q_abs0)
+        _add_bias_t(s_t, _slab(scores.bias, at), at)
     if scores.alibi.shape[1] > 0:
-        slope = scores.alibi[batch if scores.alibi.shape[0] > 1 else 0, q_head]
+        slope = scores.alibi[at.batch if scores.alibi.shape[0] > 1 else 0, at.q_head]
         for j in range(n_k):
             # |i + offset - k| over the queries i of key k: the forward's distance, by symmetry
-            _alibi_row(s_t[j], slope, k_abs0 + j - scores.offset, q_abs0)
+            _alibi_row(s_t[j], slope, at.k0 + j - scores.offset, at.q0)
 
 
 @jit(contract=False)
@@ -283,11 +290,11 @@ def _softcap_factor(ds_t, t_t, round_kernel):
 @jit()
 def score_gradients(args, _):
     """Backward, after Step 4 (``ds_t = dS'^T``): ``dbias += dS'`` when asked, then the soft cap's
-    factor. ``args`` points to ``(ds_t, t_buf, k_abs0, q_abs0, batch, q_head, scores,
-    round_kernel)``. A plugin (:mod:`numbafa.kernels.table`)."""
-    ds_t, t_buf, k_abs0, q_abs0, batch, q_head, scores, round_kernel = unpack(args)
+    factor. ``args`` points to ``(ds_t, t_buf, at, scores, round_kernel)``, ``at`` the tile's
+    :data:`~numbafa.kernels.mask.TilePos`. A plugin (:mod:`numbafa.kernels.table`)."""
+    ds_t, t_buf, at, scores, round_kernel = unpack(args)
     if scores.dbias.shape[3] > 0:
-        _add_dbias_t(ds_t, _slab(scores.dbias, batch, q_head), k_abs0, q_abs0)
+        _add_dbias_t(ds_t, _slab(scores.dbias, at), at)
     if scores.softcap > 0:
         n_k, n_q = ds_t.shape
         _softcap_factor(ds_t, t_buf[:n_k * n_q].reshape(n_k, n_q), round_kernel)
@@ -299,5 +306,6 @@ def score_plugins(plan) -> list:
     acc = plan.acc.dtype
     vector, tile = np.empty(0, acc), np.empty((0, 0), acc)
     scores = plan.scores
-    return [(modify_scores, (tile, 0, 0, 0, 0, scores)), (modify_scores_t, (tile, vector, 0, 0, 0, 0, scores)),
-            (score_gradients, (tile, vector, 0, 0, 0, 0, scores, plan.precision.round_kernel))]
+    at = TilePos(batch=0, q_head=0, q0=0, k0=0)
+    return [(modify_scores, (tile, at, scores)), (modify_scores_t, (tile, vector, at, scores)),
+            (score_gradients, (tile, vector, at, scores, plan.precision.round_kernel))]
