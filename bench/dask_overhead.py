@@ -87,8 +87,8 @@ def main(argv=None):
     import numbafa
     import numbafa.distributed as nd
     from numbafa.kernels.bundles import make_plan
-    from numbafa.options import AttentionOptions
-    from numbafa.validation import validate_bwd_inputs
+    from numbafa.checks.options import AttentionOptions
+    from numbafa.checks.validation import validate_bwd_inputs
 
     bs, h, h_kv, d, s = args.batch, args.heads, args.kv_heads, args.head_dim, args.seqlen
     rng = np.random.default_rng(0)

@@ -2,7 +2,7 @@
 
     python bench/gemm_paths.py [--repeats 15] [--d-head 128 64]
 
-The GEMM path (``NUMBAFA_GEMM``, :mod:`numbafa.onednn`) is chosen by CPU
+The GEMM path (``NUMBAFA_GEMM``, :mod:`numbafa.platform.onednn`) is chosen by CPU
 class; this script measures what the choice rests on, on the CPU at hand:
 the five GEMMs of one (Q group of 512 rows, K tile of 512 keys) backward step
 in the orientations the kernel calls them (``[keys, queries]`` score tiles,
@@ -29,10 +29,10 @@ import numpy as np
 from numba import njit
 
 import numbafa
-from numbafa import onednn
-from numbafa.blas import single_threaded_blas
-from numbafa.cpu import cpu_flags
-from numbafa.dtypes import to_bf16_array
+from numbafa.platform import onednn
+from numbafa.platform.blas import single_threaded_blas
+from numbafa.platform.cpu import cpu_flags
+from numbafa.conventions.dtypes import to_bf16_array
 from numbafa.kernels.matmul import ONEDNN, matmul
 
 ROWS = 512

@@ -34,7 +34,7 @@ import numpy as np
 
 import numbafa
 from numbafa import nb
-from numbafa.blas import single_threaded_blas
+from numbafa.platform.blas import single_threaded_blas
 
 
 def _per_call(fn) -> float:
@@ -87,8 +87,8 @@ def _kernels(q, k, v, dy, causal):
 
 
 def _without_kernel(fn):
-    """``fn`` with the compiled entries replaced by nothing (:func:`numbafa.core.call_entry`)."""
-    from numbafa import core
+    """``fn`` with the compiled entries replaced by nothing (:func:`numbafa.pipeline.core.call_entry`)."""
+    from numbafa.pipeline import core
 
     def call():
         real = core.call_entry

@@ -9,7 +9,7 @@ times, inside Numba (no Python per call), each piece of
 diagonal tile (K tile 1536, causal: 128-key sub-blocks): the whole step, the
 five GEMMs alone on 512 x 512 operands, and the non-GEMM passes one by one.
 Prints the best of ``--repeats`` batches, in ms per call. Which GEMM path
-runs follows ``NUMBAFA_GEMM`` (:mod:`numbafa.onednn`).
+runs follows ``NUMBAFA_GEMM`` (:mod:`numbafa.platform.onednn`).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import numba
 import numpy as np
 
 import numbafa
-from numbafa.dtypes import as_operand, narrowed, round_to_bf16_inplace
+from numbafa.conventions.dtypes import as_operand, narrowed, round_to_bf16_inplace
 from numbafa.kernels import backward as B
 from numbafa.kernels.bundles import BwdInputs, make_plan
 from numbafa.kernels.common import load_scaled
 from numbafa.kernels.matmul import matmul
-from numbafa.options import AttentionOptions
-from numbafa.validation import validate_bwd_inputs
+from numbafa.checks.options import AttentionOptions
+from numbafa.checks.validation import validate_bwd_inputs
 
 ONE = np.float32(1.0)
 ZERO = np.float32(0.0)
@@ -185,9 +185,9 @@ def main():
     scratch = B.make_scratch(args.d_head, 2048, plan)
     neg_lse = np.empty(2048, np.float32)
     d_sum = np.empty(2048, np.float32)
-    print(f"GEMM path: {__import__('numbafa.onednn').onednn.gemm_path()[0]}, operand {plan.operand.dtype}, "
+    print(f"GEMM path: {__import__('numbafa.platform.onednn').onednn.gemm_path()[0]}, operand {plan.operand.dtype}, "
           f"d_head {args.d_head}, dtype {args.dtype}, 1 thread")
-    with numbafa.blas.single_threaded_blas():
+    with numbafa.platform.blas.single_threaded_blas():
         sec, qg = prepare(ins, plan, scratch, neg_lse, d_sum)
         # realistic S^T and dP^T of the diagonal-free tile 0
         t_gemms_sdp(plan, sec, qg, scratch, 0, 1)

@@ -160,7 +160,7 @@ def _torch_seconds(shape, dtype, pass_, rounds):
 def _run_info(benchmark, flop_count, d, shape=None, dtype=None, pass_=None, rounds=3, ceilings=()):
     """The figures of ``extra_info`` (module docstring); call after the timing, with the GEMM
     ceilings measured before each round (``ceilings``, :func:`_with_ceilings`)."""
-    from numbafa.jit import source_hash
+    from numbafa.compiler.jit import source_hash
 
     info = numbafa.backend_info()
     benchmark.extra_info.update(source=source_hash(), gemm_path=info["gemm"]["path"], threads=info["threads"])

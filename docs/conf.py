@@ -48,8 +48,8 @@ nitpick_ignore = [
     ("py:mod", "numbafa.kernels"),
     ("py:mod", "numbafa.kernels.matmul"),
     ("py:mod", "numbafa.kernels.launch"),
-    ("py:func", "numbafa.onednn.gemm_path"),
-    ("py:func", "numbafa.jit.cache_info"),
+    ("py:func", "numbafa.platform.onednn.gemm_path"),
+    ("py:func", "numbafa.compiler.jit.cache_info"),
 ]
 
 # numbafa.torch and numbafa.jax import their framework; a docs-only install

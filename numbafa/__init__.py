@@ -25,13 +25,13 @@ golden
 import time as _time
 
 #: When this process started importing the package: the kernel cache, keyed by a hash of the
-#: sources taken on first use, is off if a source file changed after it (numbafa.jit).
+#: sources taken on first use, is off if a source file changed after it (numbafa.compiler.jit).
 _IMPORTED_NS = _time.time_ns()
 
 from . import golden, layout
 from .api import attention_bwd, attention_fwd, dropout_mask
 from .info import backend_info
-from .onednn import forced_gemm_path
+from .platform.onednn import forced_gemm_path
 from .functional import AttentionContext, attention
 from .version import __version__
 

@@ -1,14 +1,14 @@
-"""Public entry points: the Neuron kernel's signature, run by the execution core (:mod:`numbafa.core`)."""
+"""Public entry points: the Neuron kernel's signature, run by the execution core (:mod:`numbafa.pipeline.core`)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import core
+from .pipeline import core
 from .kernels.dropout import drop_rows, make_dropout
 from .kernels.mask import TilePos
-from .options import KERNEL_CALLER, AttentionOptions
-from .validation import validate_dropout
+from .checks.options import KERNEL_CALLER, AttentionOptions
+from .checks.validation import validate_dropout
 
 __all__ = ["attention_fwd", "attention_bwd", "dropout_mask"]
 

@@ -34,11 +34,11 @@ from numba.core import event
 from . import golden
 from .api import attention_bwd, attention_fwd
 from .info import backend_info
-from .jit import COMPILE_TIME, cache_info
-from .dtypes import bf16_dtype
+from .compiler.jit import COMPILE_TIME, cache_info
+from .conventions.dtypes import bf16_dtype
 from .layout import MAX_BOUND, cu_seqlens_to_bounds
-from .onednn import gemm_path
-from .validation import SOFTCAP_MAX, SOFTCAP_MIN
+from .platform.onednn import gemm_path
+from .checks.validation import SOFTCAP_MAX, SOFTCAP_MIN
 from .version import __version__
 
 #: Acceptance rule: max|a - e| <= atol + rtol * max|e|, atol per dtype, rtol per (dtype, output);
@@ -284,7 +284,7 @@ class Progress:
 
 class _CompileNotice(event.Listener):
     """Prints the compile notice when the first real compilation starts, once; meanwhile, as a
-    logging filter, holds back :mod:`numbafa.runtime`'s per-kernel warnings, which it replaces.
+    logging filter, holds back :mod:`numbafa.compiler.runtime`'s per-kernel warnings, which it replaces.
 
     Numba's ``"numba:compile"`` event fires for a compilation, not for a load
     from the on-disk cache: with the kernels in the cache nothing is printed.

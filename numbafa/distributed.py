@@ -17,11 +17,11 @@ what those return:
 
 Results are bitwise those of the single-process call, whatever the number of
 workers: every task runs the in-process work items with the plan of the
-whole problem (``numbafa.shards``), and the backward of a unit split into
+whole problem (``numbafa.pipeline.shards``), and the backward of a unit split into
 Q chunks (an odd number of units below 9: batch 1 MQA, one long sequence) is
 merged by the kernel's own fixed-order reduction. With attention dropout,
 every task is given the absolute batch and q-head of its share's first element
-(``numbafa.shards.at_origin``), so it draws the whole problem's mask. See
+(``numbafa.pipeline.shards.at_origin``), so it draws the whole problem's mask. See
 ``docs/distributed.md``.
 
 Requires the ``dask`` extra (``pip install ".[dask]"`` from a clone); Dask is
@@ -37,16 +37,16 @@ from concurrent.futures import CancelledError
 
 import numpy as np
 
-from . import shards
-from .core import check_lse_layout, lse_out, user_dbias, user_dsinks
-from .dtypes import accumulator_dtype
+from .pipeline import shards
+from .pipeline.core import check_lse_layout, lse_out, user_dbias, user_dsinks
+from .conventions.dtypes import accumulator_dtype
 from .kernels.bundles import BwdInputs, FwdInputs, make_plan
 from .kernels.scores import make_scores
 from .kernels.loops import n_q_groups
-from .options import KERNEL_CALLER, AttentionOptions
-from .ranges import check, scaled_input, unscaled_output
-from .tiling import Q_TILE
-from .validation import check_options, validate_bwd_inputs, validate_fwd_inputs
+from .checks.options import KERNEL_CALLER, AttentionOptions
+from .pipeline.ranges import check, scaled_input, unscaled_output
+from .conventions.tiling import Q_TILE
+from .checks.validation import check_options, validate_bwd_inputs, validate_fwd_inputs
 
 __all__ = ["attention_fwd", "attention_bwd"]
 
@@ -97,7 +97,7 @@ def _warm(client, kernel: str, dtype, dropout: bool, variants: bool = False) -> 
                                "loading the kernels on the workers")
     for worker, found in found_by_worker.items():
         if tuple(found) != expected:
-            raise RuntimeError(f"worker {worker} runs numbafa/Numba/GEMM path {tuple(found)}, the "
+            raise RuntimeError(f"worker {worker} runs numbafa sources/Numba/GEMM path {tuple(found)}, the "
                                f"client {expected}: its results would not be bitwise those of the "
                                f"single-process call; install the same numbafa on every worker")
 

@@ -16,8 +16,8 @@ The kernels run on the caller's arrays in their own layout (``bshd`` or
 gradients come back C-contiguous in it.
 
 Errors name the caller's arguments (``q``, ``do``, ...) and give shapes in
-the caller's layout: the execution core (:mod:`numbafa.core`) validates with
-this module's :class:`~numbafa.options.Caller`.
+the caller's layout: the execution core (:mod:`numbafa.pipeline.core`) validates with
+this module's :class:`~numbafa.checks.options.Caller`.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import core
-from .jit import jit
+from .pipeline import core
+from .compiler.jit import jit
 from .layout import LAYOUTS, from_neuron, to_neuron
-from .options import AttentionOptions, Caller
+from .checks.options import AttentionOptions, Caller
 
 __all__ = ["attention", "AttentionContext"]
 

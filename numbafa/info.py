@@ -1,9 +1,9 @@
 """The backend report: which compute path the kernels take in this process, and on what.
 
 :func:`backend_info` (``numbafa.backend_info()``, ``numbafa --info``) gathers
-what the other modules decide: the GEMM path (:mod:`numbafa.onednn`), the BLAS
-libraries the kernels pin (:mod:`numbafa.blas`), the CPU (:mod:`numbafa.cpu`)
-and the kernel cache (:mod:`numbafa.jit`).
+what the other modules decide: the GEMM path (:mod:`numbafa.platform.onednn`), the BLAS
+libraries the kernels pin (:mod:`numbafa.platform.blas`), the CPU (:mod:`numbafa.platform.cpu`)
+and the kernel cache (:mod:`numbafa.compiler.jit`).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import numba
 import numpy
 import scipy
 
-from .blas import blas_controller
-from .cpu import cpu_flags, cpu_model
-from .jit import cache_info
-from .onednn import bf16_units, gemm_path
+from .platform.blas import blas_controller
+from .platform.cpu import cpu_flags, cpu_model
+from .compiler.jit import cache_info
+from .platform.onednn import bf16_units, gemm_path
 from .version import __version__
 
 __all__ = ["backend_info"]
@@ -29,7 +29,7 @@ def backend_info() -> dict:
     ``gemm``
         How tile matmuls are computed (:mod:`numbafa.kernels.matmul`):
         the ``path`` (``"onednn"`` or ``"blas"``) and the ``reason`` it was
-        chosen (:func:`numbafa.onednn.gemm_path`: ``NUMBAFA_GEMM``, the
+        chosen (:func:`numbafa.platform.onednn.gemm_path`: ``NUMBAFA_GEMM``, the
         CPU's bf16 units, oneDNN installed; :func:`numbafa.forced_gemm_path` changes it for
         the calls of a block, not this report); ``path`` is None, and ``reason``
         the error the kernels would raise, when ``NUMBAFA_GEMM`` names a path
@@ -57,7 +57,7 @@ def backend_info() -> dict:
         Linux), so that a benchmark figure names the CPU it ran on.
     ``cache``
         Whether the on-disk kernel cache is on and where:
-        :func:`numbafa.jit.cache_info` (``enabled``, ``dir``, ``reason``).
+        :func:`numbafa.compiler.jit.cache_info` (``enabled``, ``dir``, ``reason``).
     """
     try:
         path, reason = gemm_path()

@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _frameworks
+from .pipeline import frameworks as _frameworks
 from .layout import cu_seqlens_to_bounds as _cu_seqlens_to_bounds
 from .layout import from_neuron, to_neuron
-from .options import AttentionOptions
+from .checks.options import AttentionOptions
 
 __all__ = ["attention", "cu_seqlens_to_bounds"]
 

@@ -16,7 +16,7 @@ import numbers
 
 import numpy as np
 
-from .tiling import Q_TILE
+from .conventions.tiling import Q_TILE
 
 __all__ = [
     "LAYOUTS",

@@ -57,10 +57,11 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from . import core
-from .blas import single_threaded_blas
-from .dtypes import ROUND_FP16, bf16_dtype, f32_to_bf16_bits, f32_to_fp16_bits, fp16_bits_to_f32, is_bf16, widen
-from .jit import jit
+from .pipeline import core
+from .platform.blas import single_threaded_blas
+from .conventions.dtypes import (ROUND_FP16, bf16_dtype, f32_to_bf16_bits, f32_to_fp16_bits, fp16_bits_to_f32,
+                                 is_bf16, widen)
+from .compiler.jit import jit
 from .kernels.backward import BwdStats
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, Plan, make_plan
 from .kernels.dropout import Dropout, dropout_plugins, philox_words
@@ -69,11 +70,11 @@ from .kernels.entry import (EXACT_SCORES, LSE_VALUES, NONFINITE, OUTPUT, SCALED_
 from .kernels.launch import prepare_backward, prepare_forward
 from .kernels.scores import ScoreMods, score_plugins, serial_flags
 from .kernels.table import ensure_plugins, kernel_address
-from .linking import KERNELS
-from .options import AttentionOptions, Caller
-from .records import replaced
-from .tiling import Q_TILE
-from .validation import validate_fwd_inputs
+from .compiler.linking import KERNELS
+from .checks.options import AttentionOptions, Caller
+from .compiler.records import replaced
+from .conventions.tiling import Q_TILE
+from .checks.validation import validate_fwd_inputs
 
 __all__ = ["NbPlan", "plan", "attention_fwd", "attention_bwd", "with_seed_offset", "single_threaded_blas",
            "to_bf16_bits", "from_bf16_bits"]
@@ -764,7 +765,7 @@ _OUTPUT_NAMES = ("o", "dq", "dk", "dv", "dsinks", "dbias")
 @jit()
 def _raise_status(status):
     """Raise the exception a compiled entry's ``status`` stands for, in :mod:`numbafa.nb`'s words
-    (:func:`numbafa.core.raise_status` is the Python API's)."""
+    (:func:`numbafa.pipeline.core.raise_status` is the Python API's)."""
     code, which, count = status[0], status[1], status[2]
     if code == NONFINITE:
         if which == 6:

@@ -36,11 +36,11 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import _frameworks
+from .pipeline import frameworks as _frameworks
 from .layout import check_layout, from_neuron_perm
 from .layout import cu_seqlens_to_bounds as _cu_seqlens_to_bounds
-from .options import AttentionOptions
-from .validation import KERNEL_LAYOUT_PERMS, layout_of_strides
+from .checks.options import AttentionOptions
+from .checks.validation import KERNEL_LAYOUT_PERMS, layout_of_strides
 
 __all__ = ["attention", "cu_seqlens_to_bounds", "to_numpy", "from_numpy"]
 
@@ -117,7 +117,7 @@ def _attention_fwd_fake(q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes
 
 def _output_like(q: torch.Tensor, shape: tuple) -> torch.Tensor:
     """An empty Neuron-order tensor of ``shape`` laid out as the kernels lay out their outputs: C-contiguous
-    in the layout q is C-contiguous in (numbafa.validation.kernel_layout)."""
+    in the layout q is C-contiguous in (numbafa.checks.validation.kernel_layout)."""
     perm = KERNEL_LAYOUT_PERMS[layout_of_strides(tuple(q.shape), tuple(q.stride()))]
     return q.new_empty(tuple(shape[axis] for axis in perm)).permute(tuple(perm.index(axis) for axis in range(4)))
 

@@ -87,10 +87,10 @@ BWD_ARRAYS = ("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref", "lse_ref")
 
 
 def validated(inputs, backward=True, **options):
-    """The kernels' :class:`numbafa.validation.Problem` of a ``make_inputs`` dict (plus ``options``,
+    """The kernels' :class:`numbafa.checks.validation.Problem` of a ``make_inputs`` dict (plus ``options``,
     keyword arguments of ``attention_bwd``), through numbafa's own validation."""
-    from numbafa.options import AttentionOptions
-    from numbafa.validation import validate_bwd_inputs, validate_fwd_inputs
+    from numbafa.checks.options import AttentionOptions
+    from numbafa.checks.validation import validate_bwd_inputs, validate_fwd_inputs
 
     kw = {**{key: x for key, x in inputs.items() if key not in BWD_ARRAYS}, **options}
     kw["sinks"] = kw.pop("sinks_ref", None)

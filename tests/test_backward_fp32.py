@@ -9,7 +9,7 @@ import pytest
 
 import numbafa
 from numbafa import golden
-from numbafa.tiling import setup_config
+from numbafa.conventions.tiling import setup_config
 
 from _problems import CASES, Case, make_inputs
 from _tolerances import FLOAT32, assert_close
@@ -45,7 +45,7 @@ def test_output_shapes(case_and_results):
 def test_odd_work_unit_counts_are_split_in_two_q_chunks():
     """The cases that exercise the split: an odd number (< 9) of (batch, KV head) units
     and more than one Q group."""
-    from numbafa.schedule import q_chunks
+    from numbafa.kernels.schedule import q_chunks
     assert q_chunks(1, 1025, False) == 2 and q_chunks(1, 512, False) == 1
     assert q_chunks(3, 4096, False) == 2 and q_chunks(7, 4096, False) == 2
     assert q_chunks(2, 4096, False) == 1 and q_chunks(9, 4096, False) == 1

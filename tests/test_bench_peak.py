@@ -9,7 +9,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from numbafa.cpu import cpu_flags
+from numbafa.platform.cpu import cpu_flags
 
 _spec = importlib.util.spec_from_file_location(
     "peak", pathlib.Path(__file__).resolve().parents[1] / "bench" / "peak.py")

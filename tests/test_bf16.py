@@ -11,8 +11,8 @@ import pytest
 
 import numbafa
 from numbafa import golden
-from numbafa.dtypes import from_bf16_array, round_to_bf16, to_bf16_array
-from numbafa.jit import callable_from_python, jit
+from numbafa.conventions.dtypes import from_bf16_array, round_to_bf16, to_bf16_array
+from numbafa.compiler.jit import callable_from_python, jit
 from numbafa.kernels.backward import accumulate
 
 import _budget

@@ -11,8 +11,8 @@ import pytest
 from threadpoolctl import threadpool_info
 
 import numbafa
-from numbafa.blas import blas_controller, single_threaded_blas
-from numbafa.runtime import kernel_call
+from numbafa.platform.blas import blas_controller, single_threaded_blas
+from numbafa.compiler.runtime import kernel_call
 
 
 def _all_blas_threads():
@@ -162,7 +162,7 @@ def test_concurrent_kernel_calls_leave_the_users_blas_setting_alone():
 def test_scipys_openblas_is_pinned_by_direct_calls_without_taking_threadpoolctl_control():
     """The per-call pin goes through OpenBLAS's own C functions (a microsecond, not
     threadpoolctl's tens) and leaves threadpoolctl's controlling thread unset."""
-    from numbafa import blas
+    from numbafa.platform import blas
 
     libs = blas_controller().lib_controllers
     if not all(getattr(lib, "internal_api", "") == "openblas" and getattr(lib, "threading_layer", "") == "pthreads"

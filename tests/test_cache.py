@@ -25,7 +25,7 @@ PACKAGE = pathlib.Path(numbafa.__file__).parent
 # probe() calls a helper from another module: the case Numba's per-file source
 # stamp cannot see (editing _probe_helper.py leaves _probe.py's stamp unchanged).
 PROBE = '''\
-from .jit import jit
+from .compiler.jit import jit
 from ._probe_helper import offset
 
 
@@ -40,7 +40,7 @@ def pair(x, y):
 '''
 
 HELPER = '''\
-from .jit import jit
+from .compiler.jit import jit
 
 
 @jit(entry=True)
@@ -403,7 +403,7 @@ warnings.simplefilter("ignore")
 stream = io.StringIO()
 logging.getLogger("numbafa").addHandler(logging.StreamHandler(stream))
 import numbafa._probe as p
-from numbafa.runtime import kernel_call
+from numbafa.compiler.runtime import kernel_call
 with kernel_call("probe", "float32"):
     p.probe(41)
 with kernel_call("pair", "float32"):

@@ -343,7 +343,7 @@ def test_a_soft_cap_the_kernels_cannot_carry_is_one_line_and_exit_two(cap, capsy
 
 
 def test_a_gemm_path_that_cannot_run_is_one_line_and_exit_two(capsys, monkeypatch):
-    from numbafa import onednn
+    from numbafa.platform import onednn
 
     monkeypatch.setenv("NUMBAFA_GEMM", "garbage")
     onednn.gemm_path.cache_clear()

@@ -19,7 +19,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 
 import numbafa  # noqa: E402
 import numbafa.distributed as nd  # noqa: E402
-from numbafa import shards  # noqa: E402
+from numbafa.pipeline import shards  # noqa: E402
 from _problems import Case, forward_options, make_inputs, validated  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
@@ -136,7 +136,7 @@ def _exit_once(marker):
     first to create ``marker``) ends its process; later calls run normally."""
     def install():
         import os as os_
-        import numbafa.shards as shards_
+        import numbafa.pipeline.shards as shards_
         original = getattr(shards_.bwd_chunk, "original", shards_.bwd_chunk)
 
         def bwd_chunk(*args, **kwargs):
@@ -151,7 +151,7 @@ def _exit_once(marker):
 
 
 def _restore():
-    import numbafa.shards as shards_
+    import numbafa.pipeline.shards as shards_
     shards_.bwd_chunk = getattr(shards_.bwd_chunk, "original", shards_.bwd_chunk)
 
 
@@ -369,8 +369,8 @@ def test_small_units_are_grouped_up_to_two_tasks_per_worker_thread(name, expecte
 @pytest.mark.parametrize("n_chunks", [1, 2, 3])
 def test_any_forward_row_split_gives_the_single_process_bits(n_chunks):
     from numbafa.kernels.bundles import FwdInputs, make_plan
-    from numbafa.options import AttentionOptions
-    from numbafa.validation import validate_fwd_inputs
+    from numbafa.checks.options import AttentionOptions
+    from numbafa.checks.validation import validate_fwd_inputs
     case = Case(bs=1, nheads=1, nheads_kv=1, d_head=16, seqlen_q=2560, seqlen_k=2560, causal=True,
                 num_sinks=1)   # 5 Q groups: 3 chunks each own some
     inputs = make_inputs(case)
@@ -564,7 +564,7 @@ def _kill_every_bwd_chunk():
 
         def setup(self, worker):
             import signal
-            import numbafa.shards as shards_
+            import numbafa.pipeline.shards as shards_
 
             def bwd_chunk(*args, **kwargs):
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -572,7 +572,7 @@ def _kill_every_bwd_chunk():
             shards_.bwd_chunk = bwd_chunk
 
         def teardown(self, worker):
-            import numbafa.shards as shards_
+            import numbafa.pipeline.shards as shards_
             shards_.bwd_chunk = getattr(shards_.bwd_chunk, "original", shards_.bwd_chunk)
     return Killer()
 

@@ -11,7 +11,7 @@ import pytest
 
 import numbafa
 from numbafa import golden
-from numbafa.jit import callable_from_python
+from numbafa.compiler.jit import callable_from_python
 from numbafa.kernels import dropout as _dropout
 from numbafa.kernels.dropout import drop_rows, make_dropout, with_origin
 from numbafa.kernels.mask import TilePos
@@ -72,7 +72,7 @@ def test_any_sub_tile_draws_the_same_elements(keys_major):
 @pytest.mark.parametrize("keys_major", [True, False], ids=["bwd-tiles", "fwd-tiles"])
 def test_arrays_of_a_slice_draw_the_whole_mask_at_their_origin(keys_major):
     """Batch ``b`` / head ``h`` of arrays starting at batch0 / head0 (a share in
-    numbafa.shards) draw the mask of the absolute batch0 + b / head0 + h; the default origin
+    numbafa.pipeline.shards) draw the mask of the absolute batch0 + b / head0 + h; the default origin
     is (0, 0) and another origin draws another mask."""
     mask = numbafa.dropout_mask(3, 5, 70, 130, 0.25, 99, 3)
     dropout = make_dropout(0.25, 99, 3)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from numbafa.jit import jit
+from numbafa.compiler.jit import jit
 from numbafa.kernels.fastexp import expf
 
 

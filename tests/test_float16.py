@@ -19,7 +19,7 @@ import pytest
 
 import numbafa
 from numbafa import golden
-from numbafa.dtypes import round_to_fp16, round_to_fp16_bits
+from numbafa.conventions.dtypes import round_to_fp16, round_to_fp16_bits
 
 from _budget import assert_faithful, faithfulness as _faithfulness, fp16_ulp, rounded_with_budget
 from _problems import CASES, Case, forward_options, make_inputs
@@ -170,7 +170,7 @@ def test_the_array_conversions_are_numpys_casts():
     """fp16 <-> float32 array conversions (F16C's vector instructions where the CPU has them):
     every fp16 pattern widens to NumPy's float32 (NaN to a NaN), and float32 values round to
     NumPy's fp16, views included."""
-    from numbafa.dtypes import from_fp16_array, to_fp16_array
+    from numbafa.conventions.dtypes import from_fp16_array, to_fp16_array
 
     patterns = np.arange(65536, dtype=np.uint16).view(F16)
     wide = from_fp16_array(patterns)
@@ -191,12 +191,13 @@ _WITHOUT_F16C = r"""
 import json, sys
 import numpy as np
 import numbafa
-from numbafa import dtypes, golden
+from numbafa import golden
+from numbafa.conventions import dtypes
 sys.path.insert(0, sys.argv[1])
 from _problems import Case, make_inputs
 from _tolerances import FP16_MIXED
 assert not dtypes._F16C
-from numbafa.jit import callable_from_python
+from numbafa.compiler.jit import callable_from_python
 round_to_fp16 = callable_from_python(dtypes.round_to_fp16)
 round_to_fp16(np.float32(1.0))
 assert not any("cvtps2ph" in asm for asm in round_to_fp16.inspect_asm().values())

@@ -8,7 +8,7 @@ import pytest
 
 import numbafa
 from numbafa import golden
-from numbafa.schedule import q_chunks
+from numbafa.kernels.schedule import q_chunks
 
 from _problems import CASES, Case, make_inputs
 from _tolerances import BF16_MIXED, FLOAT32, LSE_FLOAT32, assert_close

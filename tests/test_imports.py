@@ -110,9 +110,10 @@ def test_the_graph_sees_the_kinds_of_import():
     """Relative, parent-relative, absolute and function-level imports are edges; a package
     whose submodule is imported is one too."""
     graph = import_graph()
-    assert "numbafa.jit" in graph["numbafa.dtypes"]                  # from .jit import jit
-    assert "numbafa.jit" in graph["numbafa.kernels.common"]          # from ..jit import jit
-    assert {"numbafa.kernels", "numbafa.kernels.launch"} <= set(graph["numbafa.core"])
+    assert "numbafa.compiler.jit" in graph["numbafa.conventions.dtypes"]    # from ..compiler.jit import jit
+    assert "numbafa.compiler.jit" in graph["numbafa.kernels.common"]        # from ..compiler.jit import jit
+    assert "numbafa.pipeline.core" in graph["numbafa.pipeline.shards"]      # from . import core
+    assert {"numbafa.kernels", "numbafa.kernels.launch"} <= set(graph["numbafa.pipeline.core"])
     assert "numbafa.api" in graph["numbafa"]                         # the package's own imports
     assert "numbafa.golden" in graph["numbafa"]                      # from . import golden
     assert "numbafa" not in graph["numbafa.kernels.common"]          # parents already running
@@ -142,6 +143,46 @@ def test_no_import_cycle_in_the_package():
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(
         f"{a} ({graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+
+
+#: The layers, lowest first (docs/architecture.md): a module imports its own layer's modules and
+#: lower layers' only. ``numbafa.layout`` (public, at the top for its import path) is a convention:
+#: it imports only ``conventions.tiling``, and the checks and the pipeline use it.
+LAYERS = (("platform", ("numbafa.platform",)), ("compiler", ("numbafa.compiler",)),
+          ("conventions", ("numbafa.conventions", "numbafa.layout")), ("kernels", ("numbafa.kernels",)),
+          ("checks", ("numbafa.checks",)), ("pipeline", ("numbafa.pipeline",)))
+
+
+def layer_of(module: str) -> tuple:
+    """``(rank, name)`` of ``module``'s layer; the package's top level is the front doors (last)."""
+    for rank, (name, prefixes) in enumerate(LAYERS):
+        if any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes):
+            return rank, name
+    return len(LAYERS), "front doors"
+
+
+def wrong_way(graph: dict) -> list:
+    return [f"{source} ({where}) imports {target}: {layer_of(source)[1]} must not import {layer_of(target)[1]}"
+            for source, edges in graph.items() for target, where in edges.items()
+            if layer_of(target)[0] > layer_of(source)[0]]
+
+
+def test_layers_import_downwards_only():
+    assert wrong_way(import_graph()) == []
+    # the check sees a wrong-way import, at module level or in a function
+    assert wrong_way({"numbafa.platform.cpu": {"numbafa.pipeline.core": "cpu.py:9"}})
+    assert not wrong_way({"numbafa.pipeline.core": {"numbafa.platform.cpu": "core.py:9"}})
+    assert layer_of("numbafa.api")[1] == layer_of("numbafa")[1] == "front doors"
+
+
+def test_the_top_level_holds_the_front_doors_and_each_layer_says_what_it_may_import():
+    top = sorted(p.name for p in PACKAGE_DIR.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 12, top
+    layers = {p.name for p in PACKAGE_DIR.iterdir() if (p / "__init__.py").is_file()}
+    assert layers == {prefixes[0].split(".")[1] for _, prefixes in LAYERS}
+    for name in layers:
+        doc = ast.get_docstring(ast.parse((PACKAGE_DIR / name / "__init__.py").read_text())) or ""
+        assert "May import" in doc or "imports nothing else" in doc.replace("Imports", "imports"), name
 
 
 IMPORT_EACH_ALONE = """\
@@ -185,7 +226,8 @@ def audit(event, args):
 
 sys.addaudithook(audit)
 import {root}
-from {root} import blas, jit, runtime
+from {root}.platform import blas
+from {root}.compiler import jit, runtime
 from numba.core import event
 state = dict(seen=list(seen), resolved=len(jit._resolved), listening=runtime._ANNOUNCER._listening,
              hooked=blas._PIN._hooked, listeners=[type(x).__module__ for x in event._registered["numba:compile"]],

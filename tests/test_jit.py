@@ -1,4 +1,4 @@
-"""JIT flags live in one place (numbafa.jit); its cache is keyed by the package sources.
+"""JIT flags live in one place (numbafa.compiler.jit); its cache is keyed by the package sources.
 
 The cache itself (location, recovery, fallbacks) is tested end to end in test_cache.py.
 """
@@ -10,9 +10,9 @@ import pathlib
 
 import pytest
 
-from numbafa import jit as jit_policy
+from numbafa.compiler import jit as jit_policy
 
-PACKAGE = pathlib.Path(jit_policy.__file__).parent
+PACKAGE = pathlib.Path(jit_policy.__file__).parents[1]   # numbafa/
 
 
 def _call_name(node):
@@ -21,7 +21,7 @@ def _call_name(node):
 
 
 def test_no_hard_coded_jit_flags():
-    """Every jitted function is made by numbafa.jit.jit(); nobody else calls njit/jit with flags."""
+    """Every jitted function is made by numbafa.compiler.jit.jit(); nobody else calls njit/jit with flags."""
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         if path.name == "jit.py":

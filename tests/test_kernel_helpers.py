@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from numbafa.dtypes import ROUND_BF16, ROUND_FP16, ROUND_NONE
-from numbafa.jit import callable_from_python, jit
+from numbafa.conventions.dtypes import ROUND_BF16, ROUND_FP16, ROUND_NONE
+from numbafa.compiler.jit import callable_from_python, jit
 from numbafa.kernels import common
 from numbafa.kernels.forward import _row_max as _kernel_row_max
 from numbafa.kernels.heads import gather_head, load_scaled_rows, store_head_rows

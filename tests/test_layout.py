@@ -201,8 +201,8 @@ def test_the_neuron_api_takes_transposed_views_without_a_copy():
     """A Neuron-layout view of a bshd array goes to the kernels as it is (no copy) and o comes
     back in the same memory order; a view contiguous in no kernel layout is copied and gives the
     same bits."""
-    from numbafa.validation import kernel_layout, validate_fwd_inputs
-    from numbafa.options import AttentionOptions
+    from numbafa.checks.validation import kernel_layout, validate_fwd_inputs
+    from numbafa.checks.options import AttentionOptions
     rng = np.random.default_rng(12)
     q, k, v = (rng.standard_normal((2, 128, 2, 32)).astype(np.float32) for _ in range(3))
     qn, kn, vn = (layout.to_neuron(x, "bshd") for x in (q, k, v))

@@ -9,7 +9,7 @@ import pytest
 
 import numbafa
 from numbafa import golden
-from numbafa.jit import jit
+from numbafa.compiler.jit import jit
 from numbafa.kernels.bundles import Mask
 from numbafa.kernels.mask import fill_key_ranges, queries_seeing_key, required_q_rows
 

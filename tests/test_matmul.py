@@ -9,8 +9,8 @@ import pytest
 
 from numba.core.errors import TypingError
 
-from numbafa import onednn
-from numbafa.jit import jit
+from numbafa.platform import onednn
+from numbafa.compiler.jit import jit
 from numbafa.kernels.bundles import Gemm
 from numbafa.kernels.matmul import bits_operand, gemm as seam, row_sums, values_operand
 

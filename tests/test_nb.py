@@ -15,7 +15,7 @@ import pytest
 
 import numbafa
 import numbafa.nb as nb
-from numbafa.linking import CELL_PREFIX, TABLE_SYMBOL
+from numbafa.compiler.linking import CELL_PREFIX, TABLE_SYMBOL
 
 from _problems import Case, make_inputs
 
@@ -190,7 +190,7 @@ def _users_step(plan, q, k, v, o, lse, dy, sinks, dq, dk, dv, dsinks):
 
 def test_nb_code_reads_no_cell():
     """A user's function cached by Numba holds numbafa.nb's code: it must find the launcher and the
-    work items in the process's kernel table (numbafa.linking.KERNELS: one symbol, which
+    work items in the process's kernel table (numbafa.compiler.linking.KERNELS: one symbol, which
     numbafa.nb.plan defines), never through a cell only numbafa's own cache knows how to fill."""
     q, k, v, dy, sinks = _inputs(1, 2, 1, 16, 128, np.float32)
     plan = nb.plan(q, k, v, with_sinks=True)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import numbafa
-from numbafa import golden, onednn
+from numbafa import golden
+from numbafa.platform import onednn
 from numbafa.kernels import bundles
 
 from _problems import Case, make_inputs, validated
@@ -174,7 +175,7 @@ for dtype in (np.float32, ml_dtypes.bfloat16):
     with numbafa.forced_gemm_path(sys.argv[1]):
         o, lse = numbafa.attention_fwd(q, k, v, use_causal_mask=True, mixed_precision=True)
         numbafa.attention_bwd(q, k, v, o, dy, lse, use_causal_mask=True, mixed_precision=True)
-print("bf16 units:", numbafa.onednn.bf16_units(), file=sys.stderr)
+print("bf16 units:", numbafa.platform.onednn.bf16_units(), file=sys.stderr)
 """
 
 
@@ -192,7 +193,7 @@ def test_each_forced_path_runs_its_gemms(path, tmp_path):
     out = subprocess.run([sys.executable, "-c", _VERBOSE_CHILD, path], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    # (the 1 x 1 product is numbafa.onednn's probe of the bf16 GEMM, not a kernel's)
+    # (the 1 x 1 product is numbafa.platform.onednn's probe of the bf16 GEMM, not a kernel's)
     gemms = [line for line in out.stdout.splitlines() if ",gemm_api," in line and ",1x1:1x1," not in line]
     f32 = sum("src_f32" in line for line in gemms)
     bf16 = sum("src_bf16" in line for line in gemms)
@@ -209,7 +210,7 @@ def test_each_forced_path_runs_its_gemms(path, tmp_path):
 _FIRST_ACT = r"""
 import pickle, sys
 import numpy as np
-from numbafa import shards   # no plan made, no GEMM path chosen in this process
+from numbafa.pipeline import shards  # no plan made, no GEMM path chosen in this process
 plan, ins, expected = pickle.load(open(sys.argv[1], "rb"))
 o, lse = shards.fwd_chunk(plan, ins, False, ins.q.shape[3], 0, np.float32)
 assert np.array_equal(o, expected), "another result than the process that made the plan"
@@ -225,7 +226,7 @@ def test_a_process_whose_first_act_is_a_cached_onednn_kernel_runs_it(tmp_path):
     import pickle
 
     from numbafa.kernels.bundles import FwdInputs, shared_plan
-    from numbafa.validation import validate_fwd_inputs
+    from numbafa.checks.validation import validate_fwd_inputs
 
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 2, 32, 256)).astype(np.float32) for _ in range(3))

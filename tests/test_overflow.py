@@ -3,7 +3,7 @@ a FloatingPointError naming what overflowed where it is not -- never a silent in
 
 The forward's unnormalised accumulator (up to ``seqlen_k * max|v|``) and the backward's
 ``dP``, ``D``, ``dS`` and gradients (linear in ``dy``) are computed on ``v * 2**-e`` or
-``dy * 2**-e`` and scaled back (numbafa/ranges.py): the results must be bitwise those of the
+``dy * 2**-e`` and scaled back (numbafa/pipeline/ranges.py): the results must be bitwise those of the
 unscaled inputs times ``2**e``. Scores beyond float32 make the log-sum-exp unrepresentable: an
 error naming q, k and the scale.
 """

@@ -75,7 +75,7 @@ SERIALISED = '''\
 import threading, time
 import numpy as np
 import numbafa
-from numbafa import core
+from numbafa.pipeline import core
 
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 2, 32, 256), dtype=np.float32) for _ in range(3))
@@ -124,7 +124,7 @@ def test_launches_are_serialised_only_under_workqueue(layer):
 
 GUARDED_PROBE = '''\
 import threading, time
-from numbafa.runtime import kernel_call
+from numbafa.compiler.runtime import kernel_call
 
 inside, overlap = [0], [0]
 lock = threading.Lock()
@@ -153,7 +153,8 @@ def test_kernel_calls_are_never_serialised():
 
 
 def test_api_names_kernel_and_dtype(monkeypatch):
-    from numbafa import core, runtime
+    from numbafa.pipeline import core
+    from numbafa.compiler import runtime
 
     calls = []
 
@@ -173,7 +174,7 @@ def _announcements(records):
 
 
 def test_a_real_compile_is_announced_once_before_it_happens(caplog):
-    from numbafa.runtime import kernel_call
+    from numbafa.compiler.runtime import kernel_call
 
     @numba.njit
     def fresh(x):
@@ -207,7 +208,7 @@ def test_the_announcement_quotes_the_readme_compile_time(caplog):
     names its CPU and date; the notice carries neither)."""
     import pathlib
 
-    from numbafa import jit, runtime
+    from numbafa.compiler import jit, runtime
 
     readme = " ".join((pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text().split())
     figure = re.search(r"\(([\d.]+-[\d.]+ s of CPU) for float32's forward and backward together", readme)
@@ -231,7 +232,7 @@ def test_announced_by_default_only_when_really_compiling(tmp_path):
     from test_cache import clean_env, make_site
 
     site = make_site(tmp_path)
-    script = ("import numbafa._probe as p\nfrom numbafa.runtime import kernel_call\n"
+    script = ("import numbafa._probe as p\nfrom numbafa.compiler.runtime import kernel_call\n"
               "with kernel_call('probe', 'int64'):\n    print(int(p.probe(41)))\n")
 
     def stderr():
@@ -248,8 +249,8 @@ def test_announced_by_default_only_when_really_compiling(tmp_path):
 
 FORK_WHILE_HELD = '''\
 import os, threading
-import numbafa.blas
-from numbafa.runtime import kernel_call
+import numbafa.platform.blas
+from numbafa.compiler.runtime import kernel_call
 
 entered, release = threading.Event(), threading.Event()
 
@@ -299,8 +300,8 @@ def test_a_shared_plan_is_the_plan_of_the_call(backward, options):
     """Repeated calls share their plan (built once per shape and options); what they get is
     exactly the fresh plan of their own problem, dropout seed and offset included."""
     from numbafa.kernels.bundles import make_plan, shared_plan
-    from numbafa.options import AttentionOptions
-    from numbafa.validation import validate_fwd_inputs
+    from numbafa.checks.options import AttentionOptions
+    from numbafa.checks.validation import validate_fwd_inputs
 
     q = np.ones((2, 2, 8, 300), np.float32)
     for offset in (9, 10):
@@ -312,8 +313,8 @@ def test_a_shared_plan_is_the_plan_of_the_call(backward, options):
 
 def test_packing_plans_are_never_shared():
     from numbafa.kernels.bundles import shared_plan
-    from numbafa.options import AttentionOptions
-    from numbafa.validation import validate_fwd_inputs
+    from numbafa.checks.options import AttentionOptions
+    from numbafa.checks.validation import validate_fwd_inputs
 
     q = np.ones((1, 1, 8, 128), np.float32)
     lo, hi = np.zeros(128, np.float32), np.full(128, 64, np.float32)
@@ -344,12 +345,12 @@ def test_a_failing_work_item_raises_its_own_exception(units):
     """A work item that fails (here: a K operand whose length-1 axis has a 64-byte stride, which
     validation would have copied; K goes to the GEMM as it is) reports it, is run again alone, and its exception reaches the
     caller, whether the launcher ran it on the calling thread (one item) or in its prange."""
-    from numbafa.blas import single_threaded_blas
-    from numbafa.jit import callable_from_python
+    from numbafa.platform.blas import single_threaded_blas
+    from numbafa.compiler.jit import callable_from_python
     from numbafa.kernels import launch
     from numbafa.kernels.bundles import FwdInputs, FwdOutputs, make_plan
-    from numbafa.options import AttentionOptions
-    from numbafa.validation import validate_fwd_inputs
+    from numbafa.checks.options import AttentionOptions
+    from numbafa.checks.validation import validate_fwd_inputs
 
     good = np.ones((units, 1, 16, 1), np.float32)
     prob = validate_fwd_inputs(good, good, good, AttentionOptions())

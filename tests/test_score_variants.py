@@ -374,7 +374,7 @@ def test_torch_bias_and_alibi_match_sdpa_with_a_float_mask(layout, causal):
 def test_torch_bias_without_grad_computes_no_dbias(monkeypatch):
     torch = pytest.importorskip("torch")
     import numbafa.torch as nt
-    from numbafa import core
+    from numbafa.pipeline import core
 
     asked = []
     real = core.attention_bwd

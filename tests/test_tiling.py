@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from numbafa import tiling
+from numbafa.conventions import tiling
 
 
 @pytest.mark.parametrize("d_head,d_tile,n_tiles,section", [

@@ -205,7 +205,7 @@ def test_negative_scale_is_allowed_and_correct():
 
 
 def test_validation_documents_the_scale_and_window_conventions():
-    from numbafa import validation
+    from numbafa.checks import validation
 
     doc = " ".join(validation.__doc__.split())
     assert "softmax_scale or 1 / sqrt(d_head)" in doc and "negative" in doc and "float32" in doc
@@ -234,8 +234,8 @@ def test_zero_heads_and_head_dim_stay_errors():
 def test_display_names_and_layout_in_messages():
     """What numbafa.attention relies on: messages in the caller's names and layout."""
     from numbafa import layout
-    from numbafa.options import AttentionOptions, Caller
-    from numbafa.validation import validate_fwd_inputs
+    from numbafa.checks.options import AttentionOptions, Caller
+    from numbafa.checks.validation import validate_fwd_inputs
 
     q = np.zeros((1, 256, 4, 16), np.float32)           # bshd
     k = np.zeros((1, 256, 2, 8), np.float32)
@@ -250,7 +250,7 @@ def test_display_names_and_layout_in_messages():
         validate_fwd_inputs(qn, qn, qn.astype(np.float64), AttentionOptions(), caller)
 
 
-# --- checks remembered between calls (numbafa.validation._metadata) ---------------------------
+# --- checks remembered between calls (numbafa.checks.validation._metadata) ---------------------------
 
 def test_a_remembered_shape_still_has_its_values_checked():
     """A second call with the shapes and options of a valid one skips only the shape/option
@@ -294,7 +294,7 @@ def test_a_remembered_dropout_call_takes_each_calls_seed_and_offset():
 
 
 def test_the_remembered_checks_are_bounded():
-    from numbafa import validation
+    from numbafa.checks import validation
 
     q = np.ones((1, 1, 4, 1), np.float32)
     for n in range(validation._CHECKED.limit + 5):
@@ -319,7 +319,7 @@ def test_length_one_axes_with_any_strides_are_taken(seqlen):
         np.testing.assert_array_equal(a, b)
 
 
-# --- calls remembered whole (numbafa.core._RECIPES) ------------------------------------------
+# --- calls remembered whole (numbafa.pipeline.core._RECIPES) ------------------------------------------
 
 def _boom(*args, **kwargs):
     raise AssertionError("the full path ran")
@@ -328,7 +328,7 @@ def _boom(*args, **kwargs):
 def test_a_remembered_call_skips_the_python_checks_with_the_same_bits(monkeypatch):
     """A call without option arrays or dropout whose metadata and scalar options a successful
     call had runs the compiled entry straight away (the checks and the plan remembered)."""
-    from numbafa import core
+    from numbafa.pipeline import core
 
     f = good_inputs()
     qkv = (f["q_ref"], f["k_ref"], f["v_ref"])

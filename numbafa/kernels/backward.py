@@ -61,7 +61,7 @@ are rounded, and to what (bf16 or fp16). Products of bf16-valued float32 operand
 sgemm is "bf16 in, fp32 accumulate". The kernel writes float32 outputs whose
 values are already rounded to the output dtype; the API converts them.
 
-The kernel never validates; :mod:`numbafa.validation` does, before it runs.
+The kernel never validates; :mod:`numbafa.checks.validation` does, before it runs.
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ from collections import namedtuple
 
 import numpy as np
 
-from ..dtypes import ROUND_NONE, round_inplace, rounded, widen
-from ..jit import jit
-from ..linking import _plugin_key, call_or_raise, pack, unpack
-from ..tiling import FLOAT32_MIN
+from ..conventions.dtypes import ROUND_NONE, round_inplace, rounded, widen
+from ..compiler.jit import jit
+from ..compiler.linking import _plugin_key, call_or_raise, pack, unpack
+from ..conventions.tiling import FLOAT32_MIN
 from .common import load_scaled, store, store_transposed
 from .dropout import drop_probabilities, drop_scores
 from .fastexp import exp_of
@@ -525,7 +525,7 @@ def bwd_work_item(args, item):
     (:func:`~numbafa.kernels.scores.item_units`: one, unless a shared bias's gradient makes
     several serial), each: KV sections -> q-heads -> the item's Q groups.
 
-    ``args`` points to the launcher's ``(ins, outs, stats, plan)`` (:func:`numbafa.linking.pack`);
+    ``args`` points to the launcher's ``(ins, outs, stats, plan)`` (:func:`numbafa.compiler.linking.pack`);
     ``stats`` (:data:`BwdStats`) is filled in on the first section by whichever item owns the rows.
     """
     ins, outs, stats, plan = unpack(args)

@@ -6,15 +6,15 @@ swapped ints cannot compile into a wrong call), and every derived value is
 decided once, here, from the validated problem. Records are built by name.
 
 :class:`Tiling`
-    The Neuron tile sizes of the call (:func:`numbafa.tiling.setup_config`)
-    and the CPU's Q-chunk split (:func:`numbafa.schedule.q_chunks`).
+    The Neuron tile sizes of the call (:func:`numbafa.conventions.tiling.setup_config`)
+    and the CPU's Q-chunk split (:func:`numbafa.kernels.schedule.q_chunks`).
 :class:`Mask`
     Causal, window, packing, and every query's visible key range
     (:mod:`numbafa.kernels.mask`).
 :class:`Precision`
     Which tiles are rounded, and to what (docs/numerics.md).
 :class:`Gemm`
-    How the tile products are computed (:mod:`numbafa.onednn`).
+    How the tile products are computed (:mod:`numbafa.platform.onednn`).
 :class:`Plan`
     The above, ``softmax_scale``, the attention dropout
     (:data:`numbafa.kernels.dropout.Dropout`) and the score variants
@@ -39,11 +39,11 @@ from collections import namedtuple
 
 import numpy as np
 
-from ..dtypes import ROUND_BF16, ROUND_FP16, ROUND_NONE, accumulator_dtype
-from ..memo import Memo
-from ..onednn import active_gemm_path, bf16_units
-from ..schedule import q_chunks
-from ..tiling import setup_config
+from ..conventions.dtypes import ROUND_BF16, ROUND_FP16, ROUND_NONE, accumulator_dtype
+from ..compiler.memo import Memo
+from ..platform.onednn import active_gemm_path, bf16_units
+from .schedule import q_chunks
+from ..conventions.tiling import setup_config
 from .dropout import make_dropout
 from .mask import fill_key_ranges
 from .scores import make_scores
@@ -61,7 +61,7 @@ Mask.__doc__ = """causal (bool), window (int, already <= seqlen_k; 0: none), use
 key_lo/key_hi (int32 [seqlen_q]): query q sees keys key_lo[q] <= k < key_hi[q]."""
 
 Precision = namedtuple("Precision", ["round_kernel", "round_acc"])
-Precision.__doc__ = """Rounding codes (ints, numbafa.dtypes: ROUND_NONE, ROUND_BF16, ROUND_FP16).
+Precision.__doc__ = """Rounding codes (ints, numbafa.conventions.dtypes: ROUND_NONE, ROUND_BF16, ROUND_FP16).
 round_kernel: the format of the tiles written in kernel_dtype (bf16 or fp16 inputs: Q scaled, P,
 dS, the products of D, the outputs; dQ's PSUM is then kept as a tile, added once per K tile).
 round_acc: the format of the tiles written in mixed_dtype, which is kernel_dtype with bf16 or fp16
@@ -94,11 +94,11 @@ _FORMAT = {"bf16": ROUND_BF16, "fp16": ROUND_FP16}
 
 
 def make_plan(prob, backward: bool, gemm_path: str | None = None) -> Plan:
-    """The :class:`Plan` of one validated problem (:class:`numbafa.validation.Problem`).
+    """The :class:`Plan` of one validated problem (:class:`numbafa.checks.validation.Problem`).
 
     ``backward`` selects the backward's Q-chunk rule (bf16 accumulators are
     never split there; the forward's rows are independent). ``gemm_path``: ``"blas"`` or
-    ``"onednn"`` (:mod:`numbafa.onednn`); None: :func:`~numbafa.onednn.active_gemm_path`.
+    ``"onednn"`` (:mod:`numbafa.platform.onednn`); None: :func:`~numbafa.platform.onednn.active_gemm_path`.
     """
     if gemm_path is None:
         gemm_path = active_gemm_path()
@@ -143,7 +143,7 @@ def shared_plan(prob, backward: bool) -> Plan:
     ranges depend on the bounds' values) get a fresh plan; with dropout the
     shared plan gets this call's :data:`~numbafa.kernels.dropout.Dropout`, with score variants
     this call's :data:`~numbafa.kernels.scores.ScoreMods` (its arrays, a new ``dbias``). The GEMM
-    path (:func:`~numbafa.onednn.active_gemm_path`) is part of the key.
+    path (:func:`~numbafa.platform.onednn.active_gemm_path`) is part of the key.
     The shared plan's arrays (the key ranges) are read by the kernels and never
     written: nobody may write into a plan.
     """

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dtypes import ROUND_NONE, round_inplace, widen
-from ..jit import jit
+from ..conventions.dtypes import ROUND_NONE, round_inplace, widen
+from ..compiler.jit import jit
 
 __all__ = ["load_scaled", "store", "store_transposed"]
 
@@ -36,7 +36,7 @@ def load_scaled(src, start, count, out, scale, round_kernel):
 
     Elements are widened to float32 (bf16 bit patterns included), multiplied
     by ``scale`` and rounded to the format ``round_kernel`` names
-    (:func:`numbafa.dtypes.rounded`) -- ``load_q_dy``'s "scale folded into Q at
+    (:func:`numbafa.conventions.dtypes.rounded`) -- ``load_q_dy``'s "scale folded into Q at
     load" when ``scale != 1`` (``scale == 1``: an exact copy, never rounded).
     """
     d_head = src.shape[0]

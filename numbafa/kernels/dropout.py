@@ -26,7 +26,7 @@ sections, the thread count or the machine, so the backward regenerates
 exactly the forward's mask. ``batch``, ``q_head``, ``query`` and ``key`` are
 absolute: the kernels index queries and keys absolutely, and add the
 bundle's ``batch0``/``head0`` to their batch and head indices, so a kernel
-given a slice of the batches and heads (a share of :mod:`numbafa.shards`)
+given a slice of the batches and heads (a share of :mod:`numbafa.pipeline.shards`)
 draws the whole problem's mask for them (:func:`with_origin`).
 
 A kept element is scaled by ``scale = float32(1 / (1 - dropout_p))`` (float64 for float64 inputs):
@@ -46,9 +46,9 @@ from collections import namedtuple
 
 import numpy as np
 
-from ..dtypes import round_inplace
-from ..jit import jit
-from ..linking import unpack
+from ..conventions.dtypes import round_inplace
+from ..compiler.jit import jit
+from ..compiler.linking import unpack
 from .mask import TilePos
 
 __all__ = ["Dropout", "make_dropout", "with_origin", "derive_key", "philox4x32_10", "philox_words",
@@ -58,7 +58,7 @@ __all__ = ["Dropout", "make_dropout", "with_origin", "derive_key", "philox4x32_1
 #: ``threshold`` (int, keep iff word >= it), ``scale`` (the accumulator dtype, 1 / (1 - p)),
 #: ``key0``/``key1`` (ints < 2**32, the call key), ``batch0``/``head0`` (ints: the absolute batch
 #: and q-head of the arrays' batch 0 and head 0, which the counter adds to the kernels' array
-#: indices; 0 in the single-process call, a share's origin in :mod:`numbafa.shards`).
+#: indices; 0 in the single-process call, a share's origin in :mod:`numbafa.pipeline.shards`).
 Dropout = namedtuple("Dropout", ["active", "threshold", "scale", "key0", "key1", "batch0", "head0"])
 
 _MASK32 = np.uint64(0xFFFFFFFF)
@@ -230,7 +230,7 @@ def drop_rows(s, at, dropout, round_kernel):
 
     Row ``i`` is query ``at.q0 + i``, column ``j`` key ``at.k0 + j`` (``at`` a
     :data:`~numbafa.kernels.mask.TilePos`, as in :func:`fill_multipliers`); each row is rounded afterwards to the format
-    ``round_kernel`` names (:func:`numbafa.dtypes.round_inplace`). Along a row, the 16 calls
+    ``round_kernel`` names (:func:`numbafa.conventions.dtypes.round_inplace`). Along a row, the 16 calls
     of a block of 64 keys run as one vectorised loop, each word multiplying
     its run of 16 consecutive keys in place. No tile of multipliers is
     written (one the size of ``s``, 1 MiB, cost another pass through L2, and

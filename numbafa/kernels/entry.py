@@ -1,7 +1,7 @@
 """The compiled entries of the two passes: everything a call does after its metadata is checked.
 
 :func:`forward_entry` and :func:`backward_entry` are the one pipeline of every front door: the
-Python API (:mod:`numbafa.core`), :mod:`numbafa.nb` from a user's ``@njit`` code, the torch and
+Python API (:mod:`numbafa.pipeline.core`), :mod:`numbafa.nb` from a user's ``@njit`` code, the torch and
 JAX host calls and the Dask shares all call them. In compiled code, once per call:
 
 1. **values** -- every input is finite (the lse has no NaN and no ``-inf``; a bias no NaN and
@@ -21,7 +21,7 @@ JAX host calls and the Dask shares all call them. In compiled code, once per cal
 
 A failure writes the ``status`` array (``code, which, count, value``: :data:`STATUS_WORDS`)
 and returns before anything is launched where it can; the caller turns it into the exception,
-in its own words (:func:`numbafa.core.raise_status`; :mod:`numbafa.nb` raises in compiled code).
+in its own words (:func:`numbafa.pipeline.core.raise_status`; :mod:`numbafa.nb` raises in compiled code).
 
 Inputs are the kernels' arrays: C-contiguous, float32, bf16 bits (uint16) or float64 (float16
 inputs arrive widened to float32); outputs the kernels' float32 (float64) arrays, converted to
@@ -38,9 +38,9 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from ..dtypes import ROUND_BF16, ROUND_FP16, widen
-from ..jit import jit
-from ..linking import _plugin_key, call_or_raise, pack, unpack
+from ..conventions.dtypes import ROUND_BF16, ROUND_FP16, widen
+from ..compiler.jit import jit
+from ..compiler.linking import _plugin_key, call_or_raise, pack, unpack
 from .bundles import BwdInputs, FwdInputs
 from .heads import BHSD, BSHD, dims4
 from .launch import backward_items, forward_items

@@ -30,7 +30,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from ..jit import jit
+from ..compiler.jit import jit
 
 __all__ = ["expf", "exp_of", "log_of", "tanhf", "tanh_of"]
 

@@ -5,7 +5,7 @@ log(sum)`` per query row (sinks included in the sum), in float32.
 
 Loop nest: the launcher's ``prange`` over ``bs * nheads_kv`` work units (an odd number of
 units, fewer than 9, is split into two items each owning alternate Q groups:
-:func:`numbafa.schedule.q_chunks`; :mod:`.loops`); per unit K and V
+:func:`numbafa.kernels.schedule.q_chunks`; :mod:`.loops`); per unit K and V
 (``[d, seq]``: the Neuron layout's as given, BLAS reads them transposed; another layout's
 transposed into copies, :mod:`numbafa.kernels.heads`) serve every q-head of the GQA group; per q-head, Q groups of 4 x 128 rows,
 scaled at load; per group, K tiles of 512 keys with the online softmax
@@ -45,9 +45,9 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from ..dtypes import round_inplace, rounded
-from ..jit import jit
-from ..linking import _plugin_key, call_or_raise, pack, unpack
+from ..conventions.dtypes import round_inplace, rounded
+from ..compiler.jit import jit
+from ..compiler.linking import _plugin_key, call_or_raise, pack, unpack
 from .common import load_scaled, store_transposed
 from .dropout import drop_tile
 from .fastexp import exp_of, log_of
@@ -320,7 +320,7 @@ def make_fwd_scratch(d_head, d_v, seqlen_q, plan):
 @jit()
 def fwd_work_item(args, item):
     """One work item: its unit's K and V serve every q-head of the GQA group; owned Q groups.
-    ``args`` points to the launcher's ``(ins, outs, plan)`` (:func:`numbafa.linking.pack`)."""
+    ``args`` points to the launcher's ``(ins, outs, plan)`` (:func:`numbafa.compiler.linking.pack`)."""
     ins, outs, plan = unpack(args)
     tiling = plan.tiling
     layout = plan.layout

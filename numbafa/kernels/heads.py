@@ -27,8 +27,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np import arrayobj
 
-from ..dtypes import round_inplace, rounded, widen
-from ..jit import jit
+from ..conventions.dtypes import round_inplace, rounded, widen
+from ..compiler.jit import jit
 
 __all__ = ["NEURON", "BHSD", "BSHD", "LAYOUT_CODES", "dims4", "head_rows", "gather_head", "load_scaled_rows",
            "store_rows", "store_head_rows", "reduce_partials_rows"]

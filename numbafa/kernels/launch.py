@@ -9,9 +9,9 @@ kernel table (:func:`ensure_launcher`), so no entry's code holds it.
 
 :func:`forward_items` and :func:`backward_items` launch a pass's work items for the compiled
 entries (:mod:`numbafa.kernels.entry`, which every front door calls): they
-pack the bundles behind one pointer (:func:`numbafa.linking.pack`), look up the work item
+pack the bundles behind one pointer (:func:`numbafa.compiler.linking.pack`), look up the work item
 compiled for exactly their types in the process's kernel table
-(:data:`numbafa.linking.KERNELS`: a work item not compiled or loaded in this process is an
+(:data:`numbafa.compiler.linking.KERNELS`: a work item not compiled or loaded in this process is an
 error, never a jump into nothing), launch the items and, in the backward, finish the units (a
 split unit's dK/dV partials summed in chunk order, the sink gradients: :func:`bwd_finish_unit`).
 
@@ -38,11 +38,11 @@ import numba
 import numpy as np
 from numba import prange
 
-from ..jit import jit
+from ..compiler.jit import jit
 from numba import types
 
-from ..linking import (KERNELS, _key_of, address_of, call_or_raise, call_status, native_address, pack,
-                       register_kernel, type_key)
+from ..compiler.linking import (KERNELS, _key_of, address_of, call_or_raise, call_status, native_address, pack,
+                                register_kernel, type_key)
 from .backward import FinishArgs, bwd_finish_unit, bwd_work_item
 from .forward import fwd_work_item
 from .dropout import dropout_plugins

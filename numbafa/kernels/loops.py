@@ -3,7 +3,7 @@
 Both kernels run over *work items* (the launchers' ``prange``): the upstream kernel's work
 units (one per ``(batch, KV head)``, ``flash_attn_bwd`` lines 1134-1143),
 each split into ``q_chunks`` items when there are few units
-(:func:`numbafa.schedule.q_chunks`). Within an item, the q-heads of the GQA
+(:func:`numbafa.kernels.schedule.q_chunks`). Within an item, the q-heads of the GQA
 group share the unit's K and V, and each q-head's queries run in Q groups of
 ``q_tile_group`` tiles of ``q_tile`` rows; an item owns every
 ``q_chunks``-th group in zigzag order.
@@ -15,9 +15,9 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from ..dtypes import widen
-from ..jit import jit
-from ..linking import call_or_raise
+from ..conventions.dtypes import widen
+from ..compiler.jit import jit
+from ..compiler.linking import call_or_raise
 from .matmul import Operand, bits_operand, values_operand
 
 __all__ = ["decode_item", "n_q_groups", "owns_group", "group_rows", "raise_failed", "input_operand",

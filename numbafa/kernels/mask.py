@@ -31,7 +31,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ..jit import jit
+from ..compiler.jit import jit
 
 __all__ = ["TilePos", "tile_pos", "static_key_range", "fill_key_ranges", "visible_keys", "queries_seeing_key",
            "required_q_rows", "cut_by_mask"]

@@ -23,7 +23,7 @@ The other member of an operand is an empty array (:func:`values_operand`,
 :func:`bits_operand`): a tile is held once. ``c`` is a 2-D array of the accumulator dtype with unit inner stride
 (a view of a wider tile is fine: its row stride is the ``ld``).
 
-:func:`gemm` is compiled once per accumulator dtype, apart (:func:`numbafa.jit.jit`):
+:func:`gemm` is compiled once per accumulator dtype, apart (:func:`numbafa.compiler.jit.jit`):
 every caller calls that one function. Why not ``np.dot``: inside ``@njit`` it always
 writes ``C = A B`` (``beta = 0``) and copies an operand that is not contiguous;
 the kernels accumulate into an existing tile (``beta = 1``), scale the product
@@ -34,7 +34,7 @@ The GEMMs call Numba's C helper ``numba_xxgemm``, which forwards to SciPy's
 ``cython_blas`` (OpenBLAS in SciPy's wheels) -- the BLAS ``np.dot`` uses -- and
 oneDNN's functions by symbol name. Both are bound when a kernel is linked, so
 the kernels stay cacheable (a ctypes function pointer would not be): the
-symbols must exist then, which :func:`numbafa.onednn.ensure_symbols` makes sure
+symbols must exist then, which :func:`numbafa.platform.onednn.ensure_symbols` makes sure
 of (oneDNN's library, or stand-ins that refuse to run where it is not
 installed: a plan takes the oneDNN path only where it loads). Each oneDNN call
 runs on one OpenMP thread (the calling thread's count is set to 1 around it and
@@ -52,8 +52,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from numba.np.arrayobj import make_array, populate_array
 
-from ..jit import jit
-from ..onednn import ensure_symbols
+from ..compiler.jit import jit
+from ..platform.onednn import ensure_symbols
 
 __all__ = ["Operand", "values_operand", "bits_operand", "gemm", "row_sums", "any_layout", "flat"]
 

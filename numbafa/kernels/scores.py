@@ -33,7 +33,7 @@ item runs every unit sharing a slab, one after the other (``serial_batch`` /
 ``serial_heads``, :func:`item_units`), so the sum has one fixed order and needs no memory
 beyond ``dbias`` itself, at the cost of that parallelism. A call without variants has the
 bundle with ``active`` False (empty arrays): one type either way, so the kernels compile the
-variants' code once (apart, :func:`numbafa.jit.jit`) and call it only for an active bundle.
+variants' code once (apart, :func:`numbafa.compiler.jit.jit`) and call it only for an active bundle.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from ..dtypes import round_inplace
-from ..jit import jit
-from ..linking import unpack
+from ..conventions.dtypes import round_inplace
+from ..compiler.jit import jit
+from ..compiler.linking import unpack
 from .mask import TilePos
 from .fastexp import tanh_of
 
@@ -65,7 +65,7 @@ ScoreMods = namedtuple("ScoreMods", ["active", "softcap", "inv_softcap", "bias",
 
 
 def make_scores(prob, acc):
-    """The :data:`ScoreMods` of a validated problem (:class:`numbafa.validation.Problem`; None, or
+    """The :data:`ScoreMods` of a validated problem (:class:`numbafa.checks.validation.Problem`; None, or
     one without variants: an inactive bundle); ``acc`` is the accumulator dtype. ``dbias`` is
     allocated (zeroed) when the problem asks for it."""
     acc = np.dtype(acc)

@@ -1,7 +1,7 @@
-"""The njit side of the process's table of compiled kernels (:data:`numbafa.linking.KERNELS`).
+"""The njit side of the process's table of compiled kernels (:data:`numbafa.compiler.linking.KERNELS`).
 
 :func:`kernel_address` finds a work item (or a plugin) compiled for given types by its key
-(:func:`numbafa.linking.type_key`, a constant of the calling code); :func:`run_plugin` calls a
+(:func:`numbafa.compiler.linking.type_key`, a constant of the calling code); :func:`run_plugin` calls a
 *plugin* (:func:`plugin_address`): a step compiled apart and only when a call needs it -- the code of attention dropout
 and of the score variants, which a call without them never compiles. A kernel reaches a
 plugin by key, at run time, so its own compiled code is the same with or without the
@@ -16,8 +16,8 @@ import numba
 import numpy as np
 from numba import carray
 
-from ..jit import jit
-from ..linking import KERNEL_TABLE_CAPACITY, _table_words, register_kernel
+from ..compiler.jit import jit
+from ..compiler.linking import KERNEL_TABLE_CAPACITY, _table_words, register_kernel
 
 __all__ = ["kernel_address", "plugin_address", "ensure_plugins"]
 

@@ -118,7 +118,7 @@ __all__ = ["JIT_FLAGS", "jit", "callable_from_python", "KernelDispatcher", "cach
 COMPILE_TIME = "20-31 s of CPU for float32's forward and backward together, less for each later dtype or variant"
 
 #: The package directory: functions defined under it are "the package's".
-PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]
 
 #: How many source-hash directories survive pruning (the current one included).
 KEEP_SOURCE_VERSIONS = 4
@@ -170,7 +170,7 @@ def source_hash(package_dir=PACKAGE_DIR) -> str:
 def _changed_since_import(package_dir=PACKAGE_DIR) -> list:
     """The package's ``.py`` files modified after this process began importing the package
     (``numbafa._IMPORTED_NS``): the code in memory is not what their hash describes."""
-    since = getattr(sys.modules.get(__package__), "_IMPORTED_NS", None)
+    since = getattr(sys.modules.get(__name__.split(".")[0]), "_IMPORTED_NS", None)
     if since is None:
         return []
     changed = []
@@ -381,10 +381,10 @@ class _CacheImpl(_CompileResultCacheImpl):
     """Numba's compile-result serialisation with :class:`_Locator` (no locator search).
 
     A compile result is stored with the cells of the apart functions its code calls
-    (:func:`numbafa.linking.cells_of`) and the oneDNN and libgomp functions it calls
-    (:func:`numbafa.linking.external_symbols`); loading it first makes those resolvable
-    (:func:`numbafa.onednn.ensure_symbols`), loads the apart functions and fills their cells
-    (:func:`numbafa.linking.ensure_cells`), so its machine code finds every symbol.
+    (:func:`numbafa.compiler.linking.cells_of`) and the oneDNN and libgomp functions it calls
+    (:func:`numbafa.compiler.linking.external_symbols`); loading it first makes those resolvable
+    (:func:`numbafa.platform.onednn.ensure_symbols`), loads the apart functions and fills their cells
+    (:func:`numbafa.compiler.linking.ensure_cells`), so its machine code finds every symbol.
     """
 
     def __init__(self, py_func):
@@ -404,7 +404,7 @@ class _CacheImpl(_CompileResultCacheImpl):
         if gemm_symbols:
             # Machine code of the GEMM seam calls oneDNN's and libgomp's symbols: they must exist
             # before it is linked, in any process, whatever it ran before, or LLVM aborts it.
-            from .onednn import ensure_symbols
+            from ..platform.onednn import ensure_symbols
             ensure_symbols()
         linking.KERNELS.define()   # the kernel table an entry reads (one symbol, defined once)
         linking.ensure_cells(cells)
@@ -614,7 +614,7 @@ class KernelDispatcher(CPUDispatcher):
 
     def __call__(self, *args, **kwargs):
         raise TypeError(f"{self.py_func.__qualname__} is compiled for @njit callers only (no Python "
-                        f"wrapper); call it from @njit code, or through numbafa.jit.callable_from_python")
+                        f"wrapper); call it from @njit code, or through numbafa.compiler.jit.callable_from_python")
 
 
 def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True, entry: bool = False,
@@ -642,7 +642,7 @@ def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True, 
     apart : bool
         Compiled on its own, once, and called through a cell, so its callers'
         compilation never links, re-optimises or re-emits its body
-        (:mod:`numbafa.linking`): for the large steps of a kernel, each called
+        (:mod:`numbafa.compiler.linking`): for the large steps of a kernel, each called
         at most once per tile. Returns the intrinsic ``@njit`` code calls.
     """
     flags = dict(JIT_FLAGS)

@@ -1,6 +1,6 @@
 """The CPU this process runs on, read from Linux ``/proc/cpuinfo``.
 
-:mod:`numbafa.onednn` chooses the GEMM path by the CPU's feature flags, and
+:mod:`numbafa.platform.onednn` chooses the GEMM path by the CPU's feature flags, and
 :func:`numbafa.backend_info` reports them with the CPU model. Off Linux (no
 ``/proc/cpuinfo``) every function here says "unknown": ``{}`` or None.
 """

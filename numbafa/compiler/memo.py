@@ -3,7 +3,7 @@
 Small models make thousands of calls with the same shapes, dtypes and
 options; the checks that depend on nothing else are a large share of such a
 call's Python time. :class:`Memo` remembers their result per key (the
-arguments' metadata and the scalar options: :meth:`numbafa.options.AttentionOptions.scalar_key`),
+arguments' metadata and the scalar options: :meth:`numbafa.checks.options.AttentionOptions.scalar_key`),
 holds at most ``limit`` keys (it is emptied when full), and is safe to use
 from several threads (single dict operations, atomic in CPython; two threads
 computing one key both store the same value). A failing check is never

@@ -6,7 +6,7 @@ the problem only, never on the thread count (docs/architecture.md).
 
 from __future__ import annotations
 
-from .tiling import Q_TILE, Q_TILE_GROUP
+from ..conventions.tiling import Q_TILE, Q_TILE_GROUP
 
 __all__ = ["q_chunks"]
 

@@ -35,7 +35,7 @@ oneDNN is reached by symbol name (``numba.types.ExternalFunction``), like
 BLAS, so the kernels stay cacheable; the library is loaded process-wide
 (``llvmlite.binding.load_library_permanently``, :func:`load_library`) before
 any package kernel is compiled against it or loaded from the disk cache
-(``numbafa.jit`` loads it before every cached entry, so that machine code
+(``numbafa.compiler.jit`` loads it before every cached entry, so that machine code
 referring to its symbols always finds them, in any process: a Dask worker
 whose first act is to run a cached kernel included). oneDNN parallelises a
 GEMM with OpenMP; each call runs single-threaded inside a work item
@@ -169,7 +169,7 @@ def load_library() -> bool:
 
     Machine code that calls ``dnnl_sgemm`` or ``dnnl_gemm_bf16bf16f32`` (a kernel compiled
     for the oneDNN path, or loaded from the disk cache) must find those symbols when it is
-    linked, or LLVM aborts the process: :mod:`numbafa.jit` calls this before loading any cached
+    linked, or LLVM aborts the process: :mod:`numbafa.compiler.jit` calls this before loading any cached
     kernel, and the matmul seam before compiling one for the oneDNN path.
     """
     if _loaded:

@@ -171,7 +171,7 @@ def _cell_name(module: str, qualname: str, argtys) -> str:
 def apart(dispatcher):
     """The callable that ``@njit`` code uses to call ``dispatcher`` through a cell: a Numba
     intrinsic with the attributes ``apart`` (its :class:`Apart`), ``dispatcher`` and
-    ``py_func``. What ``numbafa.jit.jit(apart=True)`` returns."""
+    ``py_func``. What ``numbafa.compiler.jit.jit(apart=True)`` returns."""
     state = Apart(dispatcher)
     call = intrinsic(state.typer())
     call.apart = state
@@ -254,7 +254,7 @@ def external_symbols(library, prefix) -> list:
     """The names, starting with ``prefix`` (a string or a tuple of them), of the external
     functions a finalized code library calls (declared, not defined in it): e.g. oneDNN's
     ``dnnl_sgemm``, which must be resolvable before the library's machine code is linked
-    (:mod:`numbafa.jit`)."""
+    (:mod:`numbafa.compiler.jit`)."""
     module = getattr(library, "_final_module", None)
     if module is None:
         return []

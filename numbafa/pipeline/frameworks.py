@@ -4,10 +4,10 @@ Neither framework is imported here. The adapters check every argument from
 its shape and dtype *before* tracing or calling anything (so that under
 ``torch.compile`` and ``jax.jit`` a bad call fails at once, with the user's
 names): :func:`check_call` runs numbafa's own checks
-(:func:`numbafa.validation.check_options`, :func:`~numbafa.validation.check_tensors`)
-with the adapters' :class:`~numbafa.options.Caller`. On the host,
+(:func:`numbafa.checks.validation.check_options`, :func:`~numbafa.checks.validation.check_tensors`)
+with the adapters' :class:`~numbafa.checks.options.Caller`. On the host,
 :func:`host_forward` / :func:`host_backward` run the execution core
-(:mod:`numbafa.core`) on NumPy views of the framework's buffers with the same
+(:mod:`numbafa.pipeline.core`) on NumPy views of the framework's buffers with the same
 caller, so that value errors (NaN/inf) name the user's arguments too.
 
 The user's function is ``attention(q, k, v, *, causal, window, sinks,
@@ -23,11 +23,11 @@ from collections import namedtuple
 import numpy as np
 
 from . import core
-from .dtypes import bf16_dtype
-from .layout import check_layout
-from .memo import Memo
-from .options import AttentionOptions, Caller
-from .validation import check_options, check_tensors
+from ..conventions.dtypes import bf16_dtype
+from ..layout import check_layout
+from ..compiler.memo import Memo
+from ..checks.options import AttentionOptions, Caller
+from ..checks.validation import check_options, check_tensors
 
 __all__ = ["FRAMEWORK_LAYOUTS", "NAMES", "check_call", "host_backward", "host_forward", "host_options"]
 
@@ -118,7 +118,7 @@ def _check_call(layout: str, given: dict, options: AttentionOptions) -> Attentio
 
 
 def host_options(**fields) -> AttentionOptions:
-    """The options of a host call: :class:`~numbafa.options.AttentionOptions` of ``fields``, by
+    """The options of a host call: :class:`~numbafa.checks.options.AttentionOptions` of ``fields``, by
     name (its arrays as NumPy arrays or None; ``softmax_scale`` 0.0 for the default), bf16
     accumulating in float32 (``mixed_precision=True``)."""
     return AttentionOptions(mixed_precision=True, **fields)

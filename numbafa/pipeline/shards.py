@@ -44,21 +44,20 @@ from collections import namedtuple
 import numba
 import numpy as np
 
-from .api import attention_bwd, attention_fwd
+from . import core
 from .core import lse_out, raise_status, run_bwd, run_fwd, to_dtype, user_dbias, user_dsinks
-from .dtypes import bf16_dtype, is_bf16
-from .jit import source_hash
-from .kernels.backward import BwdStats
-from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs
-from .kernels.dropout import with_origin
-from .kernels.launch import needs_finish
-from .kernels.loops import group_rows, n_q_groups, owns_group
-from .kernels.scores import make_scores, n_backward_items, serial_flags
-from .onednn import gemm_path
-from .options import KERNEL_CALLER, AttentionOptions
+from ..conventions.dtypes import bf16_dtype, is_bf16
+from ..compiler.jit import source_hash
+from ..kernels.backward import BwdStats
+from ..kernels.bundles import BwdInputs, BwdOutputs, FwdInputs
+from ..kernels.dropout import with_origin
+from ..kernels.launch import needs_finish
+from ..kernels.loops import group_rows, n_q_groups, owns_group
+from ..kernels.scores import make_scores, n_backward_items, serial_flags
+from ..platform.onednn import gemm_path
+from ..checks.options import KERNEL_CALLER, AttentionOptions
 from .ranges import check, scaled_input, unscaled_output
-from .validation import kernel_view, validate_bwd_inputs, validate_fwd_inputs
-from .version import __version__
+from ..checks.validation import kernel_view, validate_bwd_inputs, validate_fwd_inputs
 
 __all__ = ["BwdShard", "owned_rows", "pack_rows", "place_rows", "with_q_chunks", "at_origin", "block_scores",
            "fwd_chunk", "bwd_chunk", "bwd_merge", "fwd_block", "fwd_block_merge", "bwd_block",
@@ -364,8 +363,9 @@ _WARM = set()
 
 def fingerprint() -> tuple:
     """What must match between the client and a worker for bitwise-equal results: numbafa's
-    sources, Numba, and the GEMM path (float32 sgemm / bf16 oneDNN)."""
-    return (__version__, source_hash(), numba.__version__, gemm_path()[0])
+    sources (their hash: the release adds nothing to it), Numba, and the GEMM path (float32
+    sgemm / bf16 oneDNN)."""
+    return (source_hash(), numba.__version__, gemm_path()[0])
 
 
 def warm(kernel: str, dtype_name: str, dropout: bool = False, variants: bool = False) -> tuple:
@@ -381,8 +381,9 @@ def warm(kernel: str, dtype_name: str, dropout: bool = False, variants: bool = F
         extra = dict(dropout_p=0.5, seed=0) if dropout else {}
         if variants:
             extra.update(bias=np.zeros((640, 640), np.float32), alibi_slopes=np.ones(1, np.float32), softcap=5.0)
-        o, lse = attention_fwd(q, k, v, sinks, lse_layout="natural", **extra)
+        options = AttentionOptions(sinks=sinks, **extra)   # the Python API's call, without its front door
+        o, lse = core.attention_fwd(q, k, v, options, KERNEL_CALLER, "natural")
         if kernel == "backward":
-            attention_bwd(q, k, v, o, q, lse, sinks, **extra, **(dict(return_dbias=True) if variants else {}))
+            core.attention_bwd(q, k, v, o, q, lse, dataclasses.replace(options, return_dbias=variants), KERNEL_CALLER)
         _WARM.add((kernel, dtype_name, dropout, variants))
     return fingerprint()

@@ -4,11 +4,11 @@ Every contract is checked here, before any kernel runs, and reported as a
 ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape or value)
 that names the argument and gives the expected and the actual value. The
 kernels themselves never validate. Every front end passes a
-:class:`~numbafa.options.Caller` (its argument names and array layout), so
+:class:`~numbafa.checks.options.Caller` (its argument names and array layout), so
 that messages use its names, shapes and axes; the checks run once per call.
 
 Three steps: :func:`check_options` checks the scalar options into an
-:class:`~numbafa.options.AttentionOptions`; :func:`check_tensors` checks the
+:class:`~numbafa.checks.options.AttentionOptions`; :func:`check_tensors` checks the
 tensors' and the option arrays' shapes and dtypes (anything with ``shape``
 and ``dtype``: the torch and JAX adapters call it at trace time);
 :func:`validate_fwd_inputs` / :func:`validate_bwd_inputs` run it on NumPy
@@ -57,9 +57,9 @@ from typing import Optional
 
 import numpy as np
 
-from .tiling import Q_TILE
-from .dtypes import accumulator_dtype, from_bf16_array, from_fp16_array, is_bf16
-from .memo import Memo
+from ..conventions.tiling import Q_TILE
+from ..conventions.dtypes import accumulator_dtype, from_bf16_array, from_fp16_array, is_bf16
+from ..compiler.memo import Memo
 from .options import KERNEL_CALLER, AttentionOptions, Caller
 
 __all__ = ["Dims", "Problem", "check_options", "check_tensors", "kernel_view", "kernel_layout", "layout_of_strides", "as_kernel_array", "kernel_lse", "neuron_shape",
@@ -506,7 +506,7 @@ def check_tensors(tensors: dict, options: AttentionOptions, caller: Caller = KER
     tensors : dict
         ``q_ref``, ``k_ref``, ``v_ref`` (and ``o_ref``, ``dy_ref``, ``lse_ref`` for the
         backward), Neuron-layout; anything with ``shape`` and ``dtype`` (NumPy dtypes).
-    options : checked :class:`~numbafa.options.AttentionOptions` (:func:`check_options`)
+    options : checked :class:`~numbafa.checks.options.AttentionOptions` (:func:`check_options`)
     caller : the names and layout for the messages.
 
     Returns
@@ -595,7 +595,7 @@ _CHECKED = Memo()
 
 def _metadata_key(tensors: dict, options: AttentionOptions):
     """What the checks of :func:`_metadata` depend on, or None when it cannot be had cheaply: the
-    arrays' types, shapes and dtypes, and :meth:`~numbafa.options.AttentionOptions.scalar_key`.
+    arrays' types, shapes and dtypes, and :meth:`~numbafa.checks.options.AttentionOptions.scalar_key`.
     The caller's names only shape messages, so they are not part of it."""
     parts = []
     for x in tensors.values():

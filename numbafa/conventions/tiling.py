@@ -3,7 +3,7 @@
 These are properties of the upstream kernel (``nkilib/core/attention/attention_bwd.py``,
 ``setup_config``), not CPU tuning knobs: they set which values are rounded
 together (docs/numerics.md), so changing one changes the numerics. The CPU's
-own work split is in :mod:`numbafa.schedule`.
+own work split is in :mod:`numbafa.kernels.schedule`.
 """
 
 from __future__ import annotations

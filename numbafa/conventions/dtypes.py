@@ -32,7 +32,7 @@ from numba import types
 from numba.core import config
 from numba.extending import intrinsic, overload
 
-from .jit import jit
+from ..compiler.jit import jit
 
 __all__ = [
     "fp16_bits_to_f32",

@@ -2,9 +2,9 @@
 
 :class:`AttentionOptions` is the one value every layer below the public
 functions carries: built once from the user's keyword arguments by
-:func:`numbafa.validation.check_options` (which checks the scalar options),
-completed by the array checks of :func:`numbafa.validation.validate_fwd_inputs`
-/ :func:`~numbafa.validation.validate_bwd_inputs`. :class:`Caller` says how
+:func:`numbafa.checks.validation.check_options` (which checks the scalar options),
+completed by the array checks of :func:`numbafa.checks.validation.validate_fwd_inputs`
+/ :func:`~numbafa.checks.validation.validate_bwd_inputs`. :class:`Caller` says how
 the front end that was called names the arguments (``q`` or ``q_ref``,
 ``causal`` or ``use_causal_mask``) and which layout its 4-D arrays had, so
 that every message speaks the caller's words.
@@ -17,7 +17,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from .layout import check_layout, from_neuron_perm
+from ..layout import check_layout, from_neuron_perm
 
 __all__ = ["AttentionOptions", "Caller", "KERNEL_CALLER"]
 
@@ -26,7 +26,7 @@ __all__ = ["AttentionOptions", "Caller", "KERNEL_CALLER"]
 class AttentionOptions:
     """Everything but the tensors of one forward or backward call.
 
-    The scalar fields are checked and normalised (:func:`numbafa.validation.check_options`);
+    The scalar fields are checked and normalised (:func:`numbafa.checks.validation.check_options`);
     the arrays are the caller's, checked against the tensors' shapes later.
 
     Attributes
@@ -83,7 +83,7 @@ class AttentionOptions:
         return self.bias is not None or self.alibi_slopes is not None or bool(self.softcap)
 
     def scalar_key(self):
-        """The scalar options as a key for remembering checks that passed (:mod:`numbafa.memo`),
+        """The scalar options as a key for remembering checks that passed (:mod:`numbafa.compiler.memo`),
         or None when they cannot be one.
 
         Each value with its type (``True`` and ``1`` differ: only one is a bool). Seed and

@@ -4,7 +4,7 @@
 ``numbafa.attention``) run their kernel inside ``with kernel_call(kernel,
 dtype):``, which
 
-1. pins BLAS to one thread while any kernel runs (:mod:`numbafa.blas`);
+1. pins BLAS to one thread while any kernel runs (:mod:`numbafa.platform.blas`);
 2. announces a real compilation before it starts, once per kernel and dtype.
 
 Thread safety
@@ -17,12 +17,12 @@ results never depend on the interleaving. Under Numba's ``omp`` and ``tbb``
 threading layers concurrent calls run concurrently; ``workqueue`` aborts the
 process on concurrent parallel launches, so under it the launches take a
 lock and run one after the other. The BLAS pin is shared and reference
-counted (see :mod:`numbafa.blas`).
+counted (see :mod:`numbafa.platform.blas`).
 
 Compile announcement
 --------------------
 The first call of a kernel for a dtype compiles it unless the on-disk cache
-(:mod:`numbafa.jit`) holds it: :data:`numbafa.jit.COMPILE_TIME` (docs/performance.md,
+(:mod:`numbafa.compiler.jit`) holds it: :data:`numbafa.compiler.jit.COMPILE_TIME` (docs/performance.md,
 "Compile time", per CPU); a later kernel or dtype in the same process takes less. Just before Numba starts compiling inside a kernel call, logger
 ``"numbafa"`` emits one WARNING naming the kernel, the dtype, that figure
 and where the compiled code is cached. It is triggered by Numba's
@@ -44,7 +44,7 @@ import threading
 import numba
 from numba.core import event
 
-from .blas import pin, unpin
+from ..platform.blas import pin, unpin
 from .jit import COMPILE_TIME, cache_info
 
 __all__ = ["kernel_call"]

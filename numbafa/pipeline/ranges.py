@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from .dtypes import from_bf16_array, to_bf16_array
+from ..conventions.dtypes import from_bf16_array, to_bf16_array
 
 __all__ = ["check", "scaled_input", "unscaled_output"]
 
@@ -28,7 +28,7 @@ def check(prob, caller, backward: bool) -> int:
     """The checks of a call's compiled entry on the whole problem ``prob`` (values, range), none of
     its work items: the exponent ``e`` of the rescale its passes need (raises as the call would)."""
     from .core import raise_status, run_bwd, run_fwd
-    from .kernels.bundles import BwdInputs, FwdInputs, make_plan
+    from ..kernels.bundles import BwdInputs, FwdInputs, make_plan
 
     none = np.empty(0, dtype=np.int64)
     plan = make_plan(prob, backward)

@@ -2,12 +2,12 @@
 
 :func:`attention_fwd` and :func:`attention_bwd` are what every Python front end runs on NumPy
 arrays (the public API, :func:`numbafa.attention`, the torch and JAX adapters' host calls),
-with the caller's :class:`~numbafa.options.AttentionOptions` and
-:class:`~numbafa.options.Caller`. Everything after the metadata -- the values, the range and its
+with the caller's :class:`~numbafa.checks.options.AttentionOptions` and
+:class:`~numbafa.checks.options.Caller`. Everything after the metadata -- the values, the range and its
 exact rescale, the work items, the finish, the output checks -- runs in the compiled entries
 (:mod:`numbafa.kernels.entry`), which :mod:`numbafa.nb` calls from a user's ``@njit`` code too;
 :func:`run_fwd` / :func:`run_bwd` call them for a whole problem or a Dask share's items
-(:mod:`numbafa.shards`), and :func:`raise_status` turns a failure they report into the
+(:mod:`numbafa.pipeline.shards`), and :func:`raise_status` turns a failure they report into the
 exception, in the caller's words.
 """
 
@@ -18,22 +18,22 @@ import contextlib
 import numba
 import numpy as np
 
-from .dtypes import ROUND_FP16, to_bf16_array, to_fp16_array
-from .kernels.backward import BwdStats
-from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, shared_plan
-from .kernels.entry import (EXACT_SCORES, INPUTS, LSE_VALUES, NONFINITE, OUTPUT, OUTPUTS, SCALED_Q, SCORES,
-                            SCORES_WITH_BIAS, STATUS_WORDS, SUMS, backward_entry, exact_scores_plugin, forward_entry)
-from .kernels.table import ensure_plugins
-from .kernels.launch import call_entry, needs_finish, prepare_backward, prepare_forward
-from .kernels.scores import n_backward_items
-from .layout import lse_to_neuron
-from .memo import Memo
-from .onednn import active_gemm_path
-from .options import AttentionOptions, Caller
-from .runtime import kernel_call
-from .tiling import Q_TILE
-from .validation import (KERNEL_LAYOUT_PERMS, as_kernel_array, kernel_lse, neuron_shape, validate_bwd_inputs,
-                         validate_fwd_inputs)
+from ..conventions.dtypes import ROUND_FP16, to_bf16_array, to_fp16_array
+from ..kernels.backward import BwdStats
+from ..kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, shared_plan
+from ..kernels.entry import (EXACT_SCORES, INPUTS, LSE_VALUES, NONFINITE, OUTPUT, OUTPUTS, SCALED_Q, SCORES,
+                             SCORES_WITH_BIAS, STATUS_WORDS, SUMS, backward_entry, exact_scores_plugin, forward_entry)
+from ..kernels.table import ensure_plugins
+from ..kernels.launch import call_entry, needs_finish, prepare_backward, prepare_forward
+from ..kernels.scores import n_backward_items
+from ..layout import lse_to_neuron
+from ..compiler.memo import Memo
+from ..platform.onednn import active_gemm_path
+from ..checks.options import AttentionOptions, Caller
+from ..compiler.runtime import kernel_call
+from ..conventions.tiling import Q_TILE
+from ..checks.validation import (KERNEL_LAYOUT_PERMS, as_kernel_array, kernel_lse, neuron_shape, validate_bwd_inputs,
+                                 validate_fwd_inputs)
 
 __all__ = ["LSE_LAYOUTS", "attention_bwd", "attention_fwd", "check_lse_layout", "lse_out", "raise_status",
            "run_bwd", "run_fwd", "to_dtype", "user_dbias", "user_dsinks", "bwd_outputs"]
@@ -262,7 +262,7 @@ def raise_status(status, prob, caller: Caller, plan=None) -> None:
 def _signature(prob) -> tuple:
     """What decides the Numba types of the bundles :func:`attention_fwd` / :func:`attention_bwd`
     build: their arrays are the validated ones (C-contiguous, aligned, of a writable type:
-    :func:`numbafa.validation.kernel_view`) or new ones of fixed ranks in the accumulator dtype,
+    :func:`numbafa.checks.validation.kernel_view`) or new ones of fixed ranks in the accumulator dtype,
     and a plan's every field has one type whatever the options (:mod:`numbafa.kernels.bundles`),
     so only the kernel arrays' dtype varies (float32, bf16 bits, float64; fp16 inputs arrive as
     float32)."""
@@ -307,7 +307,7 @@ class _Recipe:
 def _kernel_arrays(arrays: tuple, recipe: _Recipe) -> tuple:
     """The kernels' views of a remembered call's 4-D arrays: the arrays themselves, in the kernel
     layout (and bf16 as bits), when the first call took them so; else
-    :func:`~numbafa.validation.as_kernel_array` (a copy, a widening, a writable view)."""
+    :func:`~numbafa.checks.validation.as_kernel_array` (a copy, a widening, a writable view)."""
     if not recipe.as_they_are:
         return tuple(as_kernel_array(x, recipe.layout) for x in arrays)
     if recipe.perm is not None:
