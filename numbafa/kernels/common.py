@@ -21,12 +21,9 @@ __all__ = ["load_scaled", "store", "store_transposed"]
 # A transposed *store* goes in square blocks of 16 x 16: the block's 16 rows
 # of the [seq, d] source stay in L1, each of its 16 destination rows gets one
 # full 64-byte line, and LLVM turns the fixed-size block into vector shuffles.
-# 2048 x 128: 0.26 -> 0.13 ms plain, 0.45 -> 0.28 ms rounded to bf16 (the
-# previous 16-row strips, docs/performance.md). Storing whole columns at once
-# reads with a stride of d floats over the full sequence, which at d = 128
-# (512-byte stride) thrashes L1's sets: 1.3-2.3x slower than the strips. The
-# strips made the *load* faster in isolation but the backward 8-10 % slower
-# (old and new alternated in one process), so the loads kept their plain loop.
+# A store of whole columns at once would read with a stride of d floats over
+# the whole sequence, which at d = 128 (512-byte stride) thrashes L1's sets.
+# Loads keep their plain loop (what was measured, docs/performance.md).
 _TRANSPOSE_BLOCK = 16
 
 
