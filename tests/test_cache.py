@@ -207,6 +207,35 @@ def test_source_change_in_another_module_is_never_served_stale(tmp_path):
     assert run(tmp_path, site)["value"] == 43                 # never the old process's code
 
 
+CHANGED_AFTER_IMPORT = """\
+import json, os, pathlib, warnings
+import numbafa
+helper = pathlib.Path(numbafa.__file__).parent / "_probe_helper.py"
+os.utime(helper, None)                         # modified after this process began importing the package
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import numbafa._probe as p
+    value = p.probe(41)
+print(json.dumps({"value": int(value), "cache": numbafa.backend_info()["cache"],
+                  "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+def test_sources_changed_after_the_import_began_run_without_the_cache(tmp_path):
+    """The source hash is taken on first use: a file modified after the import began would make
+    it describe code this process does not run, so the process compiles without the cache (one
+    warning naming the file) and writes nothing; the next process caches again."""
+    site = make_site(tmp_path)
+    result = run(tmp_path, site, CHANGED_AFTER_IMPORT)
+    assert result["value"] == 42 and result["cache"]["enabled"] is False
+    assert "_probe_helper.py" in result["cache"]["reason"]
+    warned = cache_warnings(result)
+    assert len(warned) == 1 and "changed after this process imported them" in warned[0], warned
+    assert not list(tmp_path.rglob("*.nbi"))
+    assert run(tmp_path, site) == {"value": 42, "hits": 0, "warnings": []}   # a new process: cached again
+    assert list(tmp_path.rglob("*.nbi"))
+
+
 def test_old_hash_directories_are_pruned(tmp_path):
     site = make_site(tmp_path)
     cache = tmp_path / "cache"

@@ -24,7 +24,10 @@ function with its own file only, so a kernel compiled against an older helper
 in another module would look fresh; keying the whole directory by the package
 sources means code compiled from different sources never shares a file, even
 when an old process (editable install, notebook) saves its code after the
-sources changed. Functions that use :func:`jit` outside the package (tests)
+sources changed. The hash is taken on first use, so a process whose package
+files were modified after it began importing them (their mtime is later)
+runs without the cache, with one :class:`CacheWarning`: its code is not what
+the files now say. Functions that use :func:`jit` outside the package (tests)
 are cached there too, under ``external/``, stamped by their own file as well.
 The user's own Numba functions are never touched. The ``<cache root>`` is the
 first of:
