@@ -44,7 +44,7 @@ from .kernels.bundles import BwdInputs, FwdInputs, make_plan
 from .kernels.scores import make_scores
 from .kernels.loops import n_q_groups
 from .checks.options import KERNEL_CALLER, AttentionOptions
-from .pipeline.ranges import check, scaled_input, unscaled_output
+from .pipeline.ranges import check, unscaled_output
 from .conventions.tiling import Q_TILE
 from .checks.validation import check_options, validate_bwd_inputs, validate_fwd_inputs
 
@@ -334,7 +334,6 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     bs, nheads, d_head, seqlen_q = prob.q.shape
     check_lse_layout(lse_layout, seqlen_q)
     e = check(prob, KERNEL_CALLER, backward=False)
-    prob = scaled_input(prob, e, backward=False)
     nheads_kv = prob.k.shape[1]
     n_slots = sum(client.nthreads().values())
     plan = make_plan(prob, backward=False)
@@ -354,7 +353,7 @@ def attention_fwd(client, q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, b
     def submit(plan_future, i, pieces, attempt):
         b, heads, _ = units[i // n_chunks]
         return client.submit(shards.fwd_chunk, plan_future, pieces[0], True, seqlen_q, i % n_chunks,
-                             prob.dtype, (b.start, heads.start), 1, pieces[1],
+                             prob.dtype, (b.start, heads.start), 1, pieces[1], exponent=e,
                              key=f"numbafa-fwd-{token}-{i}-{attempt}")
 
     def on_result(i, result):
@@ -433,7 +432,6 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
         return _bwd_dask(client, named, options)
     prob = validate_bwd_inputs(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, options)
     e = check(prob, KERNEL_CALLER, backward=True)
-    prob = scaled_input(prob, e, backward=True)
     bs, nheads, d_head, seqlen_q = prob.q.shape
     nheads_kv, seqlen_k = prob.k.shape[1], prob.k.shape[3]
     plan = make_plan(prob, backward=True)
@@ -463,7 +461,7 @@ def attention_bwd(client, q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
         key = f"numbafa-bwd-{token}-{i}-{attempt}"
         b, heads, _ = units[i]
         parts = [client.submit(shards.bwd_chunk, plan_future, pieces[c], True, seqlen_q, c,
-                               prob.dtype, (b.start, heads.start), 1, pieces[-1], key=f"{key}-chunk{c}")
+                               prob.dtype, (b.start, heads.start), 1, pieces[-1], exponent=e, key=f"{key}-chunk{c}")
                  for c in range(n_chunks)]
         if n_chunks == 1:
             return parts[0]

@@ -1,27 +1,19 @@
-"""The exact rescale of a pass cut into shares (Dask): the client's checks and ``2**-e``.
+"""The exact rescale of a pass cut into shares (Dask): the client's checks, and ``2**e`` back.
 
 A whole call checks its values and the range of its scores, and rescales a pass whose sums may
 overflow, in its compiled entry (:mod:`numbafa.kernels.entry`). The shares of one call on a Dask
 cluster must run with one rescale: :func:`check` runs the entry's checks alone (no work item) on
-the whole problem and returns its exponent ``e``; the shares run on :func:`scaled_input` (``v``
-or ``dy`` times ``2**-e``: exact, a power of two keeps every mantissa) with no rescale of their
-own, and their merged outputs are multiplied back by :func:`unscaled_output`.
+the whole problem and returns its exponent ``e``; each share's compiled entry then computes on
+``v`` or ``dy`` times ``2**-e`` (its ``exponent`` argument: the scaling is the entry's, exact, a
+power of two keeps every mantissa) and leaves its outputs scaled; the merged outputs are
+multiplied back here, by :func:`unscaled_output` (a whole call's entry does that in compiled code).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
-from ..conventions.dtypes import from_bf16_array, to_bf16_array
-
-__all__ = ["check", "scaled_input", "unscaled_output"]
-
-
-def _as_float(x: np.ndarray) -> np.ndarray:
-    """A kernel array (float32, or bf16 as uint16 bits) as float32 values; float64 as it is."""
-    return from_bf16_array(x) if x.dtype == np.uint16 else x
+__all__ = ["check", "unscaled_output"]
 
 
 def check(prob, caller, backward: bool) -> int:
@@ -40,18 +32,6 @@ def check(prob, caller, backward: bool) -> int:
     if status[0]:
         raise_status(status, prob, caller)
     return int(e)
-
-
-def scaled_input(prob, e: int, backward: bool):
-    """``prob`` with ``v`` (forward) or ``dy`` (backward) times ``2**-e``, in the kernels' form."""
-    if e == 0:
-        return prob
-    key = "dy" if backward else "v"
-    x = getattr(prob, key)
-    scaled = np.ldexp(_as_float(x), -e)
-    if x.dtype == np.uint16:   # exact: a power of two keeps the bf16 mantissa
-        scaled = to_bf16_array(scaled).view(np.uint16)
-    return dataclasses.replace(prob, **{key: scaled})
 
 
 def unscaled_output(x: np.ndarray, e: int, name: str) -> np.ndarray:

@@ -56,7 +56,7 @@ from ..kernels.loops import group_rows, n_q_groups, owns_group
 from ..kernels.scores import make_scores, n_backward_items, serial_flags
 from ..platform.onednn import gemm_path
 from ..checks.options import KERNEL_CALLER, AttentionOptions
-from .ranges import check, scaled_input, unscaled_output
+from .ranges import check, unscaled_output
 from ..checks.validation import kernel_view, validate_bwd_inputs, validate_fwd_inputs
 
 __all__ = ["BwdShard", "owned_rows", "pack_rows", "place_rows", "with_q_chunks", "at_origin", "block_scores",
@@ -134,7 +134,7 @@ def _chunk_items(n_units: int, q_chunks: int, chunk: int) -> np.ndarray:
 
 
 def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, origin=(0, 0),
-              n_threads=None, scores=None):
+              n_threads=None, scores=None, exponent=0):
     """Forward of one share: the items of Q chunk ``chunk`` of every unit of the block ``ins``.
 
     Parameters
@@ -151,6 +151,9 @@ def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
     n_threads : threads for the block's items (None: ``numba.get_num_threads()``); any number
         gives the same bits.
     scores : the block's score variants (:func:`block_scores`), or None.
+    exponent : the call's rescale ``e`` (:func:`numbafa.pipeline.ranges.check` on the whole
+        problem): the compiled entry computes on ``v * 2**-e``; the outputs stay scaled (the
+        caller multiplies the merged ones back: :func:`~numbafa.pipeline.ranges.unscaled_output`).
 
     Returns
     -------
@@ -162,7 +165,7 @@ def fwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
     q = _unpack_rows(ins.q, rows if packed else None, seqlen_q)
     ins = FwdInputs(kernel_view(q), kernel_view(ins.k), kernel_view(ins.v), kernel_view(ins.sinks))
     items = _chunk_items(q.shape[0] * ins.k.shape[1], plan.tiling.q_chunks, chunk)
-    outs, _, status = run_fwd(ins, plan, items, n_threads, exponent=0)   # (checked and rescaled by the caller)
+    outs, _, status = run_fwd(ins, plan, items, n_threads, exponent=exponent)   # (checked by the caller)
     if status[0]:
         raise_status(status, None, KERNEL_CALLER, plan)
     return to_dtype(pack_rows(outs.o, rows), out_dtype), pack_rows(outs.lse, rows)
@@ -178,7 +181,7 @@ def place_rows(parts, tiling, seqlen_q: int) -> np.ndarray:
 
 
 def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, origin=(0, 0),
-              n_threads=None, scores=None):
+              n_threads=None, scores=None, exponent=0):
     """Backward of one share: the items of Q chunk ``chunk`` of every unit of the block ``ins``.
 
     Parameters
@@ -190,6 +193,7 @@ def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
     seqlen_q, chunk : int
     out_dtype : the dtype of dq, dk, dv (float32 or bf16).
     origin, n_threads, scores : as for :func:`fwd_chunk`.
+    exponent : as for :func:`fwd_chunk` (the entry computes on ``dy * 2**-e``).
 
     Returns
     -------
@@ -212,7 +216,7 @@ def bwd_chunk(plan, ins, packed: bool, seqlen_q: int, chunk: int, out_dtype, ori
     if q_chunks == 1:   # (the items of a bias's gradient: groups of units, numbafa.kernels.scores)
         items = np.arange(n_backward_items(ins.q.shape[0], ins.k.shape[1], 1, plan.scores), dtype=np.int64)
     outs, stats, _, status = run_bwd(ins, plan, items, np.arange(n_units if finish else 0, dtype=np.int64), n_threads,
-                                     exponent=0)   # (checked and rescaled by the caller)
+                                     exponent=exponent)   # (checked by the caller)
     if status[0]:
         raise_status(status, None, KERNEL_CALLER, plan)
     if q_chunks == 1:
@@ -301,10 +305,9 @@ def fwd_block(plan, share: tuple, options: AttentionOptions, lse_layout: str, te
     chunk, origin = share
     prob = validate_fwd_inputs(*tensors, _block_options(options, extras))
     e = check(prob, KERNEL_CALLER, backward=False)
-    prob = scaled_input(prob, e, backward=False)
     seqlen_q = prob.q.shape[3]
     o, lse = fwd_chunk(plan, FwdInputs(prob.q, prob.k, prob.v, prob.sinks), False, seqlen_q, chunk,
-                       prob.dtype, origin, scores=_block_scores(prob, plan))
+                       prob.dtype, origin, scores=_block_scores(prob, plan), exponent=e)
     o = unscaled_output(o, e, "o")
     return (o, lse_out(lse, lse_layout)) if plan.tiling.q_chunks == 1 else (o, lse)
 
@@ -332,9 +335,9 @@ def bwd_block(plan, share: tuple, options: AttentionOptions, tensors: tuple, ext
     chunk, origin = share
     prob = validate_bwd_inputs(*tensors, _block_options(options, extras))
     e = check(prob, KERNEL_CALLER, backward=True)
-    prob = scaled_input(prob, e, backward=True)
     ins = BwdInputs(q=prob.q, k=prob.k, v=prob.v, o=prob.o, dy=prob.dy, lse=prob.lse, sinks=prob.sinks)
-    out = bwd_chunk(plan, ins, False, prob.q.shape[3], chunk, prob.dtype, origin, scores=_block_scores(prob, plan))
+    out = bwd_chunk(plan, ins, False, prob.q.shape[3], chunk, prob.dtype, origin, scores=_block_scores(prob, plan),
+                    exponent=e)
     if plan.tiling.q_chunks > 1:
         return out._replace(scale_exp=e)
     dq, dk, dv, dsinks = (unscaled_output(x, e, name) for x, name in zip(out, ("dq", "dk", "dv", "dsinks")))
