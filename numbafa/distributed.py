@@ -553,6 +553,11 @@ def _validate_dask(client, named: dict, options: AttentionOptions, validate):
     return prob, checked, _dask_sinks(sinks, q), bounds
 
 
+def _shape4(bias) -> tuple:
+    """The shape of a bias as the kernels see it: padded with leading 1s to 4 dims."""
+    return (1,) * (4 - np.ndim(bias)) + np.shape(bias)
+
+
 def _batch0(x, ndim: int, bs: int):
     """A bias (``ndim`` 4) or slopes (2) with a batch dim of ``bs``, cut to batch 0 for the
     checks on batch-0 stand-ins (another one, or None, as it is)."""
@@ -566,8 +571,7 @@ def _variants_of_block(options: AttentionOptions, batches: slice, heads: slice) 
     the slopes sliced along the dims they have (None where absent)."""
     bias, alibi = options.bias, options.alibi_slopes
     if bias is not None:
-        bias = np.asarray(bias)
-        bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+        bias = np.asarray(bias).reshape(_shape4(bias))
         bias = bias[shards._slice_of(bias, 0, batches), shards._slice_of(bias, 1, heads)]
     if alibi is not None:
         alibi = np.asarray(alibi)
@@ -582,7 +586,7 @@ def _joined_for_dbias(named: dict, sinks, options: AttentionOptions, nheads_kv: 
     bias = options.bias
     if not options.return_dbias or bias is None:
         return named, sinks, ()
-    bias4 = (1,) * (4 - np.ndim(bias)) + np.shape(bias)
+    bias4 = _shape4(bias)
     q = named["q_ref"]
     axes = tuple(axis for axis, shared in ((0, bias4[0] == 1 and q.shape[0] > 1), (1, bias4[1] == 1 and nheads_kv > 1))
                  if shared)
@@ -758,6 +762,6 @@ def _dbias(results: list, chunks: tuple, bias):
     """The Dask array of dbias, in the bias's shape and dtype, from the blocks' slices (item 4 of
     each block's result; a dim the bias broadcasts is one chunk: the blocks along it were joined)."""
     bias = np.asarray(bias)
-    bias4 = (1,) * (4 - bias.ndim) + bias.shape
+    bias4 = _shape4(bias)
     dbias_chunks = tuple((1,) if bias4[axis] == 1 else chunks[axis] for axis in (0, 1)) + tuple((n,) for n in bias4[2:])
     return _assemble(results, 4, dbias_chunks, bias.dtype, "dbias").reshape(bias.shape)

@@ -220,12 +220,7 @@ class Apart:
 
         def codegen(context, builder, sig, llargs):
             values = [context.cast(builder, v, a, b) for v, a, b in zip(llargs, args, argtys)]
-            module = builder.module
-            try:
-                cell = module.get_global(name)
-            except KeyError:
-                cell = llvm_ir.GlobalVariable(module, llvm_ir.IntType(8).as_pointer(), name=name)
-                cell.linkage = "external"
+            cell = _external_global(builder.module, name, llvm_ir.IntType(8).as_pointer())
             address = builder.ptrtoint(builder.load(cell), llvm_ir.IntType(64))
             status, value = _call(context, builder, address, argtys, values, restype)
             with cgutils.if_unlikely(builder, status.is_error):
@@ -340,17 +335,22 @@ TABLE_SYMBOL = "numbafa.kernels$table"
 KERNELS = _KernelTable()
 
 
+def _external_global(module, name: str, value_type):
+    """``module``'s declaration of the global ``name`` (a ``value_type`` defined in another module,
+    resolved at link time), declared on its first use in the module."""
+    try:
+        return module.get_global(name)
+    except KeyError:
+        cell = llvm_ir.GlobalVariable(module, value_type, name=name)
+        cell.linkage = "external"
+        return cell
+
+
 @intrinsic
 def _table_words(typingctx):
     """The kernel table's words (int64), read through :data:`TABLE_SYMBOL`."""
     def codegen(context, builder, sig, args):
-        module = builder.module
-        try:
-            cell = module.get_global(TABLE_SYMBOL)
-        except KeyError:
-            cell = llvm_ir.GlobalVariable(module, llvm_ir.IntType(64).as_pointer(), name=TABLE_SYMBOL)
-            cell.linkage = "external"
-        return builder.load(cell)
+        return builder.load(_external_global(builder.module, TABLE_SYMBOL, llvm_ir.IntType(64).as_pointer()))
 
     KERNELS.define()
     return types.CPointer(types.int64)(), codegen

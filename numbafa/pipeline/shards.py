@@ -44,8 +44,8 @@ from collections import namedtuple
 import numba
 import numpy as np
 
-from . import core
-from .core import lse_out, raise_status, run_bwd, run_fwd, to_dtype, user_dbias, user_dsinks
+from .core import (attention_bwd, attention_fwd, lse_out, raise_status, run_bwd, run_fwd, to_dtype, user_dbias,
+                   user_dsinks)
 from ..conventions.dtypes import bf16_dtype, is_bf16
 from ..compiler.jit import source_hash
 from ..kernels.backward import BwdStats
@@ -385,8 +385,8 @@ def warm(kernel: str, dtype_name: str, dropout: bool = False, variants: bool = F
         if variants:
             extra.update(bias=np.zeros((640, 640), np.float32), alibi_slopes=np.ones(1, np.float32), softcap=5.0)
         options = AttentionOptions(sinks=sinks, **extra)   # the Python API's call, without its front door
-        o, lse = core.attention_fwd(q, k, v, options, KERNEL_CALLER, "natural")
+        o, lse = attention_fwd(q, k, v, options, KERNEL_CALLER, "natural")
         if kernel == "backward":
-            core.attention_bwd(q, k, v, o, q, lse, dataclasses.replace(options, return_dbias=variants), KERNEL_CALLER)
+            attention_bwd(q, k, v, o, q, lse, dataclasses.replace(options, return_dbias=variants), KERNEL_CALLER)
         _WARM.add((kernel, dtype_name, dropout, variants))
     return fingerprint()
