@@ -13,7 +13,9 @@
 :func:`plan` takes every argument :func:`numbafa.attention_fwd` and :func:`numbafa.attention_bwd`
 take and checks them as they do (arrays given to it fix shapes and dtypes; their values are not
 kept, but the packing bounds'). :func:`attention_fwd` and :func:`attention_bwd` run the same
-compiled entries the Python API runs (``numbafa.kernels.entry``): the same value checks
+compiled entries the Python API runs (``numbafa.kernels.entry``, which :func:`plan` compiles or
+loads and records in the process's kernel table; a user's function calls them through it and
+holds none of their code): the same value checks
 (non-finite inputs raise ``ValueError`` naming the array), the same exact rescale or
 ``FloatingPointError`` past float32's range, and exactly the bits of the Python API for the same
 inputs and options, in float32, bf16, float16 and float64. They write preallocated outputs.
@@ -35,7 +37,11 @@ before anything is written: a shape, dtype or rank the plan does not have, a rea
 outputs that share memory with each other or with an input still needed. A plan is checked on
 every call against this process's record of the plans it made (its fields and a random token):
 a plan changed since, built from another plan's fields, or made in another process (pickled,
-a container whose PID repeats) raises ``ValueError``; no value in a plan is an address. Attention
+a container whose PID repeats) raises ``ValueError``; no value in a plan is an address. Errors
+whose message carries values (a shape, a count, a name) are :class:`NbValueError`,
+:class:`NbTypeError`, :class:`NbFloatingPointError` or :class:`NbRuntimeError`: subclasses of the
+builtin exceptions (``except ValueError`` catches them) whose message is formatted in Python when
+raised, so that compiled code builds no strings (pickled, they are the builtin exception). Attention
 dropout is set in the plan (``dropout_p``, ``seed``, ``seed_offset``); :func:`with_seed_offset`
 gives the plan of another step's mask, in njit code too.
 
@@ -70,14 +76,14 @@ from .kernels.entry import (EXACT_SCORES, LSE_VALUES, NONFINITE, OUTPUT, SCALED_
 from .kernels.launch import prepare_backward, prepare_forward
 from .kernels.scores import ScoreMods, score_plugins, serial_flags
 from .kernels.table import ensure_plugins, kernel_address
-from .compiler.linking import KERNELS
+from .compiler.linking import KERNELS, call_key, call_value_or_raise, register_function
 from .checks.options import AttentionOptions, Caller
 from .compiler.records import replaced
 from .conventions.tiling import Q_TILE
 from .checks.validation import validate_fwd_inputs
 
 __all__ = ["NbPlan", "plan", "attention_fwd", "attention_bwd", "with_seed_offset", "single_threaded_blas",
-           "to_bf16_bits", "from_bf16_bits"]
+           "to_bf16_bits", "from_bf16_bits", "NbValueError", "NbTypeError", "NbFloatingPointError", "NbRuntimeError"]
 
 #: The inputs' storage, as a plan records it: float32, bf16 bits, fp16 bits, float64.
 FLOAT32, BF16, FP16, FLOAT64 = 0, 1, 2, 3
@@ -90,6 +96,36 @@ FLOAT32, BF16, FP16, FLOAT64 = 0, 1, 2, 3
 #: ``token``, a random number this process recorded the plan with.
 NbPlan = namedtuple("NbPlan", ["fwd", "bwd", "dims", "kind", "sinks_shape", "bias_shape", "alibi_shape",
                                "return_dbias", "lse_natural", "seed", "token"])
+
+class _Formatted:
+    """An exception raised in njit code as ``Error(template, *values)``: the template a constant of
+    the compiled code, the values (ints, tuples of ints, names) boxed when it reaches Python, the
+    message ``template.format(*values)`` built here. Compiled code then holds no string building
+    (Numba compiles every concatenation and ``str(int)`` into each caller, most of a user's compile).
+    Pickled, it is the builtin exception with its message."""
+
+    def __init__(self, template, *values):
+        super().__init__(template.format(*values))
+
+    def __reduce__(self):
+        return type(self).__mro__[2], self.args
+
+
+class NbValueError(_Formatted, ValueError):
+    """A ``ValueError`` raised by :mod:`numbafa.nb`'s calls in njit code."""
+
+
+class NbTypeError(_Formatted, TypeError):
+    """A ``TypeError`` raised by :mod:`numbafa.nb`'s calls in njit code."""
+
+
+class NbFloatingPointError(_Formatted, FloatingPointError):
+    """A ``FloatingPointError`` raised by :mod:`numbafa.nb`'s calls in njit code."""
+
+
+class NbRuntimeError(_Formatted, RuntimeError):
+    """A ``RuntimeError`` raised by :mod:`numbafa.nb`'s calls in njit code."""
+
 
 _CALLER = Caller({"q_ref": "q", "k_ref": "k", "v_ref": "v", "sinks_ref": "sinks"})
 _U64 = np.uint64
@@ -195,11 +231,17 @@ def _prepare(prob, fwd, bwd) -> None:
     fwd_ins, fwd_outs = FwdInputs(q4, q4, q4, a3), FwdOutputs(a4, a3)
     bwd_ins = BwdInputs(q=q4, k=q4, v=q4, o=q4, dy=q4, lse=a3, sinks=a3)
     bwd_outs, stats = BwdOutputs(dq=a4, dk=a4, dv=a4, dsinks=a3, part_dk=a4, part_dv=a4), BwdStats(a3, a3)
+    items, status = np.zeros(0, np.int64), np.zeros(STATUS_WORDS, np.int64)
+    fwd_plan, bwd_plan = numba.typeof(_without_arrays(fwd)), numba.typeof(_without_arrays(bwd))
     with core.kernel_call("forward", core._dtype_name(fwd_ins, fwd)):
         prepare_forward(fwd_ins, fwd_outs, fwd)
         ensure_plugins(exact_scores_plugin(fwd_ins, fwd))
+        register_function(forward_entry, tuple(numba.typeof(x) for x in (fwd_ins, fwd_outs)) + (fwd_plan,)
+                          + (numba.typeof(items), types.int64, numba.typeof(status)))
     with core.kernel_call("backward", core._dtype_name(bwd_ins, bwd)):
         prepare_backward(bwd_ins, bwd_outs, stats, bwd, finish=True)
+        register_function(backward_entry, tuple(numba.typeof(x) for x in (bwd_ins, bwd_outs, stats)) + (bwd_plan,)
+                          + (numba.typeof(items),) * 2 + (types.int64, numba.typeof(status)))
     for kernel_plan in (fwd, bwd):
         if kernel_plan.dropout.active:
             ensure_plugins(dropout_plugins(kernel_plan))
@@ -385,16 +427,17 @@ def _output(x):  # pragma: no cover - replaced inside njit code
 def _output_overload(x):
     if x.dtype in (types.float32, types.float64) and x.layout == "C":
         return lambda x: x
-    return lambda x: np.empty(x.shape, dtype=np.float32)
+    acc = np.float64 if x.dtype == types.float64 else np.float32
+    return lambda x: np.empty(x.shape, dtype=acc)
 
 
 @jit()
 def _extent(x):
-    """``(first, last)`` byte addresses an array's elements span."""
-    lo = x.ctypes.data
-    hi = lo + x.itemsize
+    """``(first, last)`` byte addresses (int64) an array's elements span."""
+    lo = np.int64(x.ctypes.data)
+    hi = lo + np.int64(x.itemsize)
     for axis in range(x.ndim):
-        span = (x.shape[axis] - 1) * x.strides[axis]
+        span = np.int64(x.shape[axis] - 1) * np.int64(x.strides[axis])
         if x.shape[axis] == 0:
             return lo, lo
         if span < 0:
@@ -404,35 +447,24 @@ def _extent(x):
     return lo, hi
 
 
-@jit()
-def _overlap(a, b):
-    """Whether two arrays may share memory (their byte extents intersect)."""
-    a0, a1 = _extent(a)
-    b0, b1 = _extent(b)
-    return a0 < a1 and b0 < b1 and a0 < b1 and b0 < a1
+# (The checks that take an argument's name are overloads: Numba types a call's constant strings as
+# literals and compiles a jitted function once for each, an overload once for all.)
 
-
-@jit()
-def _shape_text(x):
-    text = "("
-    for axis in range(x.ndim):
-        text += str(x.shape[axis]) + (", " if axis + 1 < x.ndim else "")
-    return text + ")"
-
-
-@jit()
-def _expect_shape(x, name, expected):
+def _expect_shape(x, name, expected):  # pragma: no cover - replaced inside njit code
     """Raise unless ``x``'s shape is the tuple ``expected`` (its rank too)."""
-    same = x.ndim == len(expected)
-    if same:
-        for axis in range(x.ndim):
-            same = same and x.shape[axis] == expected[axis]
-    if not same:
-        text = "("
-        for axis in range(len(expected)):
-            text += str(expected[axis]) + (", " if axis + 1 < len(expected) else "")
-        raise ValueError("numbafa.nb: " + name + " must have shape " + text + ") as the plan's, got "
-                         + _shape_text(x))
+    raise NotImplementedError
+
+
+@overload(_expect_shape)
+def _expect_shape_overload(x, name, expected):
+    def impl(x, name, expected):
+        same = x.ndim == len(expected)
+        if same:
+            for axis in range(x.ndim):
+                same = same and x.shape[axis] == expected[axis]
+        if not same:
+            raise NbValueError("numbafa.nb: {} must have shape {} as the plan's, got {}", name, expected, x.shape)
+    return impl
 
 
 def _acc_of(plan_type):
@@ -488,8 +520,8 @@ def _kernel_sinks_overload(plan, sinks):
         if plan.sinks_shape[0] == 0:
             raise ValueError("numbafa.nb: the plan was made without sinks: make it with sinks (or with_sinks=True)")
         if plan.sinks_shape[0] != ndim:
-            raise ValueError("numbafa.nb: sinks must have the rank of the plan's sinks (" + str(plan.sinks_shape[0])
-                             + "), got " + str(ndim))
+            raise NbValueError("numbafa.nb: sinks must have the rank of the plan's sinks ({}), got {}",
+                               plan.sinks_shape[0], ndim)
         _expect_planned(sinks, "sinks", plan.sinks_shape)
         bs, nheads = plan.dims[0], plan.dims[1]
         n = sinks.shape[2] if ndim == 3 else 1
@@ -532,8 +564,7 @@ def _expect_planned_overload(x, name, planned):
 
     def impl(x, name, planned):
         if planned[0] != ndim:
-            raise ValueError("numbafa.nb: " + name + " must have " + str(planned[0]) + " dims as the plan's, got "
-                             + str(ndim))
+            raise NbValueError("numbafa.nb: {} must have {} dims as the plan's, got {}", name, planned[0], ndim)
         _expect_shape(x, name, dims(planned))
     return impl
 
@@ -624,12 +655,11 @@ def _storage_kind(q, plan):  # pragma: no cover - replaced inside njit code
 @overload(_storage_kind)
 def _storage_kind_overload(q, plan):
     kinds = {types.float32: (FLOAT32, FLOAT32), types.uint16: (BF16, FP16), types.float64: (FLOAT64, FLOAT64)}[q.dtype]
-    name = _STORAGE[q.dtype]
+    template = "numbafa.nb: the arrays must be {} as the plan's inputs, got " + _STORAGE[q.dtype]
 
     def impl(q, plan):
         if plan.kind != kinds[0] and plan.kind != kinds[1]:
-            raise TypeError("numbafa.nb: the arrays must be " + _STORAGE_NAMES[plan.kind] + " as the plan's inputs, "
-                            "got " + name)
+            raise NbTypeError(template, _STORAGE_NAMES[plan.kind])
     return impl
 
 
@@ -641,28 +671,35 @@ def _expect_lse(lse, plan):  # pragma: no cover - replaced inside njit code
 @overload(_expect_lse)
 def _expect_lse_overload(lse, plan):
     ndim = lse.ndim
+    natural = f"numbafa.nb: lse must be 3-D [bs, nheads, seqlen_q] (the plan's lse_layout='natural'), got {ndim} dims"
+    neuron = (f"numbafa.nb: lse must be 4-D [bs, nheads, 128, seqlen_q // 128] (the plan's lse_layout='neuron'), "
+              f"got {ndim} dims")
 
     def impl(lse, plan):
         bs, nheads, sq = plan.dims[0], plan.dims[1], plan.dims[4]
         if plan.lse_natural:
             if ndim != 3:
-                raise ValueError("numbafa.nb: lse must be 3-D [bs, nheads, seqlen_q] (the plan's lse_layout='natural'), "
-                                 "got " + str(ndim) + " dims")
+                raise ValueError(natural)
             _expect_shape(lse, "lse", (bs, nheads, sq))
         else:
             if ndim != 4:
-                raise ValueError("numbafa.nb: lse must be 4-D [bs, nheads, 128, seqlen_q // 128] (the plan's "
-                                 "lse_layout='neuron'), got " + str(ndim) + " dims")
+                raise ValueError(neuron)
             _expect_shape(lse, "lse", (bs, nheads, Q_TILE, sq // Q_TILE))
     return impl
 
 
-@jit()
-def _apart(a, name_a, b, name_b):
-    """Raise if the arrays ``a`` (an output) and ``b`` may share memory."""
-    if _overlap(a, b):
-        raise ValueError("numbafa.nb: " + name_a + " shares memory with " + name_b + ": outputs must not overlap "
-                         "each other or the inputs")
+def _apart(a, name_a, b, name_b):  # pragma: no cover - replaced inside njit code
+    """Raise if the byte extents ``a`` (an output's) and ``b`` (:func:`_extent`) intersect."""
+    raise NotImplementedError
+
+
+@overload(_apart)
+def _apart_overload(a, name_a, b, name_b):
+    def impl(a, name_a, b, name_b):
+        if a[0] < a[1] and b[0] < b[1] and a[0] < b[1] and b[0] < a[1]:
+            raise NbValueError("numbafa.nb: {} shares memory with {}: outputs must not overlap each other or the "
+                               "inputs", name_a, name_b)
+    return impl
 
 
 def _apart_if(a, name_a, b, name_b):  # pragma: no cover - replaced inside njit code
@@ -673,7 +710,7 @@ def _apart_if(a, name_a, b, name_b):  # pragma: no cover - replaced inside njit 
 def _apart_if_overload(a, name_a, b, name_b):
     if not (_given(a) and _given(b)):
         return lambda a, name_a, b, name_b: None
-    return lambda a, name_a, b, name_b: _apart(a, name_a, b, name_b)
+    return lambda a, name_a, b, name_b: _apart(_extent(a), name_a, _extent(b), name_b)
 
 
 # --- the outputs ---------------------------------------------------------------------------
@@ -769,12 +806,11 @@ def _raise_status(status):
     code, which, count = status[0], status[1], status[2]
     if code == NONFINITE:
         if which == 6:
-            raise ValueError("numbafa.nb: bias must not contain NaN or +inf (-inf masks a score), got " + str(count)
-                             + " such element(s)")
-        raise ValueError("numbafa.nb: " + _INPUT_NAMES[which] + " must be finite, got " + str(count)
-                         + " NaN/inf element(s)")
+            raise NbValueError("numbafa.nb: bias must not contain NaN or +inf (-inf masks a score), got {} such "
+                               "element(s)", count)
+        raise NbValueError("numbafa.nb: {} must be finite, got {} NaN/inf element(s)", _INPUT_NAMES[which], count)
     if code == LSE_VALUES:
-        raise ValueError("numbafa.nb: lse must not contain NaN or -inf, got " + str(count) + " such element(s)")
+        raise NbValueError("numbafa.nb: lse must not contain NaN or -inf, got {} such element(s)", count)
     if code == SCALED_Q:
         raise FloatingPointError("numbafa.nb: the attention scores overflow the kernel dtype: the kernels scale the "
                                  "queries at load and softmax_scale * q does not fit; scale q down, or make the plan "
@@ -791,11 +827,11 @@ def _raise_status(status):
                                  "inputs down")
     if code == OUTPUT:
         if count == 1:
-            raise FloatingPointError("numbafa.nb: " + _OUTPUT_NAMES[which] + " overflows float16 at one of the "
-                                     "kernels' float16 rounding points (float16's largest value is 65504): scale "
-                                     "the inputs down, or compute in float32 or bfloat16")
-        raise FloatingPointError("numbafa.nb: " + _OUTPUT_NAMES[which] + " overflows the arithmetic's range: some of "
-                                 "its exact values exceed its largest value")
+            raise NbFloatingPointError("numbafa.nb: {} overflows float16 at one of the kernels' float16 rounding "
+                                       "points (float16's largest value is 65504): scale the inputs down, or compute "
+                                       "in float32 or bfloat16", _OUTPUT_NAMES[which])
+        raise NbFloatingPointError("numbafa.nb: {} overflows the arithmetic's range: some of its exact values exceed "
+                                   "its largest value", _OUTPUT_NAMES[which])
     if code == EXACT_SCORES:
         raise RuntimeError("numbafa.nb: the exact score check was not compiled in this process: make the plan "
                            "with numbafa.nb.plan in this process")
@@ -803,6 +839,32 @@ def _raise_status(status):
 
 
 # --- the passes ----------------------------------------------------------------------------
+
+_NOT_PLANNED = ("numbafa.nb: the compiled entry of these arrays' types was not compiled or loaded in this process: "
+                "make the plan with numbafa.nb.plan in this process")
+
+
+@jit()
+def _call_forward(ins, outs, kernel_plan, items, status):
+    """:func:`~numbafa.kernels.entry.forward_entry` through the kernel table (registered by
+    :func:`plan`): the code of a user's function holds none of its body, so it is compiled once
+    for the Python API and every njit caller, and a user's compile neither links nor emits it."""
+    args = (ins, outs, kernel_plan, items, np.int64(-1), status)
+    address = kernel_address(call_key("forward_entry", args))
+    if address == 0:
+        raise RuntimeError(_NOT_PLANNED)
+    call_value_or_raise(address, args, np.int64)
+
+
+@jit()
+def _call_backward(ins, outs, stats, kernel_plan, items, units, status):
+    """:func:`~numbafa.kernels.entry.backward_entry` through the kernel table (as :func:`_call_forward`)."""
+    args = (ins, outs, stats, kernel_plan, items, units, np.int64(-1), status)
+    address = kernel_address(call_key("backward_entry", args))
+    if address == 0:
+        raise RuntimeError(_NOT_PLANNED)
+    call_value_or_raise(address, args, np.int64)
+
 
 def _run_forward(plan, kernel_plan, q, k, v, sinks, outs, status):  # pragma: no cover - replaced inside njit
     """The forward entry on the kernel forms of the call's arrays: bf16 bits as they are, float16
@@ -819,15 +881,15 @@ def _run_forward_overload(plan, kernel_plan, q, k, v, sinks, outs, status):
         def bits(plan, kernel_plan, q, k, v, sinks, outs, status):
             if plan.kind == FP16:
                 ins = FwdInputs(_widen_fp16(q), _widen_fp16(k), _widen_fp16(v), sinks)
-                forward_entry(ins, outs, kernel_plan, items(plan, kernel_plan), -1, status)
+                _call_forward(ins, outs, kernel_plan, items(plan, kernel_plan), status)
             else:
                 ins = FwdInputs(_kernel_input(q), _kernel_input(k), _kernel_input(v), sinks)
-                forward_entry(ins, outs, kernel_plan, items(plan, kernel_plan), -1, status)
+                _call_forward(ins, outs, kernel_plan, items(plan, kernel_plan), status)
         return bits
 
     def values(plan, kernel_plan, q, k, v, sinks, outs, status):
         ins = FwdInputs(_kernel_input(q), _kernel_input(k), _kernel_input(v), sinks)
-        forward_entry(ins, outs, kernel_plan, items(plan, kernel_plan), -1, status)
+        _call_forward(ins, outs, kernel_plan, items(plan, kernel_plan), status)
     return values
 
 
@@ -841,13 +903,13 @@ def _forward(plan, q, k, v, o, lse, sinks, bias, alibi_slopes):
     _expect_shape(o, "o", (bs, nheads, d_v, seqlen_q))
     _expect_lse(lse, plan)
     for out, name in ((o, "o"),):
-        _apart(out, name, q, "q")
-        _apart(out, name, k, "k")
-        _apart(out, name, v, "v")
-    _apart(o, "o", lse, "lse")
-    _apart(lse, "lse", q, "q")
-    _apart(lse, "lse", k, "k")
-    _apart(lse, "lse", v, "v")
+        _apart(_extent(out), name, _extent(q), "q")
+        _apart(_extent(out), name, _extent(k), "k")
+        _apart(_extent(out), name, _extent(v), "v")
+    _apart(_extent(o), "o", _extent(lse), "lse")
+    _apart(_extent(lse), "lse", _extent(q), "q")
+    _apart(_extent(lse), "lse", _extent(k), "k")
+    _apart(_extent(lse), "lse", _extent(v), "v")
     kernel_plan = _canonical(plan.fwd)
     kernel_plan = replaced(kernel_plan, "scores", _call_scores(kernel_plan.scores, plan, bias, alibi_slopes, None, False))
     o_k = _output(o)
@@ -927,18 +989,18 @@ def _run_backward_overload(plan, kernel_plan, raw, outs, stats, status):
             if plan.kind == FP16:
                 ins = BwdInputs(q=_widen_fp16(raw.q), k=_widen_fp16(raw.k), v=_widen_fp16(raw.v), o=_widen_fp16(raw.o),
                                 dy=_widen_fp16(raw.dy), lse=raw.lse, sinks=raw.sinks)
-                backward_entry(ins, outs, stats, kernel_plan, items, units, -1, status)
+                _call_backward(ins, outs, stats, kernel_plan, items, units, status)
             else:
                 ins = BwdInputs(q=_kernel_input(raw.q), k=_kernel_input(raw.k), v=_kernel_input(raw.v),
                                 o=_kernel_input(raw.o), dy=_kernel_input(raw.dy), lse=raw.lse, sinks=raw.sinks)
-                backward_entry(ins, outs, stats, kernel_plan, items, units, -1, status)
+                _call_backward(ins, outs, stats, kernel_plan, items, units, status)
         return bits
 
     def values(plan, kernel_plan, raw, outs, stats, status):
         items, units = work(plan, kernel_plan, raw.sinks.shape[2])
         ins = BwdInputs(q=_kernel_input(raw.q), k=_kernel_input(raw.k), v=_kernel_input(raw.v), o=_kernel_input(raw.o),
                         dy=_kernel_input(raw.dy), lse=raw.lse, sinks=raw.sinks)
-        backward_entry(ins, outs, stats, kernel_plan, items, units, -1, status)
+        _call_backward(ins, outs, stats, kernel_plan, items, units, status)
     return values
 
 
@@ -1009,16 +1071,16 @@ def _backward(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks, bias, dbias,
 def _check_backward_memory(q, k, v, o, dy, lse, dq, dk, dv):
     """The gradients must not share memory with each other or with an input (all are read until the end)."""
     for grad, name in ((dq, "dq"), (dk, "dk"), (dv, "dv")):
-        _apart(grad, name, q, "q")
-        _apart(grad, name, o, "o")
-        _apart(grad, name, dy, "dy")
-        _apart(grad, name, lse, "lse")
+        _apart(_extent(grad), name, _extent(q), "q")
+        _apart(_extent(grad), name, _extent(o), "o")
+        _apart(_extent(grad), name, _extent(dy), "dy")
+        _apart(_extent(grad), name, _extent(lse), "lse")
     for grad, name in ((dq, "dq"), (dk, "dk"), (dv, "dv")):
-        _apart(grad, name, k, "k")
-        _apart(grad, name, v, "v")
-    _apart(dq, "dq", dk, "dk")
-    _apart(dq, "dq", dv, "dv")
-    _apart(dk, "dk", dv, "dv")
+        _apart(_extent(grad), name, _extent(k), "k")
+        _apart(_extent(grad), name, _extent(v), "v")
+    _apart(_extent(dq), "dq", _extent(dk), "dk")
+    _apart(_extent(dq), "dq", _extent(dv), "dv")
+    _apart(_extent(dk), "dk", _extent(dv), "dv")
 
 
 def _bwd_stub(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks, bias, dbias,

@@ -205,6 +205,41 @@ def test_nb_code_reads_no_cell():
     assert any(gv.name == TABLE_SYMBOL for gv in module.global_variables)
 
 
+def test_a_users_function_holds_no_entry_body_and_builds_no_string():
+    """The compiled entries are called through the kernel table (compiled once for the Python API
+    and every njit caller), and the checks' messages are formatted in Python when raised: a
+    user's compile neither re-optimises the entries nor compiles Numba's string building, which
+    together were most of it."""
+    q, k, v, dy, sinks = _inputs(1, 2, 1, 16, 128, np.float32)
+    plan = nb.plan(q, k, v, with_sinks=True)
+    o, lse = np.empty_like(q), np.empty((1, 2, 128, 1), np.float32)
+    grads = (np.empty_like(q), np.empty_like(k), np.empty_like(v), np.empty_like(sinks))
+    _users_step(plan, q, k, v, o, lse, dy, sinks, *grads)
+    (cres,) = _users_step.overloads.values()
+    defined = [f.name for f in cres.library._final_module.functions if not f.is_declaration]
+    for forbidden in ("forward_entry", "backward_entry", "forward_items", "unicode_concat", "_set_code_point",
+                      "integer_str", "_empty_string"):
+        assert not [name for name in defined if forbidden in name], forbidden
+
+
+def test_njit_errors_are_the_builtin_exceptions_with_a_formatted_message():
+    """Raised in njit code, the errors are subclasses of the builtin exceptions whose message is
+    formatted from the template and values the compiled code passes; pickled, they travel as the
+    builtin exception with the same message (a Dask worker's error, for example)."""
+    import pickle
+    q, k, v, dy, sinks = _inputs(1, 2, 1, 16, 256, np.float32)
+    plan = nb.plan(q, k, v)
+    o, lse = np.empty_like(q), np.empty((1, 2, 128, 2), np.float32)
+    with pytest.raises(ValueError) as info:
+        nb.attention_fwd(plan, q, k[:, :, :, :128], v, o, lse)
+    assert isinstance(info.value, nb.NbValueError)
+    assert str(info.value) == "numbafa.nb: k must have shape (1, 1, 16, 256) as the plan's, got (1, 1, 16, 128)"
+    back = pickle.loads(pickle.dumps(info.value))
+    assert type(back) is ValueError and str(back) == str(info.value)
+    with pytest.raises(ValueError, match="^numbafa.nb: o shares memory with lse: outputs must not overlap"):
+        nb.attention_fwd(plan, q, k, v, o, o.reshape(-1)[:512].reshape(1, 2, 128, 2))
+
+
 USER_CACHED = '''\
 import numba, numpy as np, numbafa.nb as nb, numbafa
 

@@ -50,7 +50,7 @@ from numba.extending import intrinsic
 
 __all__ = ["Apart", "apart", "native_address", "call_status", "call_or_raise", "pack", "unpack", "address_of",
            "cells_of", "external_symbols", "ensure_cells", "CELL_PREFIX", "KERNELS", "type_key", "kernel_key",
-           "register_kernel", "KERNEL_TABLE_CAPACITY"]
+           "register_kernel", "register_function", "call_key", "call_value_or_raise", "KERNEL_TABLE_CAPACITY"]
 
 #: Name prefix of the cells (pointer-sized globals) through which apart functions are called.
 CELL_PREFIX = "numbafa.apart$"
@@ -130,6 +130,25 @@ def call_or_raise(typingctx, address, args):
         return context.get_dummy_value()
 
     return types.none(address, args), codegen
+
+
+@intrinsic
+def call_value_or_raise(typingctx, address, args, restype):
+    """``call_value_or_raise(address, args, restype)``: as :func:`call_or_raise`, for a callee that
+    returns a value of the Numba type ``restype`` (a type object, e.g. ``numba.types.int64``)."""
+    if not (isinstance(address, types.Integer) and isinstance(args, types.BaseTuple)
+            and isinstance(restype, types.NumberClass)):
+        return None
+    value_type = restype.instance_type
+
+    def codegen(context, builder, sig, llargs):
+        argtys, values = _unpacked(builder, sig.args[1], llargs[1])
+        status, value = _call(context, builder, llargs[0], argtys, values, value_type)
+        with cgutils.if_unlikely(builder, status.is_error):
+            context.call_conv.return_status_propagate(builder, status)
+        return value
+
+    return value_type(address, args, restype), codegen
 
 
 @intrinsic
@@ -369,6 +388,21 @@ def _key_of(typingctx, qualname, args):
 
 
 @intrinsic
+def call_key(typingctx, qualname, args):
+    """``call_key("name", args)``: the kernel-table key (:func:`type_key`) of the function of that
+    qualified name compiled for the types of the tuple ``args`` (:func:`register_function`), a
+    constant of the calling code."""
+    if not isinstance(qualname, types.StringLiteral) or not isinstance(args, types.BaseTuple):
+        return None
+    key = type_key(qualname.literal_value, tuple(args.types))
+
+    def codegen(context, builder, sig, llargs):
+        return context.get_constant(types.int64, key)
+
+    return types.int64(qualname, args), codegen
+
+
+@intrinsic
 def _plugin_key(typingctx, function, args):
     if not isinstance(function, types.Dispatcher):
         return None
@@ -383,6 +417,17 @@ def _plugin_key(typingctx, function, args):
 def kernel_key(dispatcher, args_type) -> int:
     """:func:`type_key` of a work item ``dispatcher`` for a pointer to ``args_type``."""
     return type_key(dispatcher.py_func.__qualname__, (types.CPointer(args_type), types.int64))
+
+
+def register_function(dispatcher, argtys) -> int:
+    """Compile (or load) ``dispatcher`` for the Numba types ``argtys`` and record its native
+    function in :data:`KERNELS` under :func:`call_key`'s key; return the key. Code that calls it
+    by that key (:func:`call_value_or_raise`) holds none of its body."""
+    argtys = tuple(argtys)
+    key = type_key(dispatcher.py_func.__qualname__, argtys)
+    if not KERNELS.get(key):
+        KERNELS.register(key, native_address(dispatcher, argtys))
+    return key
 
 
 def register_kernel(dispatcher, args_type) -> int:
