@@ -73,12 +73,14 @@ def run_items(address, args, items, status):
 
 
 @jit()
-def _raise_failed(address, args, items, status):
+def _raise_failed(address, word, items, status):
     """After the launcher: run the first item whose ``status`` is not 0 again, in this thread, and
-    let its exception propagate (an exception cannot leave a ``prange`` body)."""
+    let its exception propagate (an exception cannot leave a ``prange`` body). ``word``: the
+    packed bundles as the launcher passes them, an opaque int64, so this is compiled once for
+    every pass and dtype."""
     for i in range(items.size):
         if status[i] != 0:
-            call_or_raise(address, (args, items[i]))
+            call_or_raise(address, (word, items[i]))
             raise RuntimeError("numbafa: a work item failed, then passed when run again")
 
 
@@ -95,10 +97,12 @@ def ensure_launcher() -> None:
 
 
 @jit()
-def _launch(address, args, items):
+def _launch(address, word, items):
     """Run the work item at ``address`` on ``items`` with the launcher, found in the kernel table
     like the work items: code of the entries that a user's ``@njit`` function holds (and Numba
-    caches with it) reaches no numbafa code but through that table."""
+    caches with it) reaches no numbafa code but through that table. ``word``: the packed bundles'
+    address (:func:`~numbafa.compiler.linking.address_of`), so this is compiled once, not once
+    per pass and dtype."""
     if address == 0:
         raise ValueError("numbafa: the work item of these arrays' types was not compiled or loaded in this "
                          "process (numbafa.nb: make the plan with numbafa.nb.plan in this process)")
@@ -109,8 +113,8 @@ def _launch(address, args, items):
     for i in range(items.size):   # (not work[:] = items: Numba compiles a shape-formatting error path for that)
         work[i] = items[i]
     status = np.zeros(items.size, dtype=np.int32)
-    call_or_raise(launcher, (address, address_of(args), work, status))
-    _raise_failed(address, args, work, status)
+    call_or_raise(launcher, (address, word, work, status))
+    _raise_failed(address, word, work, status)
 
 
 @jit()
@@ -118,7 +122,7 @@ def forward_items(ins, outs, plan, items):
     """The forward's work ``items`` (``unit * q_chunks + chunk``) of the bundles ``ins``, ``outs``,
     ``plan`` (:mod:`numbafa.kernels.bundles`)."""
     args = pack((ins, outs, plan))
-    _launch(kernel_address(_key_of("fwd_work_item", (ins, outs, plan))), args, items)
+    _launch(kernel_address(_key_of("fwd_work_item", (ins, outs, plan))), address_of(args), items)
 
 
 @jit()
@@ -127,7 +131,7 @@ def backward_items(ins, outs, stats, plan, items, units):
     order: O(seqlen) work per unit, not worth a second parallel region."""
     if items.size:
         args = pack((ins, outs, stats, plan))
-        _launch(kernel_address(_key_of("bwd_work_item", (ins, outs, stats, plan))), args, items)
+        _launch(kernel_address(_key_of("bwd_work_item", (ins, outs, stats, plan))), address_of(args), items)
     if units.size:
         finish = pack(FinishArgs(outs, stats, ins.sinks, plan))
         address = kernel_address(_key_of("bwd_finish_unit", FinishArgs(outs, stats, ins.sinks, plan)))

@@ -17,10 +17,9 @@ from numba.extending import overload
 
 from ..conventions.dtypes import widen
 from ..compiler.jit import jit
-from ..compiler.linking import call_or_raise
 from .matmul import Operand, bits_operand, values_operand
 
-__all__ = ["decode_item", "n_q_groups", "owns_group", "group_rows", "raise_failed", "input_operand",
+__all__ = ["decode_item", "n_q_groups", "owns_group", "group_rows", "input_operand",
            "tile_operand", "width", "columns"]
 
 
@@ -56,17 +55,6 @@ def group_rows(i_group, seqlen_q, tiling):
     size = tiling.q_tile * tiling.q_tile_group
     start = i_group * size
     return start, min(size, seqlen_q - start)
-
-
-@jit()
-def raise_failed(address, args, items, status):
-    """After a launcher's ``prange``: run the first item whose ``status`` is not 0 again, in this
-    thread, and let its exception propagate (an exception cannot leave a ``prange`` body).
-    ``address``: the item's entry; ``args``: the packed arguments it takes before the item."""
-    for i in range(items.size):
-        if status[i] != 0:
-            call_or_raise(address, (args, items[i]))
-            raise RuntimeError("numbafa: a work item failed, then passed when run again")
 
 
 # --- GEMM operands (numbafa.kernels.matmul.Operand) ----------------------------------------
