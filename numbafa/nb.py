@@ -952,7 +952,7 @@ def _fwd_stub(plan, q, k, v, o, lse, sinks, bias, alibi_slopes):  # pragma: no c
 _checked(_fwd_stub, ("o", "lse"), ("q", "k", "v", "o", "lse", "sinks", "bias", "alibi_slopes"))(_forward)
 
 
-@jit(entry=True)
+@jit(entry=True, inline=True)
 def attention_fwd(plan, q, k, v, o, lse, sinks=None, bias=None, alibi_slopes=None):
     """The forward of :func:`numbafa.attention_fwd` into ``o`` and ``lse`` (module docstring).
 
@@ -1093,7 +1093,7 @@ _checked(_bwd_stub, ("dq", "dk", "dv", "dsinks", "dbias"),
     _backward)
 
 
-@jit(entry=True)
+@jit(entry=True, inline=True)
 def attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks=None, dsinks=None, bias=None, dbias=None,
                   alibi_slopes=None):
     """The backward of :func:`numbafa.attention_bwd` into ``dq, dk, dv`` (and ``dsinks``, ``dbias``).

@@ -630,7 +630,9 @@ def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True, 
         For the launchers, whose ``prange`` loop runs the work items (:mod:`numbafa.kernels.launch`).
     inline : bool
         Inline at the Numba IR level (``inline="always"``): for tiny scalar
-        functions called in vectorised inner loops.
+        functions called in vectorised inner loops, and for ``numbafa.nb``'s
+        one-line public passes (a user's function then compiles one level
+        of nb's code less).
     contract : bool
         ``False`` turns ``fastmath`` off entirely, so ``a * b + c`` is two
         roundings, never one fused multiply-add: for functions that emulate a
