@@ -14,6 +14,10 @@ in CPU seconds (``time.process_time``), its first ``attention_fwd`` and
 for float32, bf16 (``mixed_precision=True``), and float32 with dropout (a
 kernel of its own); ``--dtypes`` adds float16 and float64 (kernels of their own). Also prints each process's wall time, and Numba's own
 breakdown of the cold float32 compile (CPU in LLVM, number of compiles).
+
+``--nb`` adds, cold, what a ``numbafa.nb`` user meets after the Python API's float32 forward and
+backward in the same process: ``numbafa.nb.plan`` (with sinks), then the first call of a
+``@numba.njit`` function calling ``nb.attention_fwd`` and ``nb.attention_bwd``.
 """
 
 from __future__ import annotations
@@ -65,6 +69,30 @@ print(json.dumps(dict(fwd=t1 - t0, bwd=t2 - t1, total=t2 - t0, llvm=llvm[0], com
 
 VARIANTS = [("float32", False), ("bf16", False), ("float32", True)]
 
+_NB_CHILD = r"""
+import json, time
+import numba, numpy as np, numbafa
+from numbafa import nb
+rng = np.random.default_rng(0)
+q, dy = (rng.standard_normal((1, 4, 32, 256)).astype(np.float32) for _ in range(2))
+k, v = (rng.standard_normal((1, 2, 32, 256)).astype(np.float32) for _ in range(2))
+sinks = rng.standard_normal((1, 4)).astype(np.float32)
+o, lse = numbafa.attention_fwd(q, k, v, sinks, use_causal_mask=True)
+numbafa.attention_bwd(q, k, v, o, dy, lse, sinks, use_causal_mask=True)
+
+@numba.njit
+def step(plan, q, k, v, o, lse, dy, sinks, dq, dk, dv, dsinks):
+    nb.attention_fwd(plan, q, k, v, o, lse, sinks)
+    nb.attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks)
+
+t0 = time.process_time()
+plan = nb.plan(q, k, v, use_causal_mask=True, with_sinks=True)
+t1 = time.process_time()
+step(plan, q, k, v, o, lse, dy, sinks, np.empty_like(q), np.empty_like(k), np.empty_like(v), np.empty_like(sinks))
+t2 = time.process_time()
+print(json.dumps(dict(plan=t1 - t0, step=t2 - t1)))
+"""
+
 
 def _child(variant, env):
     dtype, dropout = variant
@@ -80,6 +108,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtypes", nargs="+", default=[], choices=["float16", "float64"],
                    help="also these input dtypes, without dropout")
+    p.add_argument("--nb", action="store_true", help="also numbafa.nb's plan and a user's first njit call, cold")
     args = p.parse_args(argv)
     import numbafa
     print(f"CPU: {numbafa.backend_info()['cpu_model']}; GEMM path {numbafa.backend_info()['gemm']['path']}; "
@@ -96,6 +125,15 @@ def main(argv=None):
             print(f"round {round_ + 1}, {name:18s} cold: fwd {cold['fwd']:5.2f} s + bwd {cold['bwd']:5.2f} s "
                   f"= {cold['total']:5.2f} s CPU (LLVM {cold['llvm']:5.2f} s, {cold['compiles']} compiles); "
                   f"cached: {cached['total']:.2f} s (whole process {cached['process']:.2f} s)", flush=True)
+        if args.nb:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = subprocess.run([sys.executable, "-c", _NB_CHILD], capture_output=True, text=True, timeout=1800,
+                                     env=dict(os.environ, NUMBAFA_CACHE="0", NUMBA_CACHE_DIR=tmp))
+            if out.returncode:
+                raise RuntimeError(out.stderr[-3000:])
+            nb_ = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"round {round_ + 1}, numbafa.nb after float32, cold: plan {nb_['plan']:.2f} s, a user's first "
+                  f"njit forward + backward {nb_['step']:.2f} s CPU", flush=True)
 
 
 if __name__ == "__main__":
