@@ -39,7 +39,7 @@ every call against this process's record of the plans it made (its fields and a 
 a plan changed since, built from another plan's fields, or made in another process (pickled,
 a container whose PID repeats) raises ``ValueError``; no value in a plan is an address. Errors
 whose message carries values (a shape, a count, a name) are :class:`NbValueError`,
-:class:`NbTypeError`, :class:`NbFloatingPointError` or :class:`NbRuntimeError`: subclasses of the
+:class:`NbTypeError` or :class:`NbFloatingPointError`: subclasses of the
 builtin exceptions (``except ValueError`` catches them) whose message is formatted in Python when
 raised, so that compiled code builds no strings (pickled, they are the builtin exception). Attention
 dropout is set in the plan (``dropout_p``, ``seed``, ``seed_offset``); :func:`with_seed_offset`
@@ -83,7 +83,7 @@ from .conventions.tiling import Q_TILE
 from .checks.validation import validate_fwd_inputs
 
 __all__ = ["NbPlan", "plan", "attention_fwd", "attention_bwd", "with_seed_offset", "single_threaded_blas",
-           "to_bf16_bits", "from_bf16_bits", "NbValueError", "NbTypeError", "NbFloatingPointError", "NbRuntimeError"]
+           "to_bf16_bits", "from_bf16_bits", "NbValueError", "NbTypeError", "NbFloatingPointError"]
 
 #: The inputs' storage, as a plan records it: float32, bf16 bits, fp16 bits, float64.
 FLOAT32, BF16, FP16, FLOAT64 = 0, 1, 2, 3
@@ -121,10 +121,6 @@ class NbTypeError(_Formatted, TypeError):
 
 class NbFloatingPointError(_Formatted, FloatingPointError):
     """A ``FloatingPointError`` raised by :mod:`numbafa.nb`'s calls in njit code."""
-
-
-class NbRuntimeError(_Formatted, RuntimeError):
-    """A ``RuntimeError`` raised by :mod:`numbafa.nb`'s calls in njit code."""
 
 
 _CALLER = Caller({"q_ref": "q", "k_ref": "k", "v_ref": "v", "sinks_ref": "sinks"})
@@ -231,17 +227,17 @@ def _prepare(prob, fwd, bwd) -> None:
     fwd_ins, fwd_outs = FwdInputs(q4, q4, q4, a3), FwdOutputs(a4, a3)
     bwd_ins = BwdInputs(q=q4, k=q4, v=q4, o=q4, dy=q4, lse=a3, sinks=a3)
     bwd_outs, stats = BwdOutputs(dq=a4, dk=a4, dv=a4, dsinks=a3, part_dk=a4, part_dv=a4), BwdStats(a3, a3)
-    items, status = np.zeros(0, np.int64), np.zeros(STATUS_WORDS, np.int64)
-    fwd_plan, bwd_plan = numba.typeof(_without_arrays(fwd)), numba.typeof(_without_arrays(bwd))
+    items, status, exponent = np.zeros(0, np.int64), np.zeros(STATUS_WORDS, np.int64), np.int64(-1)
+    # the entries, for the argument tuples _call_forward and _call_backward build
+    fwd_args = (fwd_ins, fwd_outs, _without_arrays(fwd), items, exponent, status)
+    bwd_args = (bwd_ins, bwd_outs, stats, _without_arrays(bwd), items, items, exponent, status)
     with core.kernel_call("forward", core._dtype_name(fwd_ins, fwd)):
         prepare_forward(fwd_ins, fwd_outs, fwd)
         ensure_plugins(exact_scores_plugin(fwd_ins, fwd))
-        register_function(forward_entry, tuple(numba.typeof(x) for x in (fwd_ins, fwd_outs)) + (fwd_plan,)
-                          + (numba.typeof(items), types.int64, numba.typeof(status)))
+        register_function(forward_entry, [numba.typeof(x) for x in fwd_args])
     with core.kernel_call("backward", core._dtype_name(bwd_ins, bwd)):
         prepare_backward(bwd_ins, bwd_outs, stats, bwd, finish=True)
-        register_function(backward_entry, tuple(numba.typeof(x) for x in (bwd_ins, bwd_outs, stats)) + (bwd_plan,)
-                          + (numba.typeof(items),) * 2 + (types.int64, numba.typeof(status)))
+        register_function(backward_entry, [numba.typeof(x) for x in bwd_args])
     for kernel_plan in (fwd, bwd):
         if kernel_plan.dropout.active:
             ensure_plugins(dropout_plugins(kernel_plan))

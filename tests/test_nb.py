@@ -188,18 +188,22 @@ def _users_step(plan, q, k, v, o, lse, dy, sinks, dq, dk, dv, dsinks):
     nb.attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks)
 
 
-def test_nb_code_reads_no_cell():
-    """A user's function cached by Numba holds numbafa.nb's code: it must find the launcher and the
-    work items in the process's kernel table (numbafa.compiler.linking.KERNELS: one symbol, which
-    numbafa.nb.plan defines), never through a cell only numbafa's own cache knows how to fill."""
+def _users_step_module():
+    """The LLVM module of :func:`_users_step`, compiled for a float32 plan with sinks."""
     q, k, v, dy, sinks = _inputs(1, 2, 1, 16, 128, np.float32)
     plan = nb.plan(q, k, v, with_sinks=True)
-
     o, lse = np.empty_like(q), np.empty((1, 2, 128, 1), np.float32)
     grads = (np.empty_like(q), np.empty_like(k), np.empty_like(v), np.empty_like(sinks))
     _users_step(plan, q, k, v, o, lse, dy, sinks, *grads)
     (cres,) = _users_step.overloads.values()
-    module = cres.library._final_module
+    return cres.library._final_module
+
+
+def test_nb_code_reads_no_cell():
+    """A user's function cached by Numba holds numbafa.nb's code: it must find the launcher and the
+    work items in the process's kernel table (numbafa.compiler.linking.KERNELS: one symbol, which
+    numbafa.nb.plan defines), never through a cell only numbafa's own cache knows how to fill."""
+    module = _users_step_module()
     cells = [gv.name for gv in module.global_variables if gv.name.startswith(CELL_PREFIX)]
     assert not cells, cells
     assert any(gv.name == TABLE_SYMBOL for gv in module.global_variables)
@@ -210,13 +214,7 @@ def test_a_users_function_holds_no_entry_body_and_builds_no_string():
     and every njit caller), the checks' messages are formatted in Python when raised, and the
     passes' thin wrappers are inlined: a user's compile neither re-optimises the entries nor
     compiles Numba's string building, which together were most of it."""
-    q, k, v, dy, sinks = _inputs(1, 2, 1, 16, 128, np.float32)
-    plan = nb.plan(q, k, v, with_sinks=True)
-    o, lse = np.empty_like(q), np.empty((1, 2, 128, 1), np.float32)
-    grads = (np.empty_like(q), np.empty_like(k), np.empty_like(v), np.empty_like(sinks))
-    _users_step(plan, q, k, v, o, lse, dy, sinks, *grads)
-    (cres,) = _users_step.overloads.values()
-    defined = [f.name for f in cres.library._final_module.functions if not f.is_declaration]
+    defined = [f.name for f in _users_step_module().functions if not f.is_declaration]
     for forbidden in ("forward_entry", "backward_entry", "forward_items", "unicode_concat", "_set_code_point",
                       "integer_str", "_empty_string"):
         assert not [name for name in defined if forbidden in name], forbidden

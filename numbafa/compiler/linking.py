@@ -116,6 +116,15 @@ def call_status(typingctx, address, args):
     return types.int32(address, args), codegen
 
 
+def _call_propagating(context, builder, sig, llargs, restype):
+    """Codegen of a call by address whose callee's exception propagates to the caller."""
+    argtys, values = _unpacked(builder, sig.args[1], llargs[1])
+    status, value = _call(context, builder, llargs[0], argtys, values, restype)
+    with cgutils.if_unlikely(builder, status.is_error):
+        context.call_conv.return_status_propagate(builder, status)
+    return value
+
+
 @intrinsic
 def call_or_raise(typingctx, address, args):
     """As :func:`call_status`, but an exception of the callee propagates to the caller."""
@@ -123,10 +132,7 @@ def call_or_raise(typingctx, address, args):
         return None
 
     def codegen(context, builder, sig, llargs):
-        argtys, values = _unpacked(builder, sig.args[1], llargs[1])
-        status, _ = _call(context, builder, llargs[0], argtys, values, types.none)
-        with cgutils.if_unlikely(builder, status.is_error):
-            context.call_conv.return_status_propagate(builder, status)
+        _call_propagating(context, builder, sig, llargs, types.none)
         return context.get_dummy_value()
 
     return types.none(address, args), codegen
@@ -135,18 +141,14 @@ def call_or_raise(typingctx, address, args):
 @intrinsic
 def call_value_or_raise(typingctx, address, args, restype):
     """``call_value_or_raise(address, args, restype)``: as :func:`call_or_raise`, for a callee that
-    returns a value of the Numba type ``restype`` (a type object, e.g. ``numba.types.int64``)."""
+    returns a value of the Numba type ``restype`` (a type object, e.g. ``np.int64``)."""
     if not (isinstance(address, types.Integer) and isinstance(args, types.BaseTuple)
             and isinstance(restype, types.NumberClass)):
         return None
     value_type = restype.instance_type
 
     def codegen(context, builder, sig, llargs):
-        argtys, values = _unpacked(builder, sig.args[1], llargs[1])
-        status, value = _call(context, builder, llargs[0], argtys, values, value_type)
-        with cgutils.if_unlikely(builder, status.is_error):
-            context.call_conv.return_status_propagate(builder, status)
-        return value
+        return _call_propagating(context, builder, sig, llargs, value_type)
 
     return value_type(address, args, restype), codegen
 
