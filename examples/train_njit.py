@@ -181,7 +181,7 @@ def train(steps=150, seq=128, bsz=8, seed=0, lr=0.5, log_every=25, dtype="float3
     data = batches(TEXT, seq, bsz, np.random.default_rng(seed))
     losses = []
     t0 = time.perf_counter()
-    with numbafa.nb.single_threaded_blas():   # BLAS runs inside numbafa's threads: one each
+    with numbafa.nb.single_threaded_blas():   # BLAS at one thread for the whole loop (each pass pins it too)
         for step in range(steps):
             tokens, targets = next(data)
             loss, params = train_step(plan, params, tokens, targets, np.float32(lr), slopes, narrow, widen)

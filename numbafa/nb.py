@@ -46,12 +46,14 @@ dropout is set in the plan (``dropout_p``, ``seed``, ``seed_offset``); :func:`wi
 gives the plan of another step's mask, in njit code too.
 
 Threads: the passes run their ``prange`` launcher, on ``numba.get_num_threads()`` threads. The
-tile GEMMs inside call BLAS from every thread: wrap your loop in ``with
-numbafa.nb.single_threaded_blas():`` (what the Python API does around each call). On the BLAS
-GEMM path (CPUs without bf16 units) a multi-threaded OpenBLAS called from those threads is not
-only oversubscribed but may return other results: with OpenBLAS 0.3.30's Haswell kernels, 44 % of
-``o``'s elements differed from the Python API's, by up to 1.1e-3 relative. Inside the wrap the
-bits are the Python API's. Under Numba's
+tile GEMMs inside call BLAS from every thread, so each pass holds SciPy's BLAS at one thread
+while it runs, with the Python API's reference-counted pin
+(:func:`numbafa.platform.blas.single_threaded_blas`, entered and left through two C callbacks
+found in the kernel table, on every path out of the entry). On the BLAS GEMM path (CPUs without
+bf16 units) a multi-threaded OpenBLAS called from those threads is not only oversubscribed but
+returns other results: with OpenBLAS 0.3.30's Haswell kernels, 42-44 % of ``o``'s elements
+differed from the Python API's without the pin. ``with numbafa.nb.single_threaded_blas():``
+around a loop holds the pin once for the loop (each pass then only counts). Under Numba's
 ``workqueue`` threading layer only one launch may run at a time in the process (Numba's rule;
 the Python API serialises its own calls).
 """
@@ -79,7 +81,8 @@ from .kernels.entry import (EXACT_SCORES, LSE_VALUES, NONFINITE, OUTPUT, SCALED_
 from .kernels.launch import prepare_backward, prepare_forward
 from .kernels.scores import ScoreMods, score_plugins, serial_flags
 from .kernels.table import ensure_plugins, kernel_address
-from .compiler.linking import KERNELS, call_key, call_value_or_raise, register_function
+from .compiler.linking import KERNELS, call_key, call_value_between, register_function
+from .compiler.runtime import PIN_KEY, UNPIN_KEY, register_pin
 from .checks.options import AttentionOptions, Caller
 from .compiler.records import replaced
 from .conventions.tiling import Q_TILE
@@ -222,6 +225,7 @@ def _without_arrays(kernel_plan):
 
 def _prepare(prob, fwd, bwd) -> None:
     """Compile (or load) and register every kernel the calls of this problem's types can need."""
+    register_pin()
     numba.get_num_threads()   # start the threading layer: a user's function loaded from Numba's cache
     storage = prob.q          # may launch before anything else did
     acc = fwd.acc.dtype
@@ -846,23 +850,23 @@ _NOT_PLANNED = ("numbafa.nb: the compiled entry of these arrays' types was not c
 @jit()
 def _call_forward(ins, outs, kernel_plan, items, status):
     """:func:`~numbafa.kernels.entry.forward_entry` through the kernel table (registered by
-    :func:`plan`): the code of a user's function holds none of its body, so it is compiled once
+    :func:`plan`), inside the BLAS pin (module docstring): the code of a user's function holds none of its body, so it is compiled once
     for the Python API and every njit caller, and a user's compile neither links nor emits it."""
     args = (ins, outs, kernel_plan, items, np.int64(-1), status)
-    address = kernel_address(call_key("forward_entry", args))
-    if address == 0:
+    address, pin, unpin = kernel_address(call_key("forward_entry", args)), kernel_address(PIN_KEY), kernel_address(UNPIN_KEY)
+    if address == 0 or pin == 0:
         raise RuntimeError(_NOT_PLANNED)
-    call_value_or_raise(address, args, np.int64)
+    call_value_between(address, args, np.int64, pin, unpin)
 
 
 @jit()
 def _call_backward(ins, outs, stats, kernel_plan, items, units, status):
     """:func:`~numbafa.kernels.entry.backward_entry` through the kernel table (as :func:`_call_forward`)."""
     args = (ins, outs, stats, kernel_plan, items, units, np.int64(-1), status)
-    address = kernel_address(call_key("backward_entry", args))
-    if address == 0:
+    address, pin, unpin = kernel_address(call_key("backward_entry", args)), kernel_address(PIN_KEY), kernel_address(UNPIN_KEY)
+    if address == 0 or pin == 0:
         raise RuntimeError(_NOT_PLANNED)
-    call_value_or_raise(address, args, np.int64)
+    call_value_between(address, args, np.int64, pin, unpin)
 
 
 def _run_forward(plan, kernel_plan, q, k, v, sinks, outs, status):  # pragma: no cover - replaced inside njit

@@ -50,7 +50,7 @@ from numba.extending import intrinsic
 
 __all__ = ["Apart", "apart", "native_address", "call_status", "call_or_raise", "pack", "unpack", "address_of",
            "cells_of", "external_symbols", "ensure_cells", "CELL_PREFIX", "KERNELS", "type_key", "kernel_key",
-           "register_kernel", "register_function", "call_key", "call_value_or_raise", "KERNEL_TABLE_CAPACITY"]
+           "register_kernel", "register_function", "call_key", "call_value_or_raise", "call_value_between", "KERNEL_TABLE_CAPACITY"]
 
 #: Name prefix of the cells (pointer-sized globals) through which apart functions are called.
 CELL_PREFIX = "numbafa.apart$"
@@ -151,6 +151,32 @@ def call_value_or_raise(typingctx, address, args, restype):
         return _call_propagating(context, builder, sig, llargs, value_type)
 
     return value_type(address, args, restype), codegen
+
+
+@intrinsic
+def call_value_between(typingctx, address, args, restype, before, after):
+    """``call_value_between(address, args, restype, before, after)``: as
+    :func:`call_value_or_raise`, with the C functions ``void f(void)`` at the addresses ``before``
+    and ``after`` (int64) called just before the callee and just after it returns or raises, so
+    that what ``before`` takes ``after`` gives back on every path (the BLAS pin of
+    :func:`numbafa.compiler.runtime.pin_address`)."""
+    if not (isinstance(address, types.Integer) and isinstance(args, types.BaseTuple)
+            and isinstance(restype, types.NumberClass) and isinstance(before, types.Integer)
+            and isinstance(after, types.Integer)):
+        return None
+    value_type = restype.instance_type
+
+    def codegen(context, builder, sig, llargs):
+        void_fn = llvm_ir.FunctionType(llvm_ir.VoidType(), []).as_pointer()
+        builder.call(builder.inttoptr(llargs[3], void_fn), [])
+        argtys, values = _unpacked(builder, sig.args[1], llargs[1])
+        status, value = _call(context, builder, llargs[0], argtys, values, value_type)
+        builder.call(builder.inttoptr(llargs[4], void_fn), [])
+        with cgutils.if_unlikely(builder, status.is_error):
+            context.call_conv.return_status_propagate(builder, status)
+        return value
+
+    return value_type(address, args, restype, before, after), codegen
 
 
 @intrinsic

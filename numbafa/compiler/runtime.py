@@ -4,7 +4,8 @@
 ``numbafa.attention``) run their kernel inside ``with kernel_call(kernel,
 dtype):``, which
 
-1. pins BLAS to one thread while any kernel runs (:mod:`numbafa.platform.blas`);
+1. pins BLAS to one thread while any kernel runs (:mod:`numbafa.platform.blas`; numbafa.nb's
+   passes enter the same pin from compiled code, :func:`register_pin`);
 2. announces a real compilation before it starts, once per kernel and dtype.
 
 Thread safety
@@ -37,6 +38,7 @@ Silence it with ``logging.getLogger("numbafa").setLevel(logging.ERROR)``.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -46,8 +48,9 @@ from numba.core import event
 
 from ..platform.blas import pin, unpin
 from .jit import COMPILE_TIME, cache_info
+from .linking import KERNELS, type_key
 
-__all__ = ["kernel_call"]
+__all__ = ["kernel_call", "PIN_KEY", "UNPIN_KEY", "register_pin"]
 
 logger = logging.getLogger("numbafa")
 
@@ -155,3 +158,34 @@ class kernel_call:  # noqa: N801 -- used as a function: ``with kernel_call(kerne
         finally:
             unpin()
         return False
+
+
+# --- the pin for compiled callers ------------------------------------------------------------
+#
+# numbafa.nb's passes run inside a user's njit code, where no ``with`` can open: they call the
+# same reference-counted pin through two C callbacks (ctypes: each takes the GIL for the
+# microsecond it runs), found in the kernel table under these keys -- a user's code cached on
+# disk holds the keys, never an address.
+
+#: Kernel-table keys of the C callbacks ``void pin(void)`` and ``void unpin(void)``.
+PIN_KEY = type_key("numbafa.platform.blas.pin", ())
+UNPIN_KEY = type_key("numbafa.platform.blas.unpin", ())
+
+_CALLBACK = ctypes.CFUNCTYPE(None)
+_callbacks = []    # kept alive as long as the process: the table holds their addresses
+
+
+def register_pin() -> None:
+    """Record the C callbacks of the BLAS pin in the kernel table (idempotent)."""
+    if KERNELS.get(PIN_KEY):
+        return
+    with _callbacks_lock:
+        if KERNELS.get(PIN_KEY):
+            return
+        pin_cb, unpin_cb = _CALLBACK(lambda: pin()), _CALLBACK(lambda: unpin())
+        _callbacks.extend((pin_cb, unpin_cb))
+        KERNELS.register(UNPIN_KEY, ctypes.cast(unpin_cb, ctypes.c_void_p).value)
+        KERNELS.register(PIN_KEY, ctypes.cast(pin_cb, ctypes.c_void_p).value)
+
+
+_callbacks_lock = threading.Lock()
