@@ -48,7 +48,7 @@ gives the plan of another step's mask, in njit code too.
 Threads: the passes run their ``prange`` launcher, on ``numba.get_num_threads()`` threads. The
 tile GEMMs inside call BLAS from every thread, so each pass holds SciPy's BLAS at one thread
 while it runs, with the Python API's reference-counted pin
-(:func:`numbafa.platform.blas.single_threaded_blas`, entered and left through two C callbacks
+(:func:`numbafa.nb.single_threaded_blas`, entered and left through two C callbacks
 found in the kernel table, on every path out of the entry). On the BLAS GEMM path (CPUs without
 bf16 units) a multi-threaded OpenBLAS called from those threads is not only oversubscribed but
 returns other results: with OpenBLAS 0.3.30's Haswell kernels, 42-44 % of ``o``'s elements
@@ -265,7 +265,7 @@ def _plan_words(h, p):
     """:func:`_mix` every field of a kernel plan but the dropout's key (which
     :func:`with_seed_offset` changes) into ``h``."""
     t = p.tiling
-    for x in (t.q_tile, t.k_tile, t.k_sub_tile, t.q_tile_group, t.d_tile, t.section_len, t.q_chunks):
+    for x in (t.q_tile, t.k_tile, t.k_sub_tile, t.q_tile_group, t.d_tile, t.section_len, t.q_chunks, t.group_rows):
         h = _mix(h, x)
     m = p.mask
     h = _mix(_mix(_mix(h, m.causal), m.window), m.use_packing)
