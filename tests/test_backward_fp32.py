@@ -228,7 +228,10 @@ def test_bitwise_identical_across_thread_counts():
                 for units, case in (("4", Case(nheads=4, nheads_kv=2, bs=2, causal=True, num_sinks=1,
                                                seqlen_q=384, seqlen_k=384)),
                                     ("1", Case(nheads=2, nheads_kv=1, causal=True, num_sinks=1,
-                                               seqlen_q=1100, seqlen_k=1100))):
+                                               seqlen_q=1100, seqlen_k=1100)),
+                                    # one short unit: the forward splits it into 32-row Q groups
+                                    ("1-short", Case(nheads=1, nheads_kv=1, causal=True, seqlen_q=128,
+                                                     seqlen_k=128))):
                     inputs = make_inputs(case, dtype)
                     fwd = numbafa.attention_fwd(inputs["q_ref"], inputs["k_ref"], inputs["v_ref"],
                                                 sinks_ref=inputs["sinks_ref"], use_causal_mask=True,

@@ -8,7 +8,11 @@ import pytest
 
 import numbafa
 from numbafa import golden
+from numbafa.kernels.bundles import make_plan
 from numbafa.kernels.schedule import q_chunks
+from numbafa.checks.options import AttentionOptions
+from numbafa.checks.validation import validate_fwd_inputs
+from numbafa.pipeline.shards import owned_rows
 
 from _problems import CASES, Case, make_inputs
 from _tolerances import BF16_MIXED, FLOAT32, LSE_FLOAT32, assert_close
@@ -115,7 +119,8 @@ def test_forward_zero_lengths(seqlen_q, seqlen_k):
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["float32", "bf16"])
 def test_single_unit_split_changes_no_bit(dtype):
     # One work unit (MQA, batch 1) is split into two items owning alternate Q groups; the
-    # same unit inside a two-unit batch is not split. Rows are independent: equal bits.
+    # same unit inside a two-unit batch is not split. Rows are independent, and beyond 1024 rows
+    # the split unit's Q groups are the unsplit one's (512 rows): equal bits.
     case = Case(nheads=2, nheads_kv=1, causal=True, num_sinks=1, seqlen_q=1300, seqlen_k=1300)
     qkv, opts = split(make_inputs(case, dtype))
     assert q_chunks(1, case.seqlen_q, False) == 2 and q_chunks(2, case.seqlen_q, False) == 1
@@ -126,3 +131,29 @@ def test_single_unit_split_changes_no_bit(dtype):
     for a, b in zip(single, batched):
         np.testing.assert_array_equal(a.view(np.uint8), b[:1].view(np.uint8))
         np.testing.assert_array_equal(a.view(np.uint8), b[1:].view(np.uint8))
+
+
+@pytest.mark.parametrize("seqlen_q", [96, 128, 200, 256, 640, 1024, 1300])
+def test_a_single_unit_forward_gives_both_items_work(seqlen_q):
+    """One unit is split into two items at every length above 64 rows; the Q groups are small
+    enough that the zigzag gives both items rows (two 512-row groups would be one zigzag pair,
+    all the first item's), and at a multiple of 128 rows the same causal work."""
+    q = np.zeros((1, 1, 16, seqlen_q), np.float32)
+    plan = make_plan(validate_fwd_inputs(q, q, q, AttentionOptions(use_causal_mask=True)), backward=False)
+    assert plan.tiling.q_chunks == 2
+    owned = [owned_rows(seqlen_q, plan.tiling, chunk) for chunk in (0, 1)]
+    assert all(rows.size for rows in owned)
+    np.testing.assert_array_equal(np.sort(np.concatenate(owned)), np.arange(seqlen_q))
+    if seqlen_q % 128 == 0 and seqlen_q <= 1024:
+        assert (owned[0] + 1).sum() == (owned[1] + 1).sum()   # causal: row r sees r + 1 keys
+
+
+def test_a_split_short_forward_matches_the_golden():
+    """B1 H1 S128 D64 causal (the smallest training shape), split into 32-row Q groups."""
+    for dtype, tol, lse_tol in DTYPES:
+        case = Case(nheads=1, nheads_kv=1, d_head=64, seqlen_q=128, seqlen_k=128, causal=True)
+        qkv, opts = split(make_inputs(case, dtype))
+        o, lse = numbafa.attention_fwd(*qkv, mixed_precision=True, lse_layout="natural", **opts)
+        o_exp, lse_exp = golden_fwd(qkv, opts)
+        assert_close(o.astype(np.float32), o_exp, tol, "o")
+        assert_close(lse, lse_exp, lse_tol, "lse")

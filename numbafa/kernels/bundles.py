@@ -42,7 +42,7 @@ import numpy as np
 from ..conventions.dtypes import ROUND_BF16, ROUND_FP16, ROUND_NONE, accumulator_dtype
 from ..compiler.memo import Memo
 from ..platform.onednn import active_gemm_path, bf16_units
-from .schedule import q_chunks
+from .schedule import fwd_q_chunks, q_chunks, q_group_rows
 from ..conventions.tiling import setup_config
 from .dropout import make_dropout
 from .mask import fill_key_ranges
@@ -52,9 +52,10 @@ __all__ = ["Tiling", "Mask", "Precision", "Gemm", "Plan", "FwdInputs", "FwdOutpu
            "BwdOutputs", "make_plan", "shared_plan"]
 
 Tiling = namedtuple("Tiling", ["q_tile", "k_tile", "k_sub_tile", "q_tile_group", "d_tile",
-                               "section_len", "q_chunks"])
+                               "section_len", "q_chunks", "group_rows"])
 Tiling.__doc__ = """Tile sizes (ints): Neuron's Q tile, K tile, transposed K sub-tile, Q tiles per
-group, head-dim tile, KV section length; and the CPU's Q chunks per work unit."""
+group, head-dim tile, KV section length; and the CPU's Q chunks per work unit and rows per Q group
+(``q_tile * q_tile_group``, fewer in a split short forward: :func:`numbafa.kernels.schedule.q_group_rows`)."""
 
 Mask = namedtuple("Mask", ["causal", "window", "use_packing", "key_lo", "key_hi"])
 Mask.__doc__ = """causal (bool), window (int, already <= seqlen_k; 0: none), use_packing (bool),
@@ -113,10 +114,15 @@ def make_plan(prob, backward: bool, gemm_path: str | None = None) -> Plan:
     round_acc = ROUND_NONE if prob.mixed_precision else fmt
     acc = accumulator_dtype(prob.dtype)
     # A bias's gradient is summed by whole units, in one order (numbafa.kernels.scores): no split.
-    chunks = 1 if prob.return_dbias else q_chunks(bs * nheads_kv, seqlen_q,
-                                                  bool(round_acc) if backward else False)
+    if prob.return_dbias:
+        chunks = 1
+    elif backward:
+        chunks = q_chunks(bs * nheads_kv, seqlen_q, bool(round_acc))
+    else:
+        chunks = fwd_q_chunks(bs * nheads_kv, seqlen_q)
     tiling = Tiling(q_tile=cfg.q_tile, k_tile=cfg.k_tile, k_sub_tile=cfg.k_sub_tile, q_tile_group=cfg.q_tile_group,
-                    d_tile=cfg.d_tile, section_len=cfg.section_len, q_chunks=chunks)
+                    d_tile=cfg.d_tile, section_len=cfg.section_len, q_chunks=chunks,
+                    group_rows=q_group_rows(seqlen_q, chunks, backward))
     key_lo = np.empty(seqlen_q, dtype=np.int32)
     key_hi = np.empty(seqlen_q, dtype=np.int32)
     fill_key_ranges(prob.use_causal_mask, prob.window, prob.use_packing, prob.bound_min,

@@ -298,7 +298,7 @@ def make_fwd_scratch(d_head, d_v, seqlen_q, plan):
     """Per-item scratch buffers (:data:`FwdScratch`), for Q groups of at most ``seqlen_q`` rows, head
     dims ``d_head`` (Q) and ``d_v`` (V, O); the bf16 operand copies only on the bf16 path."""
     tiling = plan.tiling
-    q_rows = max(1, min(tiling.q_tile * tiling.q_tile_group, seqlen_q))
+    q_rows = max(1, min(tiling.group_rows, seqlen_q))
     k_cap = max(tiling.k_tile, 1)
     bits = 1 if plan.gemm.bits else 0
     acc = plan.acc.dtype

@@ -5,8 +5,8 @@ units (one per ``(batch, KV head)``, ``flash_attn_bwd`` lines 1134-1143),
 each split into ``q_chunks`` items when there are few units
 (:func:`numbafa.kernels.schedule.q_chunks`). Within an item, the q-heads of the GQA
 group share the unit's K and V, and each q-head's queries run in Q groups of
-``q_tile_group`` tiles of ``q_tile`` rows; an item owns every
-``q_chunks``-th group in zigzag order.
+``tiling.group_rows`` rows (``q_tile_group`` tiles of ``q_tile`` rows; fewer in a split short
+forward); an item owns every ``q_chunks``-th group in zigzag order.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def decode_item(item, q_chunks, nheads_kv):
 
 @jit()
 def n_q_groups(seqlen_q, tiling):
-    """Number of Q groups (``q_tile_group`` tiles of ``q_tile`` rows) over ``seqlen_q`` rows."""
-    rows = tiling.q_tile * tiling.q_tile_group
+    """Number of Q groups (``tiling.group_rows`` rows each) over ``seqlen_q`` rows."""
+    rows = tiling.group_rows
     return (seqlen_q + rows - 1) // rows
 
 
@@ -52,7 +52,7 @@ def owns_group(i_group, n_groups, chunk, q_chunks):
 @jit()
 def group_rows(i_group, seqlen_q, tiling):
     """``(first row, number of rows)`` of Q group ``i_group`` (the last group may be short)."""
-    size = tiling.q_tile * tiling.q_tile_group
+    size = tiling.group_rows
     start = i_group * size
     return start, min(size, seqlen_q - start)
 

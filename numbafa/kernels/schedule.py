@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from ..conventions.tiling import Q_TILE, Q_TILE_GROUP
 
-__all__ = ["q_chunks"]
+__all__ = ["q_chunks", "q_group_rows"]
+
+#: The forward's smallest Q group when a short unit is split (rows).
+_MIN_SPLIT_ROWS = 32
 
 
 def q_chunks(n_units: int, seqlen_q: int, bf16_accumulators: bool) -> int:
@@ -24,9 +27,32 @@ def q_chunks(n_units: int, seqlen_q: int, bf16_accumulators: bool) -> int:
     never on the thread count, so results stay bitwise identical across
     thread counts. bf16 accumulators (bf16 inputs, ``mixed_precision=False``)
     are never split: their per-addition rounding fixes the order. The
-    forward's rows are independent, so its split (``bf16_accumulators=False``)
-    changes no result at all.
+    forward has its own rule (:func:`fwd_q_chunks`).
     """
     if n_units % 2 == 1 and n_units < 9 and not bf16_accumulators and seqlen_q > Q_TILE * Q_TILE_GROUP:
         return 2
     return 1
+
+
+def fwd_q_chunks(n_units: int, seqlen_q: int) -> int:
+    """:func:`q_chunks` of the forward: its rows are independent, so short sequences split too
+    (into the smaller Q groups of :func:`q_group_rows`), down to the three 32-row groups the
+    zigzag needs to give both items work."""
+    if n_units % 2 == 1 and n_units < 9 and seqlen_q > 2 * _MIN_SPLIT_ROWS:
+        return 2
+    return 1
+
+
+def q_group_rows(seqlen_q: int, chunks: int, backward: bool) -> int:
+    """Rows of a Q group: Neuron's ``q_tile_group`` Q tiles (512 rows), except in a forward
+    split into two items (``chunks > 1``) whose 512-row groups would be fewer than three: then
+    a multiple of 32 rows giving at least four groups (two zigzag pairs,
+    :func:`numbafa.kernels.loops.owns_group`; two groups would be one pair, leaving the
+    second item idle), at 128 rows a quarter Q tile each. A CPU blocking choice: only the K tile
+    order sets a row's arithmetic, though a GEMM library may pick its kernel, and so a row's
+    summation order, by the call's row count: such a unit's forward bits (``seqlen_q`` up to
+    1024, an odd number of units below 9) are not those of the same sequence in an unsplit batch."""
+    full = Q_TILE * Q_TILE_GROUP
+    if backward or chunks == 1 or seqlen_q > 2 * full:
+        return full
+    return max(_MIN_SPLIT_ROWS, -(-seqlen_q // (4 * _MIN_SPLIT_ROWS)) * _MIN_SPLIT_ROWS)
