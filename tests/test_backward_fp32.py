@@ -44,9 +44,9 @@ def test_output_shapes(case_and_results):
 
 def test_odd_work_unit_counts_are_split_in_two_q_chunks():
     """The cases that exercise the split: an odd number (< 9) of (batch, KV head) units
-    and more than one Q group."""
+    and more than two Q tiles."""
     from numbafa.kernels.schedule import q_chunks
-    assert q_chunks(1, 1025, False) == 2 and q_chunks(1, 512, False) == 1
+    assert q_chunks(1, 1025, False) == 2 and q_chunks(1, 257, False) == 2 and q_chunks(1, 256, False) == 1
     assert q_chunks(3, 4096, False) == 2 and q_chunks(7, 4096, False) == 2
     assert q_chunks(2, 4096, False) == 1 and q_chunks(9, 4096, False) == 1
     assert q_chunks(1, 4096, True) == 1 and q_chunks(3, 4096, True) == 1
@@ -229,9 +229,10 @@ def test_bitwise_identical_across_thread_counts():
                                                seqlen_q=384, seqlen_k=384)),
                                     ("1", Case(nheads=2, nheads_kv=1, causal=True, num_sinks=1,
                                                seqlen_q=1100, seqlen_k=1100)),
-                                    # one short unit: the forward splits it into 32-row Q groups
-                                    ("1-short", Case(nheads=1, nheads_kv=1, causal=True, seqlen_q=128,
-                                                     seqlen_k=128))):
+                                    # one short unit: split into 96-row Q groups (forward) and
+                                    # 128-row ones (backward)
+                                    ("1-short", Case(nheads=1, nheads_kv=1, causal=True, num_sinks=1, seqlen_q=384,
+                                                     seqlen_k=384))):
                     inputs = make_inputs(case, dtype)
                     fwd = numbafa.attention_fwd(inputs["q_ref"], inputs["k_ref"], inputs["v_ref"],
                                                 sinks_ref=inputs["sinks_ref"], use_causal_mask=True,

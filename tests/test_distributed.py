@@ -25,7 +25,7 @@ from _problems import Case, forward_options, make_inputs, validated  # noqa: E40
 BF16 = ml_dtypes.bfloat16
 
 # (id, case, dtype, mixed_precision). The units a call has decide its split: 1, 3 or 5 units
-# with seqlen_q > 512 split every unit in two Q chunks (float32, or bf16 with mixed_precision).
+# with seqlen_q > 256 split every unit in two Q chunks (float32, or bf16 with mixed_precision).
 CASES = [
     ("mha", Case(bs=2, nheads=2, nheads_kv=2, d_head=32), np.float32, False),
     ("gqa-causal", Case(bs=1, nheads=4, nheads_kv=2, d_head=32, causal=True), np.float32, False),

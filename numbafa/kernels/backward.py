@@ -495,7 +495,7 @@ def make_scratch(d_head, d_v, seqlen_q, seqlen_k, plan):
     copies (``q_bits``, ``p_bits``, ``ds_bits``) only on the bf16 path, the dropout multipliers
     (``mult``) only with dropout, the soft cap's tanh tile (``tanh``) only with a soft cap."""
     tiling = plan.tiling
-    q_rows = max(1, min(tiling.q_tile * tiling.q_tile_group, seqlen_q))
+    q_rows = max(1, min(tiling.group_rows, seqlen_q))
     sec_cap = min(tiling.section_len, seqlen_k)
     tile = tiling.k_tile * q_rows
     bits = tile if plan.gemm.bits else 0

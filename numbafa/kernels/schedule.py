@@ -29,7 +29,7 @@ def q_chunks(n_units: int, seqlen_q: int, bf16_accumulators: bool) -> int:
     are never split: their per-addition rounding fixes the order. The
     forward has its own rule (:func:`fwd_q_chunks`).
     """
-    if n_units % 2 == 1 and n_units < 9 and not bf16_accumulators and seqlen_q > Q_TILE * Q_TILE_GROUP:
+    if n_units % 2 == 1 and n_units < 9 and not bf16_accumulators and seqlen_q > 2 * Q_TILE:
         return 2
     return 1
 
@@ -44,15 +44,19 @@ def fwd_q_chunks(n_units: int, seqlen_q: int) -> int:
 
 
 def q_group_rows(seqlen_q: int, chunks: int, backward: bool) -> int:
-    """Rows of a Q group: Neuron's ``q_tile_group`` Q tiles (512 rows), except in a forward
-    split into two items (``chunks > 1``) whose 512-row groups would be fewer than three: then
-    a multiple of 32 rows giving at least four groups (two zigzag pairs,
-    :func:`numbafa.kernels.loops.owns_group`; two groups would be one pair, leaving the
-    second item idle), at 128 rows a quarter Q tile each. A CPU blocking choice: only the K tile
-    order sets a row's arithmetic, though a GEMM library may pick its kernel, and so a row's
-    summation order, by the call's row count: such a unit's forward bits (``seqlen_q`` up to
-    1024, an odd number of units below 9) are not those of the same sequence in an unsplit batch."""
+    """Rows of a Q group: Neuron's ``q_tile_group`` Q tiles (512 rows), except in a unit split
+    into two items (``chunks > 1``) whose 512-row groups would be fewer than three (two groups
+    are one zigzag pair, :func:`numbafa.kernels.loops.owns_group`, all the first item's): then
+    smaller groups, at least three. The backward's stay whole Q tiles (128 rows up to 512 rows,
+    256 up to 1024: a group's rows are the contraction of its dK/dV GEMMs); the forward's are a
+    multiple of 32 rows giving at least four groups (a quarter Q tile each at 128 rows).
+    A CPU blocking choice: the K tile order sets a forward row's arithmetic, but a GEMM library
+    may pick its kernel, and so a row's summation order, by the call's row count, so a split
+    unit's bits (``seqlen_q`` up to 1024, an odd number of units below 9) are not those of the
+    same sequence in an unsplit batch."""
     full = Q_TILE * Q_TILE_GROUP
-    if backward or chunks == 1 or seqlen_q > 2 * full:
+    if chunks == 1 or seqlen_q > 2 * full:
         return full
+    if backward:
+        return Q_TILE * -(-seqlen_q // full)
     return max(_MIN_SPLIT_ROWS, -(-seqlen_q // (4 * _MIN_SPLIT_ROWS)) * _MIN_SPLIT_ROWS)
