@@ -51,8 +51,8 @@ from ..compiler.linking import _plugin_key, call_or_raise, pack, unpack
 from .common import load_scaled, store_transposed
 from .dropout import drop_tile
 from .fastexp import exp_of, log_of
-from .heads import NEURON, dims4, gather_head, head_rows, load_scaled_rows, store_rows
-from .loops import columns, decode_item, group_rows, input_operand, n_q_groups, owns_group, tile_operand, width
+from .heads import NEURON, copy_head_rows, dims4, gather_head, head_rows, load_scaled_rows, store_rows
+from .loops import columns, decode_item, group_rows, input_operand, key_rows, n_q_groups, owns_group, tile_operand, width
 from .mask import cut_by_mask, required_q_rows, static_key_range, tile_pos, visible_keys
 from .matmul import any_layout, gemm, row_sums
 from .scores import modify_scores
@@ -173,8 +173,9 @@ def rescale_accumulate(stats, pv, tile_sum, round_acc):
 @jit(apart=True)
 def online_softmax_block(plan, head, q_op, k_op, v_op, blk, stats, scratch):
     """One online-softmax update of the queries ``q_op`` by the keys ``k_op`` / ``v_op`` (operands
-    ``[d, rows]`` / ``[d, keys]``, the Neuron layout; BLAS reads them transposed where needed, so
-    no transposed copy is made). ``blk`` = ``(q_abs0, k_abs0)``, the block's first query and key.
+    ``[d, rows]`` / ``[d, keys]``, the Neuron layout, read transposed by the GEMM for ``S``;
+    ``v_op`` ``[keys, d_v]``, transposed once per work item). ``blk`` = ``(q_abs0, k_abs0)``,
+    the block's first query and key.
 
     ``S = Q_s^T K``, the score variants (:func:`numbafa.kernels.scores.modify_scores`), the
     masked exp of :func:`online_softmax_update`, ``rowsum(P)`` as written (a matrix-vector
@@ -201,7 +202,7 @@ def online_softmax_block(plan, head, q_op, k_op, v_op, blk, stats, scratch):
     pv = scratch.pv[:n_q * d_v].reshape(n_q, d_v)
     # P as written (bf16 values for bf16 inputs): its bits are the operand on the bf16 path.
     p_op = tile_operand(any_layout(s), scratch.p_bits, scratch.no_values, scratch.no_bits, plan.gemm.bits)
-    gemm(p_op, v_op, pv, trans_a=False, trans_b=True, alpha=_ONE, beta=_ZERO, path=plan.gemm)
+    gemm(p_op, v_op, pv, trans_a=False, trans_b=False, alpha=_ONE, beta=_ZERO, path=plan.gemm)
     rescale_accumulate(stats, pv, tile_sum, plan.precision.round_acc)
 
 
@@ -240,7 +241,7 @@ def fwd_k_tile(plan, head, q_op, k_op, v_op, q_grp0, k0, scratch):
                 continue
         stats = RowStats(scratch.row_max[b0:b1], scratch.row_sum[b0:b1], scratch.alpha[b0:b1],
                          scratch.o_acc[b0:b1])
-        online_softmax_block(plan, head, columns(q_op, b0, b1), columns(k_op, kv0, kv1), columns(v_op, kv0, kv1),
+        online_softmax_block(plan, head, columns(q_op, b0, b1), columns(k_op, kv0, kv1), key_rows(v_op, kv0, kv1),
                              (q_grp0 + b0, kv0), stats, scratch)
 
 
@@ -332,13 +333,17 @@ def fwd_work_item(args, item):
     # K and V are [d, seq] operands: in the Neuron layout float32 inputs (and bf16 bits on the
     # bf16 path) are used in place, bf16 ones widened once on the float32 paths; an s-major
     # layout's heads are transposed into [d, seq] copies first (numbafa.kernels.heads).
+    # V is a [seq, d] operand (P V reads it untransposed: float32 GEMMs run 7-45 % faster so than
+    # reading [d, seq] transposed): in the Neuron layout the unit's V transposed once into a copy
+    # (the forward's one tiled transpose of an input), in an s-major layout its head's rows copied.
+    v_in = np.empty((seqlen_k, d_v), dtype=ins.v.dtype)
     if layout == NEURON:
-        k_in, v_in = ins.k[batch, kv_head], ins.v[batch, kv_head]
+        k_in = ins.k[batch, kv_head]
+        gather_head((ins.v[batch, kv_head], 0, seqlen_k), 0, d_v, v_in)
     else:
         k_in = np.empty((d_head, seqlen_k), dtype=ins.k.dtype)
-        v_in = np.empty((d_v, seqlen_k), dtype=ins.v.dtype)
         gather_head(head_rows(ins.k, layout, batch, kv_head), 0, seqlen_k, k_in)
-        gather_head(head_rows(ins.v, layout, batch, kv_head), 0, seqlen_k, v_in)
+        copy_head_rows(head_rows(ins.v, layout, batch, kv_head), v_in)
     k_op = input_operand(k_in, plan, scratch.no_values, scratch.no_bits)
     v_op = input_operand(v_in, plan, scratch.no_values, scratch.no_bits)
     n_groups = n_q_groups(seqlen_q, tiling)

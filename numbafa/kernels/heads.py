@@ -30,7 +30,7 @@ from numba.np import arrayobj
 from ..conventions.dtypes import round_inplace, rounded, widen
 from ..compiler.jit import jit
 
-__all__ = ["NEURON", "BHSD", "BSHD", "LAYOUT_CODES", "dims4", "head_rows", "gather_head", "load_scaled_rows",
+__all__ = ["NEURON", "BHSD", "BSHD", "LAYOUT_CODES", "dims4", "head_rows", "gather_head", "copy_head_rows", "load_scaled_rows",
            "store_rows", "store_head_rows", "reduce_partials_rows"]
 
 NEURON, BHSD, BSHD = np.int64(0), np.int64(1), np.int64(2)
@@ -135,6 +135,17 @@ def gather_head(head, start, count, out):
     for i in range(full_i, count):
         for j in range(d):
             out[j, i] = rows[start + i, col0 + j]
+
+
+@jit(apart=True)
+def copy_head_rows(head, out):
+    """``out`` (``[seq, d]``) = the s-major ``head`` (:func:`head_rows`), elements as they are."""
+    rows, col0, d = head
+    for i in range(out.shape[0]):
+        src = rows[i]
+        dst = out[i]
+        for j in range(d):
+            dst[j] = src[col0 + j]
 
 
 @jit(apart=True)

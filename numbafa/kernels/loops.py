@@ -20,7 +20,7 @@ from ..compiler.jit import jit
 from .matmul import Operand, bits_operand, values_operand
 
 __all__ = ["decode_item", "n_q_groups", "owns_group", "group_rows", "input_operand",
-           "tile_operand", "width", "columns"]
+           "tile_operand", "width", "columns", "key_rows"]
 
 
 @jit()
@@ -107,6 +107,12 @@ def tile_operand(t, bits_buf, no_values, no_bits, bits):
 def width(op, bits):
     """The number of columns of an operand (of the member the path reads)."""
     return op.bits.shape[1] if bits else op.f.shape[1]
+
+
+@jit()
+def key_rows(op, r0, r1):
+    """Rows ``r0:r1`` of both members of an operand (a ``[keys, d]`` V; the empty one stays empty)."""
+    return Operand(op.f[r0:r1], op.bits[r0:r1])
 
 
 @jit()
