@@ -52,7 +52,7 @@ from .common import load_scaled, store_transposed
 from .dropout import drop_tile
 from .fastexp import exp_of, log_of
 from .heads import NEURON, copy_head_rows, dims4, gather_head, head_rows, load_scaled_rows, store_rows
-from .loops import columns, decode_item, group_rows, input_operand, key_rows, n_q_groups, owns_group, tile_operand, width
+from .loops import columns, decode_item, group_rows, input_operand, row_slice, n_q_groups, owns_group, tile_operand, width
 from .mask import cut_by_mask, required_q_rows, static_key_range, tile_pos, visible_keys
 from .matmul import any_layout, gemm, row_sums
 from .scores import modify_scores
@@ -241,7 +241,7 @@ def fwd_k_tile(plan, head, q_op, k_op, v_op, q_grp0, k0, scratch):
                 continue
         stats = RowStats(scratch.row_max[b0:b1], scratch.row_sum[b0:b1], scratch.alpha[b0:b1],
                          scratch.o_acc[b0:b1])
-        online_softmax_block(plan, head, columns(q_op, b0, b1), columns(k_op, kv0, kv1), key_rows(v_op, kv0, kv1),
+        online_softmax_block(plan, head, columns(q_op, b0, b1), columns(k_op, kv0, kv1), row_slice(v_op, kv0, kv1),
                              (q_grp0 + b0, kv0), stats, scratch)
 
 

@@ -17,10 +17,11 @@ from numba.extending import overload
 
 from ..conventions.dtypes import widen
 from ..compiler.jit import jit
+from .heads import gather_head
 from .matmul import Operand, bits_operand, values_operand
 
 __all__ = ["decode_item", "n_q_groups", "owns_group", "group_rows", "input_operand",
-           "tile_operand", "width", "columns", "key_rows"]
+           "tile_operand", "rows_operand", "width", "columns", "row_slice"]
 
 
 @jit()
@@ -103,6 +104,20 @@ def tile_operand(t, bits_buf, no_values, no_bits, bits):
     return bits_operand(out, no_values)
 
 
+@jit(apart=True)
+def rows_operand(op, values_buf, no_values, no_bits, bits):
+    """The transpose ``[cols, d]`` of a ``[d, cols]`` float operand, in the flat scratch
+    ``values_buf`` (accumulator dtype): the B operand of a GEMM that then reads it as it lies
+    (NN: in float32 faster than reading ``[d, cols]`` transposed). On the bf16 path (``bits``),
+    where the bf16 GEMM runs as fast either way, an empty operand: the transposed one is read."""
+    if bits:
+        return values_operand(no_values, no_bits)
+    d, n = op.f.shape
+    out = values_buf[:n * d].reshape(n, d)
+    gather_head((op.f, 0, n), 0, d, out)
+    return values_operand(out, no_bits)
+
+
 @jit()
 def width(op, bits):
     """The number of columns of an operand (of the member the path reads)."""
@@ -110,8 +125,8 @@ def width(op, bits):
 
 
 @jit()
-def key_rows(op, r0, r1):
-    """Rows ``r0:r1`` of both members of an operand (a ``[keys, d]`` V; the empty one stays empty)."""
+def row_slice(op, r0, r1):
+    """Rows ``r0:r1`` of both members of an operand (a ``[seq, d]`` one; the empty one stays empty)."""
     return Operand(op.f[r0:r1], op.bits[r0:r1])
 
 
