@@ -848,12 +848,21 @@ _NOT_PLANNED = ("numbafa.nb: the compiled entry of these arrays' types was not c
 
 
 @jit()
+def _pin_addresses():
+    """The BLAS pin's C callbacks ``(pin, unpin)`` in the kernel table
+    (:func:`numbafa.compiler.runtime.register_pin`, called by :func:`plan`); 0 if not registered."""
+    return kernel_address(PIN_KEY), kernel_address(UNPIN_KEY)
+
+
+@jit()
 def _call_forward(ins, outs, kernel_plan, items, status):
     """:func:`~numbafa.kernels.entry.forward_entry` through the kernel table (registered by
-    :func:`plan`), inside the BLAS pin (module docstring): the code of a user's function holds none of its body, so it is compiled once
-    for the Python API and every njit caller, and a user's compile neither links nor emits it."""
+    :func:`plan`), inside the BLAS pin (module docstring): the code of a user's function holds
+    none of its body, so it is compiled once for the Python API and every njit caller, and a
+    user's compile neither links nor emits it."""
     args = (ins, outs, kernel_plan, items, np.int64(-1), status)
-    address, pin, unpin = kernel_address(call_key("forward_entry", args)), kernel_address(PIN_KEY), kernel_address(UNPIN_KEY)
+    address = kernel_address(call_key("forward_entry", args))
+    pin, unpin = _pin_addresses()
     if address == 0 or pin == 0:
         raise RuntimeError(_NOT_PLANNED)
     call_value_between(address, args, np.int64, pin, unpin)
@@ -863,7 +872,8 @@ def _call_forward(ins, outs, kernel_plan, items, status):
 def _call_backward(ins, outs, stats, kernel_plan, items, units, status):
     """:func:`~numbafa.kernels.entry.backward_entry` through the kernel table (as :func:`_call_forward`)."""
     args = (ins, outs, stats, kernel_plan, items, units, np.int64(-1), status)
-    address, pin, unpin = kernel_address(call_key("backward_entry", args)), kernel_address(PIN_KEY), kernel_address(UNPIN_KEY)
+    address = kernel_address(call_key("backward_entry", args))
+    pin, unpin = _pin_addresses()
     if address == 0 or pin == 0:
         raise RuntimeError(_NOT_PLANNED)
     call_value_between(address, args, np.int64, pin, unpin)

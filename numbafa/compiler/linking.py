@@ -50,7 +50,7 @@ from numba.extending import intrinsic
 
 __all__ = ["Apart", "apart", "native_address", "call_status", "call_or_raise", "pack", "unpack", "address_of",
            "cells_of", "external_symbols", "ensure_cells", "CELL_PREFIX", "KERNELS", "type_key", "kernel_key",
-           "register_kernel", "register_function", "call_key", "call_value_or_raise", "call_value_between", "KERNEL_TABLE_CAPACITY"]
+           "register_kernel", "register_function", "call_key", "call_value_between", "KERNEL_TABLE_CAPACITY"]
 
 #: Name prefix of the cells (pointer-sized globals) through which apart functions are called.
 CELL_PREFIX = "numbafa.apart$"
@@ -139,27 +139,13 @@ def call_or_raise(typingctx, address, args):
 
 
 @intrinsic
-def call_value_or_raise(typingctx, address, args, restype):
-    """``call_value_or_raise(address, args, restype)``: as :func:`call_or_raise`, for a callee that
-    returns a value of the Numba type ``restype`` (a type object, e.g. ``np.int64``)."""
-    if not (isinstance(address, types.Integer) and isinstance(args, types.BaseTuple)
-            and isinstance(restype, types.NumberClass)):
-        return None
-    value_type = restype.instance_type
-
-    def codegen(context, builder, sig, llargs):
-        return _call_propagating(context, builder, sig, llargs, value_type)
-
-    return value_type(address, args, restype), codegen
-
-
-@intrinsic
 def call_value_between(typingctx, address, args, restype, before, after):
-    """``call_value_between(address, args, restype, before, after)``: as
-    :func:`call_value_or_raise`, with the C functions ``void f(void)`` at the addresses ``before``
-    and ``after`` (int64) called just before the callee and just after it returns or raises, so
-    that what ``before`` takes ``after`` gives back on every path (the BLAS pin of
-    :func:`numbafa.compiler.runtime.pin_address`)."""
+    """``call_value_between(address, args, restype, before, after)``: as :func:`call_or_raise`,
+    for a callee that returns a value of the Numba type ``restype`` (a type object, e.g.
+    ``np.int64``), with the C functions ``void f(void)`` at the addresses ``before`` and ``after``
+    (int64) called just before the callee and just after it returns or raises, so that what
+    ``before`` takes ``after`` gives back on every path (the BLAS pin,
+    :func:`numbafa.compiler.runtime.register_pin`)."""
     if not (isinstance(address, types.Integer) and isinstance(args, types.BaseTuple)
             and isinstance(restype, types.NumberClass) and isinstance(before, types.Integer)
             and isinstance(after, types.Integer)):
@@ -450,7 +436,7 @@ def kernel_key(dispatcher, args_type) -> int:
 def register_function(dispatcher, argtys) -> int:
     """Compile (or load) ``dispatcher`` for the Numba types ``argtys`` and record its native
     function in :data:`KERNELS` under :func:`call_key`'s key; return the key. Code that calls it
-    by that key (:func:`call_value_or_raise`) holds none of its body."""
+    by that key (:func:`call_value_between`) holds none of its body."""
     argtys = tuple(argtys)
     key = type_key(dispatcher.py_func.__qualname__, argtys)
     if not KERNELS.get(key):

@@ -173,6 +173,7 @@ UNPIN_KEY = type_key("numbafa.platform.blas.unpin", ())
 
 _CALLBACK = ctypes.CFUNCTYPE(None)
 _callbacks = []    # kept alive as long as the process: the table holds their addresses
+_callbacks_lock = threading.Lock()
 
 
 def register_pin() -> None:
@@ -186,6 +187,3 @@ def register_pin() -> None:
         _callbacks.extend((pin_cb, unpin_cb))
         KERNELS.register(UNPIN_KEY, ctypes.cast(unpin_cb, ctypes.c_void_p).value)
         KERNELS.register(PIN_KEY, ctypes.cast(pin_cb, ctypes.c_void_p).value)
-
-
-_callbacks_lock = threading.Lock()

@@ -81,7 +81,8 @@ from .dropout import drop_probabilities, drop_scores
 from .fastexp import exp_of
 from .heads import (NEURON, dims4, gather_head, head_rows, load_scaled_rows, reduce_partials_rows, store_head_rows,
                     store_rows)
-from .loops import columns, group_rows, input_operand, n_q_groups, owns_group, row_slice, rows_operand, tile_operand
+from .loops import (columns, group_rows, input_operand, n_q_groups, owns_group, row_slice, rows_operand,
+                    tile_operand)
 from .mask import cut_by_mask, queries_seeing_key, required_q_rows, tile_pos
 from .matmul import any_layout, gemm
 from .scores import item_units, modify_scores_t, score_gradients
@@ -106,7 +107,8 @@ BwdStats = namedtuple("BwdStats", ["neg_lse", "d_sum"])
 #: is compiled once for every input dtype.
 FinishArgs = namedtuple("FinishArgs", ["outs", "stats", "sinks", "plan"])
 #: One loaded Q group: first row, rows, Q_scaled ``[d, rows]`` and dO ``[d, rows]`` (GEMM
-#: operands), their transposes ``q_t``/``dy_t`` ``[rows, d]`` (the B operands of dK and dV), the dQ accumulator ``[d, rows]``, the head's -LSE and D rows, batch and q-head.
+#: operands), their transposes ``q_t``/``dy_t`` ``[rows, d]`` (the B operands of dK and dV on
+#: float tiles), the dQ accumulator ``[d, rows]``, the head's -LSE and D rows, batch and q-head.
 QGroup = namedtuple("QGroup", ["start", "rows", "q_s", "dy", "q_t", "dy_t", "dq", "neg_lse", "d_sum", "batch",
                                "q_head"])
 #: A block of a K tile: keys ``k0:k0+n_k`` (section-relative), Q rows ``r0:r1`` (group-relative).
@@ -327,7 +329,8 @@ def update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum, cut, scratch):
 @jit()
 def _kd_gemm(plan, a_t, b_cols, b_rows, blk, out, beta):
     """``out = a_t b^T + beta out`` (dV^T or dK^T): ``b`` ``[rows, d]`` as it lies (NN, float
-    tiles) or, on the bf16 path, ``[d, rows]`` read transposed (:func:`~numbafa.kernels.loops.rows_operand`)."""
+    tiles) or, on the bf16 path, ``[d, rows]`` read transposed
+    (:func:`~numbafa.kernels.loops.rows_operand`)."""
     if plan.gemm.bits:
         gemm(a_t, columns(b_cols, blk.r0, blk.r1), out, trans_a=False, trans_b=True, alpha=_ONE, beta=beta,
              path=plan.gemm)
@@ -516,10 +519,10 @@ def make_scratch(d_head, d_v, seqlen_q, seqlen_k, plan):
     q_rows = max(1, min(tiling.group_rows, seqlen_q))
     sec_cap = min(tiling.section_len, seqlen_k)
     tile = tiling.k_tile * q_rows
-    bits = tile if plan.gemm.bits else 0
+    on_bits = 1 if plan.gemm.bits else 0
+    bits = tile * on_bits
     drop = tile if plan.dropout.active else 0
     cap = tile if plan.scores.active and plan.scores.softcap > 0 else 0
-    on_bits = 1 if plan.gemm.bits else 0
     acc = plan.acc.dtype
     q_s = np.empty((d_head, q_rows), dtype=acc)
     dq = np.empty((d_head, q_rows), dtype=acc)
@@ -529,7 +532,7 @@ def make_scratch(d_head, d_v, seqlen_q, seqlen_k, plan):
     dq_psum = np.empty(q_rows * d_head, dtype=acc)
     dk_acc = np.empty((sec_cap, d_head), dtype=acc)
     dv_acc = np.empty((sec_cap, d_v), dtype=acc)
-    q_bits = np.empty(d_head * q_rows if plan.gemm.bits else 0, dtype=np.uint16)
+    q_bits = np.empty(on_bits * d_head * q_rows, dtype=np.uint16)
     p_bits = np.empty(bits, dtype=np.uint16)
     ds_bits = np.empty(bits, dtype=np.uint16)
     q_t = np.empty((1 - on_bits) * q_rows * d_head, dtype=acc)

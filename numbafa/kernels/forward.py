@@ -6,8 +6,10 @@ log(sum)`` per query row (sinks included in the sum), in float32.
 Loop nest: the launcher's ``prange`` over ``bs * nheads_kv`` work units (an odd number of
 units, fewer than 9, is split into two items each owning alternate Q groups:
 :func:`numbafa.kernels.schedule.q_chunks`; :mod:`.loops`); per unit K and V
-(``[d, seq]``: the Neuron layout's as given, BLAS reads them transposed; another layout's
-transposed into copies, :mod:`numbafa.kernels.heads`) serve every q-head of the GQA group; per q-head, Q groups of 4 x 128 rows,
+(K ``[d, seq]``: the Neuron layout's as given, read transposed by the GEMM, another layout's
+transposed into a copy; V ``[seq, d]``: transposed into a copy once, another layout's rows
+copied; :mod:`numbafa.kernels.heads`) serve every q-head of the GQA group; per q-head, Q groups
+of 4 x 128 rows (fewer in a split short unit, :func:`numbafa.kernels.schedule.q_group_rows`),
 scaled at load; per group, K tiles of 512 keys with the online softmax
 (FlashAttention-2)::
 
@@ -52,7 +54,8 @@ from .common import load_scaled, store_transposed
 from .dropout import drop_tile
 from .fastexp import exp_of, log_of
 from .heads import NEURON, copy_head_rows, dims4, gather_head, head_rows, load_scaled_rows, store_rows
-from .loops import columns, decode_item, group_rows, input_operand, row_slice, n_q_groups, owns_group, tile_operand, width
+from .loops import (columns, decode_item, group_rows, input_operand, n_q_groups, owns_group, row_slice, tile_operand,
+                    width)
 from .mask import cut_by_mask, required_q_rows, static_key_range, tile_pos, visible_keys
 from .matmul import any_layout, gemm, row_sums
 from .scores import modify_scores
@@ -330,12 +333,12 @@ def fwd_work_item(args, item):
     n_rep = nheads // nheads_kv
     unit, chunk, batch, kv_head = decode_item(item, tiling.q_chunks, nheads_kv)
     scratch = make_fwd_scratch(d_head, d_v, seqlen_q, plan)
-    # K and V are [d, seq] operands: in the Neuron layout float32 inputs (and bf16 bits on the
-    # bf16 path) are used in place, bf16 ones widened once on the float32 paths; an s-major
-    # layout's heads are transposed into [d, seq] copies first (numbafa.kernels.heads).
-    # V is a [seq, d] operand (P V reads it untransposed: float32 GEMMs run 7-45 % faster so than
-    # reading [d, seq] transposed): in the Neuron layout the unit's V transposed once into a copy
-    # (the forward's one tiled transpose of an input), in an s-major layout its head's rows copied.
+    # K is a [d, seq] operand: in the Neuron layout float32 inputs (and bf16 bits on the bf16
+    # path) are used in place, bf16 ones widened once on the float32 paths; an s-major layout's
+    # head is transposed into a [d, seq] copy first (numbafa.kernels.heads). V is a [seq, d]
+    # operand (P V reads it untransposed: float32 GEMMs run 7-45 % faster so than reading
+    # [d, seq] transposed): in the Neuron layout the unit's V transposed once into a copy (the
+    # forward's one tiled transpose of an input), in an s-major layout its head's rows copied.
     v_in = np.empty((seqlen_k, d_v), dtype=ins.v.dtype)
     if layout == NEURON:
         k_in = ins.k[batch, kv_head]

@@ -30,8 +30,8 @@ from numba.np import arrayobj
 from ..conventions.dtypes import round_inplace, rounded, widen
 from ..compiler.jit import jit
 
-__all__ = ["NEURON", "BHSD", "BSHD", "LAYOUT_CODES", "dims4", "head_rows", "gather_head", "copy_head_rows", "load_scaled_rows",
-           "store_rows", "store_head_rows", "reduce_partials_rows"]
+__all__ = ["NEURON", "BHSD", "BSHD", "LAYOUT_CODES", "dims4", "head_rows", "gather_head", "copy_head_rows",
+           "load_scaled_rows", "store_rows", "store_head_rows", "reduce_partials_rows"]
 
 NEURON, BHSD, BSHD = np.int64(0), np.int64(1), np.int64(2)
 #: The plan's layout code of each layout name (:mod:`numbafa.layout`).

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..conventions.tiling import Q_TILE, Q_TILE_GROUP
 
-__all__ = ["q_chunks", "q_group_rows"]
+__all__ = ["q_chunks", "fwd_q_chunks", "q_group_rows"]
 
 #: The forward's smallest Q group when a short unit is split (rows).
 _MIN_SPLIT_ROWS = 32
