@@ -139,14 +139,14 @@ def compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum, precision):
     for d0 in range(0, d_head, d_tile):
         partial[:] = _ZERO
         for i_d in range(d0, min(d0 + d_tile, d_head)):
-            o_row = o_h[i_d]
-            dy_row = dy_h[i_d]
+            o_row = o_h[i_d, start:start + count]
+            dy_row = dy_h[i_d, start:start + count]
             if round_kernel == ROUND_NONE:   # float32: the product and the sum may fuse (FMA)
                 for i in range(count):
-                    partial[i] += widen(o_row[start + i]) * widen(dy_row[start + i])
+                    partial[i] += widen(o_row[i]) * widen(dy_row[i])
                 continue
             for i in range(count):
-                prod[i] = widen(o_row[start + i]) * widen(dy_row[start + i])
+                prod[i] = widen(o_row[i]) * widen(dy_row[i])
             round_inplace(prod, round_kernel)
             for i in range(count):
                 partial[i] += prod[i]
@@ -404,9 +404,9 @@ def load_q_group(ins, outs, plan, sec, head, i_group, scratch, copies):
         dq_h = outs.dq[head.batch, head.q_head]
         for i_d in range(dq.shape[0]):
             dq_row = dq[i_d]
-            src = dq_h[i_d]
+            src = dq_h[i_d, q_grp0:q_grp0 + rows]
             for i in range(rows):
-                dq_row[i] = src[q_grp0 + i]
+                dq_row[i] = src[i]
     else:
         gather_head(head_rows(outs.dq, layout, head.batch, head.q_head), q_grp0, rows, scratch.dq)
     if layout == NEURON:
@@ -421,9 +421,10 @@ def load_q_group(ins, outs, plan, sec, head, i_group, scratch, copies):
     q_op = tile_operand(any_layout(scratch.q_s[:, :rows]), scratch.q_bits, scratch.no_values, scratch.no_bits,
                         plan.gemm.bits)
     if sec.first:
-        lse_h = ins.lse[head.batch, head.q_head]
-        for i in range(q_grp0, q_grp0 + rows):
-            head.neg_lse[i] = rounded(-lse_h[i], prec.round_acc)
+        lse_g = ins.lse[head.batch, head.q_head, q_grp0:q_grp0 + rows]
+        neg_lse = head.neg_lse[q_grp0:q_grp0 + rows]
+        for i in range(rows):
+            neg_lse[i] = rounded(-lse_g[i], prec.round_acc)
         if layout == NEURON:
             compute_rowsum(ins.o[head.batch, head.q_head], ins.dy[head.batch, head.q_head], q_grp0, rows,
                            plan.tiling.d_tile, head.d_sum[q_grp0:q_grp0 + rows], prec)

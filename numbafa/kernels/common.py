@@ -39,15 +39,15 @@ def load_scaled(src, start, count, out, scale, round_kernel):
     d_head = src.shape[0]
     copy = scale == 1.0
     for i_d in range(d_head):
-        row = src[i_d]
-        dst = out[i_d]
+        row = src[i_d, start:start + count]   # (a slice: indices that cannot wrap vectorise)
+        dst = out[i_d, :count]
         if copy:
             for i in range(count):
-                dst[i] = widen(row[start + i])
+                dst[i] = widen(row[i])
         else:
             for i in range(count):
-                dst[i] = widen(row[start + i]) * scale
-            round_inplace(dst[:count], round_kernel)
+                dst[i] = widen(row[i]) * scale
+            round_inplace(dst, round_kernel)
 
 
 @jit(apart=True)
@@ -80,7 +80,7 @@ def store(src, count, dst, start, round_out):
     the format ``round_out`` names."""
     for j in range(dst.shape[0]):
         s_row = src[j]
-        d_row = dst[j]
+        d_row = dst[j, start:start + count]
         for i in range(count):
-            d_row[start + i] = s_row[i]
-        round_inplace(d_row[start:start + count], round_out)
+            d_row[i] = s_row[i]
+        round_inplace(d_row, round_out)

@@ -142,10 +142,10 @@ def copy_head_rows(head, out):
     """``out`` (``[seq, d]``) = the s-major ``head`` (:func:`head_rows`), elements as they are."""
     rows, col0, d = head
     for i in range(out.shape[0]):
-        src = rows[i]
+        src = rows[i, col0:col0 + d]   # (a slice: indices that cannot wrap vectorise)
         dst = out[i]
         for j in range(d):
-            dst[j] = src[col0 + j]
+            dst[j] = src[j]
 
 
 @jit(apart=True)
@@ -179,10 +179,11 @@ def store_rows(src, count, head, start, round_out):
     accumulators: no transpose), rounded to the format ``round_out`` names."""
     rows, col0, d = head
     for i in range(count):
-        dst = rows[start + i]
+        dst = rows[start + i, col0:col0 + d]
+        s_row = src[i]
         for j in range(d):
-            dst[col0 + j] = src[i, j]
-        round_inplace(dst[col0:col0 + d], round_out)
+            dst[j] = s_row[j]
+        round_inplace(dst, round_out)
 
 
 @jit(apart=True)
