@@ -76,7 +76,7 @@ from .compiler.jit import jit
 from .kernels.backward import BwdStats
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, Plan, make_plan
 from .kernels.dropout import Dropout, dropout_plugins, philox_words
-from .kernels.entry import (EXACT_SCORES, LSE_VALUES, NONFINITE, OUTPUT, SCALED_Q, SCORES, SCORES_WITH_BIAS,
+from .kernels.entry import (EXACT_SCORES, LSE_VALUES, NONFINITE, OUTPUT, OUTPUTS, SCALED_Q, SCORES, SCORES_WITH_BIAS,
                             STATUS_WORDS, SUMS, backward_entry, exact_scores_plugin, forward_entry)
 from .kernels.launch import prepare_backward, prepare_forward
 from .kernels.scores import ScoreMods, score_plugins, serial_flags
@@ -799,7 +799,6 @@ def _assign(dst, src):
 # --- the status of a failed entry, raised --------------------------------------------------
 
 _INPUT_NAMES = ("q", "k", "v", "o", "dy", "sinks", "bias", "alibi_slopes", "lse")
-_OUTPUT_NAMES = ("o", "dq", "dk", "dv", "dsinks", "dbias")
 
 
 @jit()
@@ -832,9 +831,9 @@ def _raise_status(status):
         if count == 1:
             raise NbFloatingPointError("numbafa.nb: {} overflows float16 at one of the kernels' float16 rounding "
                                        "points (float16's largest value is 65504): scale the inputs down, or compute "
-                                       "in float32 or bfloat16", _OUTPUT_NAMES[which])
+                                       "in float32 or bfloat16", OUTPUTS[which])
         raise NbFloatingPointError("numbafa.nb: {} overflows the arithmetic's range: some of its exact values exceed "
-                                   "its largest value", _OUTPUT_NAMES[which])
+                                   "its largest value", OUTPUTS[which])
     if code == EXACT_SCORES:
         raise RuntimeError("numbafa.nb: the exact score check was not compiled in this process: make the plan "
                            "with numbafa.nb.plan in this process")

@@ -344,6 +344,21 @@ def test_values_beyond_float32_on_the_cluster(client, small, dask_inputs):
             client.compute(list(out), sync=True)
 
 
+
+def test_a_merged_gradient_beyond_float32_is_the_single_process_error(client):
+    """Equal keys, dy = 2**127 everywhere: dv of key 0 is 2**127 * (1 + 1/2 + ... + 1/128). The
+    shares run on dy * 2**-e; the client's rescale of the merged dv (the entry's compiled one)
+    raises the single-process call's error."""
+    q = np.random.default_rng(3).standard_normal((1, 2, 32, 128)).astype(np.float32)
+    k, v = np.zeros_like(q), np.ones_like(q)
+    o, lse = numbafa.attention_fwd(q, k, v, use_causal_mask=True)
+    dy = np.full(q.shape, 2.0 ** 127, np.float32)
+    with pytest.raises(FloatingPointError, match=r"^dv overflows float32") as single:
+        numbafa.attention_bwd(q, k, v, o, dy, lse, use_causal_mask=True)
+    with pytest.raises(FloatingPointError, match=r"^dv overflows float32") as cluster:
+        nd.attention_bwd(client, q, k, v, o, dy, lse, use_causal_mask=True)
+    assert str(cluster.value) == str(single.value)
+
 # --- the shares without a cluster: blocks of units, any forward row split, the backward merge ----
 
 def test_tasks_get_contiguous_blocks_of_units_in_unit_order():

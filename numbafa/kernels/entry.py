@@ -47,7 +47,7 @@ from .launch import backward_items, forward_items
 from .matmul import flat
 from .table import kernel_address
 
-__all__ = ["forward_entry", "backward_entry", "exact_scores", "exact_scores_plugin", "STATUS_WORDS", "OK", "NONFINITE",
+__all__ = ["forward_entry", "backward_entry", "unscale_output", "exact_scores", "exact_scores_plugin", "STATUS_WORDS", "OK", "NONFINITE",
            "LSE_VALUES", "SCALED_Q", "SCORES", "SCORES_WITH_BIAS", "SUMS", "OUTPUT", "EXACT_SCORES", "INPUTS", "OUTPUTS"]
 
 #: Words of a status array (int64): ``code, which, count, value`` (``value``: a float64's bits).
@@ -353,6 +353,13 @@ def _unscale(x, e, which, status):
         if not abs(x[i]) < math.inf:
             status[0], status[1], status[2] = OUTPUT, which, 0
             return
+
+
+@jit(entry=True)
+def unscale_output(x, e, which, status):
+    """:func:`_unscale` called from Python: the rescale of an output merged from the shares of a
+    call (:func:`numbafa.pipeline.ranges.unscaled_output`), the one a whole call's entry runs."""
+    _unscale(x, e, which, status)
 
 
 @jit()

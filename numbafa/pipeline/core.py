@@ -210,13 +210,15 @@ def run_bwd(ins: BwdInputs, plan, items=None, units=None, n_threads=None, state=
     return outs, stats, e, status
 
 
-def raise_status(status, prob, caller: Caller, plan=None) -> None:
+def raise_status(status, prob, caller: Caller, plan=None, acc=None) -> None:
     """Raise the exception a compiled entry's ``status`` (its first word not 0) stands for, in the
     words of ``caller``; ``prob`` holds the arrays it reports sizes of (None for a Dask share,
-    which checks no input: ``plan`` gives the arithmetic)."""
+    which checks no input: ``plan``, or for a merged output its dtype ``acc``, gives the
+    arithmetic)."""
     code, which, count, value = (int(w) for w in status)
     value = float(np.int64(value).view(np.float64))
-    acc = prob.dtype if prob is not None else plan.acc.dtype
+    if acc is None:
+        acc = prob.dtype if prob is not None else plan.acc.dtype
     arith = "float64" if acc.char == "d" else "float32"
     limit = float(np.finfo(arith).max)
     if code == NONFINITE:

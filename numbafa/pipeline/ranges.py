@@ -6,12 +6,15 @@ cluster must run with one rescale: :func:`check` runs the entry's checks alone (
 the whole problem and returns its exponent ``e``; each share's compiled entry then computes on
 ``v`` or ``dy`` times ``2**-e`` (its ``exponent`` argument: the scaling is the entry's, exact, a
 power of two keeps every mantissa) and leaves its outputs scaled; the merged outputs are
-multiplied back here, by :func:`unscaled_output` (a whole call's entry does that in compiled code).
+multiplied back here, by :func:`unscaled_output`: the entry's own compiled rescale
+(:func:`numbafa.kernels.entry.unscale_output`) and its error.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from ..checks.options import KERNEL_CALLER
 
 __all__ = ["check", "unscaled_output"]
 
@@ -36,15 +39,18 @@ def check(prob, caller, backward: bool) -> int:
 
 def unscaled_output(x: np.ndarray, e: int, name: str) -> np.ndarray:
     """An output (float32, float64 or bf16) of a pass run on inputs scaled by ``2**-e``, times
-    ``2**e`` (exact); raise ``FloatingPointError`` if it leaves the range of float32 (float64 for a
-    float64 output: the exact output is not representable)."""
+    ``2**e`` (exact), by the compiled entry's rescale; raise its ``FloatingPointError`` if it
+    leaves the range of float32 (float64 for a float64 output: the exact output is not
+    representable)."""
+    from .core import raise_status
+    from ..kernels.entry import OUTPUTS, STATUS_WORDS, unscale_output
+
     if e == 0:
         return x
-    kind = "float64" if x.dtype.char == "d" else "float32"
-    with np.errstate(over="ignore"):
-        out = np.ldexp(x.astype(kind), e).astype(kind)
-    if not np.isfinite(out).all():
-        limit = float(np.finfo(kind).max)
-        raise FloatingPointError(f"{name} overflows {kind}: some of its exact values exceed {limit:.4g} "
-                                 f"({kind}'s largest value)")
-    return out.astype(x.dtype)
+    acc = np.dtype(np.float64 if x.dtype.char == "d" else np.float32)
+    out = np.array(x, dtype=acc, order="C")   # (a copy: the merged output may be a worker's buffer)
+    status = np.zeros(STATUS_WORDS, dtype=np.int64)
+    unscale_output(out.reshape(-1), np.int64(e), np.int64(OUTPUTS.index(name)), status)
+    if status[0]:
+        raise_status(status, None, KERNEL_CALLER, acc=acc)
+    return out.astype(x.dtype, copy=False)
