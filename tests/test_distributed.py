@@ -344,7 +344,6 @@ def test_values_beyond_float32_on_the_cluster(client, small, dask_inputs):
             client.compute(list(out), sync=True)
 
 
-
 def test_a_merged_gradient_beyond_float32_is_the_single_process_error(client):
     """Equal keys, dy = 2**127 everywhere: dv of key 0 is 2**127 * (1 + 1/2 + ... + 1/128). The
     shares run on dy * 2**-e; the client's rescale of the merged dv (the entry's compiled one)
@@ -358,6 +357,7 @@ def test_a_merged_gradient_beyond_float32_is_the_single_process_error(client):
     with pytest.raises(FloatingPointError, match=r"^dv overflows float32") as cluster:
         nd.attention_bwd(client, q, k, v, o, dy, lse, use_causal_mask=True)
     assert str(cluster.value) == str(single.value)
+
 
 # --- the shares without a cluster: blocks of units, any forward row split, the backward merge ----
 

@@ -47,8 +47,8 @@ from .launch import backward_items, forward_items
 from .matmul import flat
 from .table import kernel_address
 
-__all__ = ["forward_entry", "backward_entry", "unscale_output", "exact_scores", "exact_scores_plugin", "STATUS_WORDS", "OK", "NONFINITE",
-           "LSE_VALUES", "SCALED_Q", "SCORES", "SCORES_WITH_BIAS", "SUMS", "OUTPUT", "EXACT_SCORES", "INPUTS", "OUTPUTS"]
+__all__ = ["forward_entry", "backward_entry", "unscale_output", "exact_scores", "exact_scores_plugin", "STATUS_WORDS",
+           "OK", "NONFINITE", "LSE_VALUES", "SCALED_Q", "SCORES", "SCORES_WITH_BIAS", "SUMS", "OUTPUT", "EXACT_SCORES", "INPUTS", "OUTPUTS"]
 
 #: Words of a status array (int64): ``code, which, count, value`` (``value``: a float64's bits).
 STATUS_WORDS = 4
