@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import sys
 
+import ml_dtypes
+import numpy as np
 import pytest
 
 from numbafa.compiler import jit as jit_policy
@@ -31,7 +34,7 @@ def test_no_hard_coded_jit_flags():
                 continue
             name = _call_name(node)
             keywords = {k.arg for k in node.keywords}
-            if name in ("njit", "vectorize", "guvectorize") or (name == "jit" and not keywords <= {"parallel", "inline", "contract", "entry", "apart"}):
+            if name in ("njit", "vectorize", "guvectorize") or (name == "jit" and not keywords <= {"parallel", "inline", "contract", "entry", "apart", "refcount"}):
                 offenders.append(f"{path.name}:{node.lineno}: {name}({', '.join(map(str, keywords))})")
             if keywords & {"fastmath", "cache", "nogil", "error_model"}:
                 offenders.append(f"{path.name}:{node.lineno}: flags {keywords}")
@@ -187,3 +190,60 @@ def test_positions_come_in_one_order():
                     offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}"
                                      f"({', '.join(name for _, name in ranks)})")
     assert not offenders, offenders
+
+
+@pytest.fixture
+def nrt_stats():
+    """Numba's allocation counters, on for the test (``(allocations, meminfos)`` still alive)."""
+    from numba.core.runtime import _nrt_python, rtsys
+    _nrt_python.memsys_enable_stats()
+
+    def alive():
+        s = rtsys.get_allocation_stats()
+        return s.alloc - s.free, s.mi_alloc - s.mi_free
+    yield alive
+    _nrt_python.memsys_disable_stats()
+
+
+# Each case runs the steps compiled without reference counting (jit(refcount=False)) with the
+# arrays they are handed and return: a split unit (three q-heads on one KV head, S 384: two
+# items, partial dK/dV), the bf16 operands' bits, an s-major layout's rows, dropout, a bias.
+_REFERENCE_CASES = {
+    "float32-split-gqa-causal": (np.float32, "neuron", dict(use_causal_mask=True)),
+    "bf16-dropout-softcap": (ml_dtypes.bfloat16, "neuron", dict(dropout_p=0.25, seed=3, softcap=4.0)),
+    "bshd-bias": (np.float32, "bshd", dict(bias=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(_REFERENCE_CASES))
+def test_kernels_release_every_reference(case, nrt_stats):
+    """Steps compiled without reference counting neither keep an array alive nor release one
+    twice: over repeated forward and backward calls, no allocation or meminfo outlives its call
+    and the inputs' reference counts are unchanged (a counted view handed to such a step, or a
+    borrowed one released, shows here as a growing count, or a crash)."""
+    import numbafa
+    dtype, layout, options = _REFERENCE_CASES[case]
+    rng = np.random.default_rng(0)
+    shape = {"neuron": lambda h: (1, h, 64, 384), "bshd": lambda h: (1, 384, h, 64)}[layout]
+    q, dy = (rng.standard_normal(shape(3)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal(shape(1)).astype(dtype) for _ in range(2))
+    if options.pop("bias", False):
+        options["bias"] = rng.standard_normal((1, 3, 384, 384)).astype(np.float32)
+
+    def step():
+        o, ctx = numbafa.attention(q, k, v, layout=layout, **options)
+        return ctx.backward(dy)
+
+    step()                                  # compiled (or loaded) before counting
+    before, refs = nrt_stats(), [sys.getrefcount(x) for x in (q, k, v, dy)]
+    for _ in range(3):
+        grads = step()
+    del grads
+    assert nrt_stats() == before
+    assert [sys.getrefcount(x) for x in (q, k, v, dy)] == refs
+
+
+def test_refcount_free_steps_are_apart():
+    """Only a call by cell balances the references a step without counting returns."""
+    with pytest.raises(ValueError, match="refcount=False\\) needs apart=True"):
+        jit_policy.jit(refcount=False)

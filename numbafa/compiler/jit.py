@@ -621,7 +621,7 @@ class KernelDispatcher(CPUDispatcher):
 
 
 def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True, entry: bool = False,
-        apart: bool = False):
+        apart: bool = False, refcount: bool = True):
     """Return a decorator like ``numba.njit``, configured with :data:`JIT_FLAGS`.
 
     Parameters
@@ -649,10 +649,23 @@ def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True, 
         compilation never links, re-optimises or re-emits its body
         (:mod:`numbafa.compiler.linking`): for the large steps of a kernel, each called
         at most once per tile. Returns the intrinsic ``@njit`` code calls.
+    refcount : bool
+        ``False`` compiles the function without Numba's reference counting (``_nrt=False``):
+        no atomic increment and decrement of the arrays in its arguments and of every view
+        it takes, which at a single tile cost the kernels 5-9 % of their time. For the
+        steps that take the caller's arrays and scratch and allocate nothing (Numba refuses
+        an allocation there at compile time); only with ``apart``, whose call site gives
+        the arrays a step returns the reference count its caller expects
+        (:mod:`numbafa.compiler.linking`). What such a step calls that returns arrays is
+        inlined or apart as well: a counted view handed to it would never be released
+        (``tests/test_jit.py`` checks the balance of the kernels' variants).
     """
+    if not (refcount or apart):
+        raise ValueError("jit(refcount=False) needs apart=True: its call site balances returned references")
     flags = dict(JIT_FLAGS)
     flags["fastmath"] = set(flags["fastmath"]) if contract else False
     wrappers = entry and not apart
+    flags["_nrt"] = refcount   # explicit either way: a function that does not set it inherits its caller's
     njit = numba.njit(parallel=parallel, inline="always" if inline else "never",
                       no_cpython_wrapper=not wrappers, no_cfunc_wrapper=True, **flags)
 

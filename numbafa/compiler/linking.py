@@ -26,7 +26,11 @@ never meets an unresolved symbol.
 
 Both use Numba's own calling convention (``context.call_conv``): the callee
 is the very native function Numba calls internally, with its status and
-exception info; no C wrapper is generated for it.
+exception info; no C wrapper is generated for it. Arguments are borrowed.
+A returned array is a new reference from a function compiled with
+reference counting and a borrowed one from a function compiled without
+(``jit(refcount=False)``); a call by cell between the two increfs or
+decrefs what it returns, so each side sees its own convention.
 
 The callee must have been compiled for exactly the argument types the call
 passes. :class:`Apart` guarantees it (it compiles for the types it is
@@ -46,6 +50,7 @@ import llvmlite.binding as llvm
 import llvmlite.ir as llvm_ir
 from numba import types
 from numba.core import cgutils
+from numba.core.runtime.context import NRTContext
 from numba.extending import intrinsic
 
 __all__ = ["Apart", "apart", "native_address", "call_status", "call_or_raise", "pack", "unpack", "address_of",
@@ -188,7 +193,8 @@ def unpack(typingctx, pointer):
     def codegen(context, builder, sig, args):
         model = context.data_model_manager[sig.return_type]
         value = model.from_data(builder, builder.load(args[0]))
-        context.nrt.incref(builder, sig.return_type, value)
+        if context.enable_nrt:
+            context.nrt.incref(builder, sig.return_type, value)
         return value
 
     return pointer.dtype(pointer), codegen
@@ -250,6 +256,7 @@ class Apart:
         argtys = tuple(types.unliteral(a) for a in args)
         name = self.ensure(argtys)
         restype = _cells[name][3]
+        callee_counts = self.dispatcher.targetoptions.get("_nrt", True)
 
         def codegen(context, builder, sig, llargs):
             values = [context.cast(builder, v, a, b) for v, a, b in zip(llargs, args, argtys)]
@@ -258,6 +265,11 @@ class Apart:
             status, value = _call(context, builder, address, argtys, values, restype)
             with cgutils.if_unlikely(builder, status.is_error):
                 context.call_conv.return_status_propagate(builder, status)
+            if callee_counts != context.enable_nrt:
+                # Arrays returned by a function compiled with reference counting are new
+                # references, by one compiled without, borrowed: make them what the caller expects.
+                counting = NRTContext(context, True)
+                (counting.decref if callee_counts else counting.incref)(builder, restype, value)
             return value
 
         return restype(*args), codegen

@@ -158,7 +158,7 @@ def compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum, precision):
         d_sum[i] = total[i]
 
 
-@jit()
+@jit(inline=True)
 def _softmax_backward_row(s, dp, neg_lse, d_sum, k_abs, key_lo, key_hi, use_packing, round_kernel):
     """One key row of Steps 2.3-4 over contiguous query slices (vectorised loops).
 
@@ -177,7 +177,7 @@ def _softmax_backward_row(s, dp, neg_lse, d_sum, k_abs, key_lo, key_hi, use_pack
     round_inplace(dp, round_kernel)
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def recompute_softmax_backward(s_t, dp_t, at, qg, plan):
     """Steps 2.3, 2.4 and 4 on one ``[keys, queries]`` tile, in place.
 
@@ -240,7 +240,7 @@ def accumulate(acc, psum, scale, round_acc):
         round_inplace(a, round_acc)
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def recompute_p_ds(plan, sec, qg, blk, scratch):
     """Steps 2-4 of one block: returns ``(P^T, dS^T)``, ``[keys, queries]`` GEMM operands.
 
@@ -285,7 +285,7 @@ def recompute_p_ds(plan, sec, qg, blk, scratch):
             tile_operand(any_layout(dp_t), scratch.ds_bits, scratch.no_values, scratch.no_bits, bits))
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum, cut, scratch):
     """Steps 5.1, 3.1 and 5.2 of one block.
 
@@ -326,7 +326,7 @@ def update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum, cut, scratch):
         _kd_gemm(plan, ds_t, qg.q_s, q_rows, blk, sec.dk_acc[keys], _ONE)
 
 
-@jit()
+@jit(inline=True)
 def _kd_gemm(plan, a_t, b_cols, b_rows, blk, out, beta):
     """``out = a_t b^T + beta out`` (dV^T or dK^T): ``b`` ``[rows, d]`` as it lies (NN, float
     tiles) or, on the bf16 path, ``[d, rows]`` read transposed
@@ -338,7 +338,7 @@ def _kd_gemm(plan, a_t, b_cols, b_rows, blk, out, beta):
         gemm(a_t, b_rows, out, trans_a=False, trans_b=False, alpha=_ONE, beta=beta, path=plan.gemm)
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch):
     """Everything one (Q group, K tile) pair does (upstream ``_flash_attn_bwd_core``).
 
@@ -377,7 +377,7 @@ def _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch):
         accumulate(qg.dq[:, t0:t1], dq_psum, plan.softmax_scale, plan.precision.round_acc)
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def bwd_k_tiles(plan, sec, qg, scratch):
     """Every K tile of a KV section against one loaded Q group (upstream 1274-1325): each by
     :func:`_flash_attn_bwd_core`. Compiled once for every input dtype (module docstring)."""
@@ -463,7 +463,7 @@ def load_kv_section(ins, plan, batch, kv_head, i_section, scratch, copies):
                      dv_acc=scratch.dv_acc)
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def store_kv_section(outs, plan, sec, unit, chunk, batch, kv_head):
     """Write a section's dK/dV (upstream 1340-1353).
 

@@ -27,7 +27,7 @@ __all__ = ["load_scaled", "store", "store_transposed"]
 _TRANSPOSE_BLOCK = 16
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def load_scaled(src, start, count, out, scale, round_kernel):
     """Load ``src[:, start:start+count]`` (``[d, seq]``) into ``out[:, :count]``, same layout.
 
@@ -50,7 +50,7 @@ def load_scaled(src, start, count, out, scale, round_kernel):
             round_inplace(dst, round_kernel)
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def store_transposed(src, count, dst, start, round_out):
     """Store ``src[:count]`` (``[seq, d]``) into ``dst[:, start:start+count]`` (``[d, seq]``),
     rounded to the format ``round_out`` names."""
@@ -74,7 +74,7 @@ def store_transposed(src, count, dst, start, round_out):
             round_inplace(dst[j, start:start + count], round_out)
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def store(src, count, dst, start, round_out):
     """Store ``src[:, :count]`` into ``dst[:, start:start+count]`` (both ``[d, seq]``), rounded to
     the format ``round_out`` names."""

@@ -129,7 +129,7 @@ def _exp_shifted(x, shift):
         x[j] = exp_of(x[j] - shift)
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def online_softmax_update(s, at, stats, plan):
     """Masked exp of one K tile of the online softmax, in place on ``[queries, keys]`` (queries
     from ``at.q0``, keys from ``at.k0``: a :data:`~numbafa.kernels.mask.TilePos`).
@@ -159,7 +159,7 @@ def online_softmax_update(s, at, stats, plan):
         stats.row_max[i] = m_new
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def rescale_accumulate(stats, pv, tile_sum, round_acc):
     """``acc = acc * alpha + pv`` and ``l = l * alpha + rowsum(P)``, per row, in mixed_dtype."""
     n_q, d = stats.acc.shape
@@ -173,7 +173,7 @@ def rescale_accumulate(stats, pv, tile_sum, round_acc):
         round_inplace(row, round_acc)
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def online_softmax_block(plan, head, q_op, k_op, v_op, blk, stats, scratch):
     """One online-softmax update of the queries ``q_op`` by the keys ``k_op`` / ``v_op`` (operands
     ``[d, rows]`` / ``[d, keys]``, the Neuron layout, read transposed by the GEMM for ``S``;
@@ -209,7 +209,7 @@ def online_softmax_block(plan, head, q_op, k_op, v_op, blk, stats, scratch):
     rescale_accumulate(stats, pv, tile_sum, plan.precision.round_acc)
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def fwd_k_tile(plan, head, q_op, k_op, v_op, q_grp0, k0, scratch):
     """One K tile's update of a Q group's statistics (``scratch`` rows; ``q_op``: its Q_scaled
     ``[d, rows]`` as a GEMM operand).
@@ -248,7 +248,7 @@ def fwd_k_tile(plan, head, q_op, k_op, v_op, q_grp0, k0, scratch):
                              (q_grp0 + b0, kv0), stats, scratch)
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def finalize_rows(o_acc, row_max, row_sum, rows, lse_out):
     """``o = O / l`` and ``lse = m + log(l)`` for ``rows`` rows; an empty row: ``o = 0``, ``lse = +inf``."""
     d_head = o_acc.shape[1]
@@ -264,7 +264,7 @@ def finalize_rows(o_acc, row_max, row_sum, rows, lse_out):
             lse_out[i] = np.float32(np.inf)
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def fwd_q_group(plan, head, q_op, k_op, v_op, q_grp0, outs, scratch):
     """One Q group of one q-head over all keys, from its loaded Q_scaled (``q_op``, ``[d,
     rows]``): the statistics opened by the sinks, the K tiles, the finalisation, the stores of
@@ -285,7 +285,7 @@ def fwd_q_group(plan, head, q_op, k_op, v_op, q_grp0, outs, scratch):
                    plan.precision.round_kernel)
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def sink_statistics(sinks_h):
     """``(max, sum(exp(sink - max)))`` of one q-head's sinks (``-inf, 0`` without sinks)."""
     sink_max = _NEG_INF

@@ -106,7 +106,7 @@ def dims4(x, layout):
     return x.shape[0], x.shape[1], x.shape[2], x.shape[3]
 
 
-@jit()
+@jit(inline=True)
 def head_rows(x, layout, b, h):
     """Head ``(b, h)`` of an s-major array as ``(rows, col0, d)``: element ``[s, j]`` of the head
     is ``rows[s, col0 + j]``, ``rows`` a C-contiguous 2-D view (bhsd: the head itself; bshd: the
@@ -118,7 +118,7 @@ def head_rows(x, layout, b, h):
     return x[b, h], 0, x.shape[3]
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def gather_head(head, start, count, out):
     """``out[:, :count]`` = rows ``start:start + count`` of the s-major ``head`` (:func:`head_rows`),
     transposed to ``[d, count]``, elements as they are (bf16 bits stay bits)."""
@@ -137,7 +137,7 @@ def gather_head(head, start, count, out):
             out[j, i] = rows[start + i, col0 + j]
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def copy_head_rows(head, out):
     """``out`` (``[seq, d]``) = the s-major ``head`` (:func:`head_rows`), elements as they are."""
     rows, col0, d = head
@@ -148,7 +148,7 @@ def copy_head_rows(head, out):
             dst[j] = src[j]
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def load_scaled_rows(head, start, count, out, scale, round_kernel):
     """:func:`numbafa.kernels.common.load_scaled` of an s-major head: ``out[:, :count]`` the
     transposed rows, widened to float, times ``scale`` and rounded (``scale == 1``: an exact copy)."""
@@ -173,7 +173,7 @@ def load_scaled_rows(head, start, count, out, scale, round_kernel):
             round_inplace(dst[:count], round_kernel)
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def store_rows(src, count, head, start, round_out):
     """Rows ``start:start + count`` of the s-major ``head`` = ``src[:count]`` (``[seq, d]``
     accumulators: no transpose), rounded to the format ``round_out`` names."""
@@ -186,7 +186,7 @@ def store_rows(src, count, head, start, round_out):
         round_inplace(dst, round_out)
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def store_head_rows(src, count, head, start, round_out):
     """Rows ``start:start + count`` of the s-major ``head`` = ``src[:, :count]`` transposed (a
     ``[d, count]`` tile, dQ), rounded to the format ``round_out`` names."""

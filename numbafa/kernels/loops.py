@@ -87,7 +87,7 @@ def _input_operand_overload(x, plan, no_values, no_bits):
     return impl
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def tile_operand(t, bits_buf, no_values, no_bits, bits):
     """A tile computed in float32 (2-D, values of the kernel dtype) as a GEMM operand: itself, or
     with ``bits`` (the bf16 path) its bf16 bits written into the flat uint16 scratch ``bits_buf``
@@ -104,7 +104,7 @@ def tile_operand(t, bits_buf, no_values, no_bits, bits):
     return bits_operand(out, no_values)
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def rows_operand(op, values_buf, no_values, no_bits, bits):
     """The transpose ``[cols, d]`` of a ``[d, cols]`` float operand, in the flat scratch
     ``values_buf`` (accumulator dtype): the B operand of a GEMM that then reads it as it lies
@@ -124,13 +124,13 @@ def width(op, bits):
     return op.bits.shape[1] if bits else op.f.shape[1]
 
 
-@jit()
+@jit(inline=True)
 def row_slice(op, r0, r1):
     """Rows ``r0:r1`` of both members of an operand (a ``[seq, d]`` one; the empty one stays empty)."""
     return Operand(op.f[r0:r1], op.bits[r0:r1])
 
 
-@jit()
+@jit(inline=True)
 def columns(op, c0, c1):
     """Columns ``c0:c1`` of both members of an operand (the empty one stays empty)."""
     return Operand(op.f[:, c0:c1], op.bits[:, c0:c1])

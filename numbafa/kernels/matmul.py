@@ -53,6 +53,7 @@ from numba.extending import intrinsic, overload
 from numba.np.arrayobj import make_array, populate_array
 
 from ..compiler.jit import jit
+from ..compiler.linking import pack
 from ..platform.onednn import ensure_symbols
 
 __all__ = ["Operand", "values_operand", "bits_operand", "gemm", "row_sums", "any_layout", "flat"]
@@ -106,7 +107,8 @@ def any_layout(typingctx, x):
         return None
 
     def codegen(context, builder, sig, args):
-        context.nrt.incref(builder, sig.return_type, args[0])
+        if context.enable_nrt:
+            context.nrt.incref(builder, sig.return_type, args[0])
         return args[0]
 
     return x.copy(layout="A")(x), codegen
@@ -127,20 +129,21 @@ def flat(typingctx, x):
                        strides=cgutils.pack_array(builder, [src.itemsize]), itemsize=src.itemsize,
                        meminfo=src.meminfo, parent=src.parent)
         value = dst._getvalue()
-        context.nrt.incref(builder, retty, value)
+        if context.enable_nrt:
+            context.nrt.incref(builder, retty, value)
         return value
 
     return retty(x), codegen
 
 
-@jit()
+@jit(inline=True)
 def values_operand(values, no_bits):
     """The :data:`Operand` of a tile held as ``values`` (2-D, accumulator dtype); ``no_bits``: an
     empty 2-D uint16 array."""
     return Operand(any_layout(values), any_layout(no_bits))
 
 
-@jit()
+@jit(inline=True)
 def bits_operand(bits, no_values):
     """The :data:`Operand` of a tile held as bf16 ``bits`` (2-D uint16); ``no_values``: an empty
     2-D array of the accumulator dtype."""
@@ -185,15 +188,14 @@ def _blas(a, b, c, trans_a, trans_b, alpha, beta):  # pragma: no cover - njit on
 @overload(_blas)
 def _blas_overload(a, b, c, trans_a, trans_b, alpha, beta):
     fn, kind = (_xxgemm(types.float32), _KIND_S) if c.dtype == types.float32 else (_xxgemm(types.float64), _KIND_D)
+    cast = np.float32 if c.dtype == types.float32 else np.float64
 
     def impl(a, b, c, trans_a, trans_b, alpha, beta):
         m, n, k = _check_operands(a, b, c, trans_a, trans_b)
-        scal = np.empty(2, dtype=c.dtype)
-        scal[0] = alpha
-        scal[1] = beta
+        # alpha and beta by pointer: copies in this frame (no allocation per call)
         return fn(kind, _TRANS if trans_b else _NO_TRANS, _TRANS if trans_a else _NO_TRANS,
-                  n, m, k, scal[0:1].ctypes, b.ctypes, _leading_dim(b),
-                  a.ctypes, _leading_dim(a), scal[1:2].ctypes, c.ctypes, _leading_dim(c))
+                  n, m, k, pack(cast(alpha)), b.ctypes, _leading_dim(b),
+                  a.ctypes, _leading_dim(a), pack(cast(beta)), c.ctypes, _leading_dim(c))
     return impl
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import carray
 
 from ..compiler.jit import jit
 from ..compiler.linking import KERNEL_TABLE_CAPACITY, _table_words, register_kernel
@@ -27,7 +26,7 @@ def kernel_address(key):
     """The address of the function registered under ``key``, 0 if none is (open addressing over
     the table's words)."""
     n = KERNEL_TABLE_CAPACITY
-    words = carray(_table_words(), (2 * n,))
+    words = _table_words()   # a pointer: indexing it needs no array (nor reference counting)
     i = key % n
     for _ in range(n):
         found = words[2 * i]
