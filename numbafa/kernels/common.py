@@ -14,17 +14,9 @@ import numpy as np
 
 from ..conventions.dtypes import ROUND_NONE, round_inplace, widen
 from ..compiler.jit import jit
+from .heads import gather_head
 
 __all__ = ["load_scaled", "store", "store_transposed"]
-
-
-# A transposed *store* goes in square blocks of 16 x 16: the block's 16 rows
-# of the [seq, d] source stay in L1, each of its 16 destination rows gets one
-# full 64-byte line, and LLVM turns the fixed-size block into vector shuffles.
-# A store of whole columns at once would read with a stride of d floats over
-# the whole sequence, which at d = 128 (512-byte stride) thrashes L1's sets.
-# Loads keep their plain loop (what was measured, docs/performance.md).
-_TRANSPOSE_BLOCK = 16
 
 
 @jit(apart=True, refcount=False)
@@ -53,25 +45,14 @@ def load_scaled(src, start, count, out, scale, round_kernel):
 @jit(apart=True, refcount=False)
 def store_transposed(src, count, dst, start, round_out):
     """Store ``src[:count]`` (``[seq, d]``) into ``dst[:, start:start+count]`` (``[d, seq]``),
-    rounded to the format ``round_out`` names."""
+    rounded to the format ``round_out`` names. The transpose goes in 8 x 8 blocks held in vector
+    registers (:func:`numbafa.kernels.heads.gather_head`, ``src``'s rows taken as a head's)."""
     d_head = dst.shape[0]
-    b = _TRANSPOSE_BLOCK
-    full_rows = count - count % b
-    full_cols = d_head - d_head % b
-    for i0 in range(0, full_rows, b):
-        for j0 in range(0, full_cols, b):
-            for j in range(j0, j0 + b):
-                for i in range(i0, i0 + b):
-                    dst[j, start + i] = src[i, j]
-        for j in range(full_cols, d_head):
-            for i in range(i0, i0 + b):
-                dst[j, start + i] = src[i, j]
-    for i in range(full_rows, count):
-        for j in range(d_head):
-            dst[j, start + i] = src[i, j]
+    out = dst[:, start:start + count]
+    gather_head((src, 0, d_head), 0, count, out)
     if round_out != ROUND_NONE:
         for j in range(d_head):
-            round_inplace(dst[j, start:start + count], round_out)
+            round_inplace(out[j], round_out)
 
 
 @jit(apart=True, refcount=False)
