@@ -19,6 +19,9 @@ torch; shapes whose v has a head dim of its own run on SDPA's math backend (``to
 in the JSON rows). The golden (float64, materialising) runs once per shape up to
 ``--golden-max-seqlen``, in numbafa's worker. ``--memory`` adds the peak extra memory of one
 float32 backward of each shape (bench/memory.py: a fresh process per measurement).
+``--isolated`` starts a fresh worker for every timing and closes it after (:class:`IsolatedWorker`):
+at a single tile, a call of tens of microseconds, even an idle worker of the other side
+(its thread pools' spinning, on a 2-core machine) moved medians by 20x on Zen 4.
 """
 
 from __future__ import annotations
@@ -161,6 +164,33 @@ class Worker:
         self.proc.wait(timeout=60)
 
 
+class IsolatedWorker:
+    """A :class:`Worker` whose every timing runs in a process of its own, started for it and
+    closed after it (``--isolated``): only one side's process is alive while either is timed, so
+    no idle thread pool of the other (OpenMP, OpenBLAS) spins on the cores. Each timing pays a
+    start-up and a warm-up call first: for short calls (a single tile), where that matters."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.shape = None
+
+    def ask(self, **request) -> dict:
+        if "shape" in request:
+            self.shape = request
+        worker = Worker(self.name)
+        try:
+            reply = worker.ask(**self.shape)
+            if "shape" in request:
+                return reply
+            worker.ask(**request)   # warm-up: compile or cache load, allocator, thread pools
+            return worker.ask(**request)
+        finally:
+            worker.close()
+
+    def close(self) -> None:
+        pass
+
+
 def _peaks() -> dict:
     """The machine's peak GFLOP/s for each dtype's arithmetic, measured now (bench/peak.py)."""
     return {"float32": peak_gflops("fma"), "bf16": peak_gflops("bf16")}
@@ -175,7 +205,8 @@ def run(args):
         raise SystemExit(f"--shapes {' '.join(sorted(missing))}: not in --set {args.set} "
                          f"(its shapes: {', '.join(s[0] for s in pool)}); --set all takes every shape")
     with_torch = not args.no_torch and importlib.util.find_spec("torch") is not None
-    workers = [Worker("numbafa")] + ([Worker("torch")] if with_torch else [])
+    worker = IsolatedWorker if args.isolated else Worker
+    workers = [worker("numbafa")] + ([worker("torch")] if with_torch else [])
     peaks = None
     try:
         for shape in shapes:
@@ -317,6 +348,8 @@ def main(argv=None):
     p.add_argument("--dtypes", nargs="+", default=["float32", "bf16"], choices=["float32", "bf16"])
     p.add_argument("--passes", nargs="+", default=["forward", "backward"], choices=["forward", "backward"])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--isolated", action="store_true",
+                   help="a fresh process per timing, the other side's closed meanwhile (single tiles)")
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--golden-max-seqlen", type=int, default=2048)
     p.add_argument("--json", help="write the rows here")
@@ -328,7 +361,8 @@ def main(argv=None):
     import numbafa
     meta = dict(numbafa=numbafa.__version__, torch=_torch_version(), machine=platform.machine(),
                 processor=platform.processor(), python=platform.python_version(), cpu_count=os.cpu_count(),
-                backend=numbafa.backend_info(), peak_gflops=peaks, processes="one per implementation")
+                backend=numbafa.backend_info(), peak_gflops=peaks,
+                processes="one per timing" if args.isolated else "one per implementation")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(meta=meta, rows=rows), fh, indent=2)
