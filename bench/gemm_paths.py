@@ -33,23 +33,32 @@ from numbafa.platform import onednn
 from numbafa.platform.blas import single_threaded_blas
 from numbafa.platform.cpu import cpu_flags
 from numbafa.conventions.dtypes import to_bf16_array
-from numbafa.kernels.matmul import ONEDNN, matmul
+from numbafa.kernels.bundles import Gemm
+from numbafa.kernels.matmul import Operand, gemm
 
 ROWS = 512
 KEYS = 512
 INNER = 8
 
 
-@njit
-def _blas(a, b, c, trans_a, trans_b, n):
-    for _ in range(n):
-        matmul(a, b, c, trans_a, trans_b, np.float32(1.0), np.float32(1.0), None)
+_NO_VALUES = np.empty((0, 0), np.float32)
+_NO_BITS = np.empty((0, 0), np.uint16)
+
+
+def _operand(x):
+    """A float32 array, or bf16 bits (uint16), as the kernels' GEMM operand."""
+    return Operand(_NO_VALUES, x) if x.dtype == np.uint16 else Operand(x, _NO_BITS)
 
 
 @njit
-def _onednn(a, b, c, trans_a, trans_b, n):
+def _timed_gemm(a, b, c, trans_a, trans_b, path, n):
     for _ in range(n):
-        matmul(a, b, c, trans_a, trans_b, np.float32(1.0), np.float32(1.0), ONEDNN)
+        gemm(a, b, c, trans_a, trans_b, np.float32(1.0), np.float32(1.0), path)
+
+
+#: Each variant's path through the kernels' matmul seam (numbafa.kernels.bundles.Gemm).
+PATHS = {"blas": Gemm(onednn=False, bits=False), "onednn-f32": Gemm(onednn=True, bits=False),
+         "onednn-bf16": Gemm(onednn=True, bits=True)}
 
 
 def gemms(d_head, rng):
@@ -73,12 +82,12 @@ def main(argv=None):
 
     library = onednn.library_path()
     flags = cpu_flags() or set()
-    variants = {"blas": _blas}
+    variants = ["blas"]
     if library is not None:
         llvmlite.binding.load_library_permanently(library)
-        variants["onednn-f32"] = _onednn
+        variants.append("onednn-f32")
         if flags & {"avx512_bf16", "amx_bf16"}:
-            variants["onednn-bf16"] = _onednn
+            variants.append("onednn-bf16")
     info = numbafa.backend_info()
     print(f"CPU flags: {info['cpu']}; BLAS: {[(b['internal_api'], b['architecture']) for b in info['blas']]}")
     print(f"oneDNN: {library or 'not installed'}; this process's path: {info['gemm']['path']} "
@@ -94,15 +103,16 @@ def main(argv=None):
                     a_v, b_v = to_bf16_array(a).view(np.uint16), to_bf16_array(b).view(np.uint16)
                 else:
                     a_v, b_v = a, b
-                operands[variant] = (a_v, b_v, np.zeros((m, n), np.float32), trans_a, trans_b)
-            for variant, fn in variants.items():   # compile and warm up
-                fn(*operands[variant], 1)
+                operands[variant] = (_operand(a_v), _operand(b_v), np.zeros((m, n), np.float32), trans_a, trans_b,
+                                     PATHS[variant])
+            for variant in variants:   # compile and warm up
+                _timed_gemm(*operands[variant], 1)
             times = {variant: [] for variant in variants}
             with single_threaded_blas():
                 for _ in range(args.repeats):
-                    for variant, fn in variants.items():
+                    for variant in variants:
                         start = time.perf_counter()
-                        fn(*operands[variant], INNER)
+                        _timed_gemm(*operands[variant], INNER)
                         times[variant].append((time.perf_counter() - start) / INNER)
             rates = [2 * m * n * k / np.median(times[v]) / 1e9 for v in variants]
             print(f"| {d_head} | {name} ({m} x {n} x {k}) | " + " | ".join(f"{r:.0f}" for r in rates) + " |")
