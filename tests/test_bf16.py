@@ -275,10 +275,17 @@ def test_not_mixed_error_grows_with_seqlen_k():
     assert errors[4096, True] < 1.5 * errors[512, True], errors
 
 
-def _mismatch(actual, expected):
-    """Fraction of elements (over all outputs) that are not bit-identical."""
-    diff = sum(int(np.count_nonzero(np.asarray(a, np.float32) != e)) for a, e in zip(actual, expected))
-    return diff / sum(e.size for e in expected)
+def _sides(actual, with_point, without):
+    """On the elements where the two goldens differ (the ones the rounding point decides): how
+    many there are, and how many of them ``actual`` matches bit for bit in each golden."""
+    deciding = agree_with = agree_without = 0
+    for a, w, wo in zip(actual, with_point, without):
+        a = np.asarray(a, np.float32)
+        decides = w != wo
+        deciding += int(np.count_nonzero(decides))
+        agree_with += int(np.count_nonzero(a[decides] == w[decides]))
+        agree_without += int(np.count_nonzero(a[decides] == wo[decides]))
+    return deciding, agree_with, agree_without
 
 
 # (rounding point, case, mixed_precision): a configuration in which the point matters.
@@ -302,17 +309,27 @@ def test_points_table_covers_every_rounding_point():
 
 @pytest.mark.parametrize("point,case,mixed", POINTS, ids=[p[0] for p in POINTS])
 def test_each_rounding_point_changes_the_result(point, case, mixed):
-    """The kernel agrees with the numerics golden, and not with it minus one rounding point."""
+    """The kernel sides with the numerics golden, not with it minus one rounding point.
+
+    Only the elements the point decides (where the two goldens differ) are compared: the others
+    hold no evidence either way, and summation-order flips among them (GEMM kernels differ by
+    CPU: AMX, AVX-512, AVX2) would only dilute the count. On those elements a kernel with the
+    point matches the golden with it except where its own summation order flips a rounding
+    (faithfulness, tested above, bounds that), and a kernel without the point matches the other
+    golden: the decision is which of the two it matches on most of them.
+    """
     inputs = make_inputs(case, BF16)
     got = numbafa.attention_bwd(**inputs, mixed_precision=mixed)
-    if point == "sinks":  # only dsinks sees this point
-        got = got[3:]
     with_point = golden.attention_bwd_rounded(**inputs, mixed_precision=mixed)
     without = golden.attention_bwd_rounded(**inputs, mixed_precision=mixed, disable=(point,))
-    if point == "sinks":
-        with_point, without = with_point[3:], without[3:]
-    on, off = _mismatch(got, with_point), _mismatch(got, without)
-    assert off > 1e-3 and off > 10 * on, f"{point}: mismatch {on:.4%} with the point, {off:.4%} without"
+    if point == "sinks":  # only dsinks sees this point
+        got, with_point, without = got[3:], with_point[3:], without[3:]
+    deciding, agree_with, agree_without = _sides(got, with_point, without)
+    total = sum(e.size for e in with_point)
+    assert deciding >= 1e-3 * total, f"{point}: the case does not exercise the point ({deciding} of {total})"
+    assert 2 * agree_with > deciding, (
+        f"{point}: of the {deciding} elements the point decides, the kernel matches the golden with it "
+        f"on {agree_with} and the golden without it on {agree_without}")
 
 
 @pytest.mark.parametrize("point,case,mixed", POINTS, ids=[p[0] for p in POINTS])
