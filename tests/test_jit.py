@@ -10,10 +10,12 @@ import pathlib
 import sys
 
 import ml_dtypes
+import numba
 import numpy as np
 import pytest
 
 from numbafa.compiler import jit as jit_policy
+from numbafa.kernels.fastexp import expf
 
 PACKAGE = pathlib.Path(jit_policy.__file__).parents[1]   # numbafa/
 
@@ -247,3 +249,38 @@ def test_refcount_free_steps_are_apart():
     """Only a call by cell balances the references a step without counting returns."""
     with pytest.raises(ValueError, match="refcount=False\\) needs apart=True"):
         jit_policy.jit(refcount=False)
+
+
+def _exp_loop():
+    """A fresh elementwise loop, defined from a string: no source file, so never cached (Numba
+    inspects only code it compiled in this process)."""
+    namespace = {"expf": expf}
+    exec("def exp_loop(x, shift):\n"
+         "    for j in range(x.size):\n"
+         "        x[j] = expf(x[j] - shift)\n", namespace)
+    return namespace["exp_loop"]
+
+
+def test_package_functions_prefer_512_bit_vectors():
+    """Package functions are compiled with the vector-width attribute, a user's Numba function in
+    the same process as Numba compiles it; with the same fastmath flags both give the same bits
+    (an elementwise loop does not depend on the vector width)."""
+    package = jit_policy.jit(entry=True)(_exp_loop())
+    user = numba.njit(fastmath={"contract"})(_exp_loop())
+    x = np.linspace(-90.0, 3.0, 1001, dtype=np.float32)
+    a, b = x.copy(), x.copy()
+    package(a, np.float32(0.25))
+    user(b, np.float32(0.25))
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert jit_policy.VECTOR_WIDTH_ATTRIBUTE in "".join(package.inspect_llvm().values())
+    assert jit_policy.VECTOR_WIDTH_ATTRIBUTE not in "".join(user.inspect_llvm().values())
+
+
+def test_package_loops_use_512_bit_vectors_on_avx512():
+    features = getattr(numba.core.registry.cpu_target.target_context.codegen(), "_tm_features", "")
+    if "+avx512f" not in features.split(","):
+        pytest.skip(f"Numba's target has no AVX-512 here ({numba.core.config.CPU_NAME or 'host'} CPU): "
+                    "the attribute changes nothing")
+    package = jit_policy.jit(entry=True)(_exp_loop())
+    package(np.zeros(64, np.float32), np.float32(0.0))
+    assert "zmm" in "".join(package.inspect_asm().values())

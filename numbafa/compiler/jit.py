@@ -77,6 +77,14 @@ whether the cache is on and where.
 ``NUMBAFA_CACHE_DIR``
     The cache root, see above.
 
+Vector width: every package function is compiled with the LLVM function attribute
+``"prefer-vector-width"="512"`` (:class:`_Compiler`). LLVM's own choice for Intel's AVX-512 CPUs
+(Skylake-X to Sapphire Rapids) is 256-bit vectors, for Zen 4 512-bit ones; on a Xeon with AVX-512
+the float32 ``exp`` loop of the softmax ran at 0.41 ns per element with 256-bit vectors and 0.28
+with 512-bit ones. Elementwise loops give the same bits at either width (no float reduction
+is reassociated: see ``fastmath`` below); on CPUs without AVX-512 the attribute changes nothing.
+The user's own Numba functions are compiled as they were.
+
 ``fastmath`` is restricted to ``{"contract"}`` and not configurable: it lets
 LLVM fuse ``a * b + c`` into one FMA (faster, and never less accurate), but
 forbids reassociation, flush-to-zero and "no NaN/inf" assumptions, which
@@ -109,7 +117,10 @@ import warnings
 
 import numba
 from numba.core import caching
+from numba.core.compiler import Compiler
+from numba.core.compiler_machinery import LoweringPass, register_pass
 from numba.core.registry import CPUDispatcher
+from numba.core.typed_passes import NativeLowering
 
 from . import linking
 
@@ -310,6 +321,58 @@ JIT_FLAGS: dict = {
     "error_model": "numpy",
     "nogil": True,
 }
+
+
+#: The LLVM function attribute every package function is compiled with (module docstring).
+VECTOR_WIDTH_ATTRIBUTE = '"prefer-vector-width"="512"'
+
+
+def _tag_functions(ir_module) -> None:
+    """Give every function ``ir_module`` defines :data:`VECTOR_WIDTH_ATTRIBUTE`. (llvmlite's
+    attribute sets accept only enum attributes by name; a string attribute is printed as given.)"""
+    for function in ir_module.functions:
+        if function.blocks:
+            set.add(function.attributes, VECTOR_WIDTH_ATTRIBUTE)
+
+
+@register_pass(mutates_CFG=False, analysis_only=False)
+class _WideVectorLibrary(LoweringPass):
+    """Before Numba's lowering: the code library the function is lowered into, made as Numba
+    makes it, with its ``add_ir_module`` tagging the module's functions first. Only this
+    library (this function's code) is affected, not the process's other Numba code."""
+
+    _name = "numbafa_wide_vector_library"
+
+    def __init__(self):
+        LoweringPass.__init__(self)
+
+    def run_pass(self, state):
+        if state.library is None:
+            library = state.targetctx.codegen().create_library(state.func_id.func_qualname)
+            library.enable_object_caching()
+            add_ir_module = library.add_ir_module
+
+            def tagged(ir_module):
+                _tag_functions(ir_module)
+                add_ir_module(ir_module)
+
+            library.add_ir_module = tagged
+            state.library = library
+        return True
+
+
+class _Compiler(Compiler):
+    """Numba's compiler with :class:`_WideVectorLibrary` just before the lowering."""
+
+    def define_pipelines(self):
+        pipelines = super().define_pipelines()
+        for pm in pipelines:
+            names = [cls for cls, _ in pm.passes]
+            if NativeLowering in names:
+                i = names.index(NativeLowering)
+                pm.passes.insert(i, (_WideVectorLibrary, str(_WideVectorLibrary)))
+                pm.finalize()
+        return pipelines
 
 
 # -- warnings, once ---------------------------------------------------------------------------
@@ -667,7 +730,7 @@ def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True, 
     wrappers = entry and not apart
     flags["_nrt"] = refcount   # explicit either way: a function that does not set it inherits its caller's
     njit = numba.njit(parallel=parallel, inline="always" if inline else "never",
-                      no_cpython_wrapper=not wrappers, no_cfunc_wrapper=True, **flags)
+                      no_cpython_wrapper=not wrappers, no_cfunc_wrapper=True, pipeline_class=_Compiler, **flags)
 
     def decorate(func):
         dispatcher = njit(func)
@@ -693,5 +756,5 @@ def callable_from_python(function):
             dispatcher = getattr(function, "dispatcher", function)
             options = {k: v for k, v in dispatcher.targetoptions.items()
                        if k not in ("no_cpython_wrapper", "no_cfunc_wrapper", "nopython")}
-            twin = _python_twins[py_func] = numba.njit(**options)(py_func)
+            twin = _python_twins[py_func] = numba.njit(pipeline_class=_Compiler, **options)(py_func)
     return twin
