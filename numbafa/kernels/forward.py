@@ -85,7 +85,7 @@ def _row_max(x):  # pragma: no cover - replaced by the overload inside njit code
     raise NotImplementedError("_row_max is only callable from @njit code")
 
 
-@overload(_row_max)
+@overload(_row_max, inline="always")
 def _row_max_overload(x):
     if x.dtype == types.float32:
         return lambda x: _row_max_f32(x)
@@ -94,7 +94,7 @@ def _row_max_overload(x):
     return None
 
 
-@jit()
+@jit(inline=True)
 def _row_max_f64(x):
     """Max of a contiguous 1-D float64 array (-inf if empty); NaN-free (validated inputs)."""
     m = -np.inf
@@ -103,7 +103,7 @@ def _row_max_f64(x):
     return m
 
 
-@jit()
+@jit(inline=True)
 def _row_max_f32(x):
     """Max of a contiguous 1-D float32 array (-inf if empty), by an integer reduction.
 
