@@ -54,10 +54,10 @@ from .common import load_scaled, store_transposed
 from .dropout import drop_tile
 from .fastexp import exp_of, log_of
 from .heads import NEURON, copy_head_rows, dims4, gather_head, head_rows, load_scaled_rows, store_rows
-from .loops import (columns, decode_item, group_rows, input_operand, n_q_groups, owns_group, row_slice, tile_operand,
+from .loops import (bits_of_row, columns, decode_item, group_rows, input_operand, n_q_groups, owns_group, row_slice, tile_operand,
                     width)
 from .mask import cut_by_mask, required_q_rows, static_key_range, tile_pos, visible_keys
-from .matmul import any_layout, gemm, row_sums
+from .matmul import any_layout, bits_operand, gemm, row_sums
 from .scores import modify_scores
 from .table import plugin_address
 
@@ -130,7 +130,7 @@ def _exp_shifted(x, shift):
 
 
 @jit(apart=True, refcount=False)
-def online_softmax_update(s, at, stats, plan):
+def online_softmax_update(s, at, stats, plan, bits_out):
     """Masked exp of one K tile of the online softmax, in place on ``[queries, keys]`` (queries
     from ``at.q0``, keys from ``at.k0``: a :data:`~numbafa.kernels.mask.TilePos`).
 
@@ -138,9 +138,13 @@ def online_softmax_update(s, at, stats, plan):
     the new running max and ``stats.alpha = exp(m_old - m_new)``, the factor
     by which the row's sum and output accumulator must be scaled. The row
     sums of P are taken afterwards by one matrix-vector product (a sum inside
-    this loop would stop it from vectorising).
+    this loop would stop it from vectorising). A ``bits_out`` of ``s``'s shape (uint16; the
+    bf16 path without dropout) also receives P's bf16 bits, each row while it is in cache:
+    the operand of ``P V`` (:func:`~numbafa.kernels.loops.tile_operand`'s bits, written here
+    instead of in a pass of their own over the tile); an empty one, nothing.
     """
     n_q, n_k = s.shape
+    fused = bits_out.shape[0] != 0
     for i in range(n_q):
         row = s[i]
         lo, hi = visible_keys(plan.mask, at.q0 + i, at.k0, n_k)
@@ -152,11 +156,13 @@ def online_softmax_update(s, at, stats, plan):
         if m_new == _NEG_INF:  # nothing visible yet
             stats.alpha[i] = _ONE
             seen[:] = _ZERO
-            continue
-        stats.alpha[i] = exp_of(m_old - m_new)
-        _exp_shifted(seen, m_new)
-        round_inplace(seen, plan.precision.round_kernel)
-        stats.row_max[i] = m_new
+        else:
+            stats.alpha[i] = exp_of(m_old - m_new)
+            _exp_shifted(seen, m_new)
+            round_inplace(seen, plan.precision.round_kernel)
+            stats.row_max[i] = m_new
+        if fused:
+            bits_of_row(row, bits_out[i])
 
 
 @jit(apart=True, refcount=False)
@@ -196,7 +202,9 @@ def online_softmax_block(plan, head, q_op, k_op, v_op, blk, stats, scratch):
     if plan.scores.active:
         args = (s, at, plan.scores)
         call_or_raise(plugin_address(_plugin_key(modify_scores, args)), (pack(args), np.int64(0)))
-    online_softmax_update(s, at, stats, plan)
+    fused = plan.gemm.bits and not plan.dropout.active   # P's bits written by the softmax step
+    p_bits = scratch.p_bits[:n_q * n_k].reshape(n_q, n_k) if fused else scratch.no_bits
+    online_softmax_update(s, at, stats, plan, p_bits)
     tile_sum = scratch.tile_sum[:n_q]
     row_sums(s, scratch.ones[:n_k], tile_sum)   # rowsum(P)
     if plan.dropout.active:
@@ -204,7 +212,10 @@ def online_softmax_block(plan, head, q_op, k_op, v_op, blk, stats, scratch):
         call_or_raise(plugin_address(_plugin_key(drop_tile, args)), (pack(args), np.int64(0)))
     pv = scratch.pv[:n_q * d_v].reshape(n_q, d_v)
     # P as written (bf16 values for bf16 inputs): its bits are the operand on the bf16 path.
-    p_op = tile_operand(any_layout(s), scratch.p_bits, scratch.no_values, scratch.no_bits, plan.gemm.bits)
+    if fused:
+        p_op = bits_operand(p_bits, scratch.no_values)
+    else:
+        p_op = tile_operand(any_layout(s), scratch.p_bits, scratch.no_values, scratch.no_bits, plan.gemm.bits)
     gemm(p_op, v_op, pv, trans_a=False, trans_b=False, alpha=_ONE, beta=_ZERO, path=plan.gemm)
     rescale_accumulate(stats, pv, tile_sum, plan.precision.round_acc)
 

@@ -97,11 +97,15 @@ def tile_operand(t, bits_buf, no_values, no_bits, bits):
     rows, cols = t.shape
     out = bits_buf[:rows * cols].reshape(rows, cols)
     for i in range(rows):
-        src = t[i]
-        dst = out[i]
-        for j in range(cols):
-            dst[j] = np.uint16(np.float32(src[j]).view(np.uint32) >> np.uint32(16))
+        bits_of_row(t[i], out[i])
     return bits_operand(out, no_values)
+
+
+@jit(inline=True)
+def bits_of_row(src, dst):
+    """``dst[j]`` = the bf16 bits of ``src[j]``, a float32 holding a bf16 value (exact)."""
+    for j in range(src.size):
+        dst[j] = np.uint16(np.float32(src[j]).view(np.uint32) >> np.uint32(16))
 
 
 @jit(apart=True, refcount=False)
