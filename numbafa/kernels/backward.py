@@ -81,10 +81,10 @@ from .dropout import drop_probabilities, drop_scores
 from .fastexp import exp_of
 from .heads import (NEURON, dims4, gather_head, head_rows, load_scaled_rows, reduce_partials_rows, store_head_rows,
                     store_rows)
-from .loops import (columns, group_rows, input_operand, n_q_groups, owns_group, row_slice, rows_operand,
+from .loops import (bits_of_row, columns, group_rows, input_operand, n_q_groups, owns_group, row_slice, rows_operand,
                     tile_operand)
 from .mask import cut_by_mask, queries_seeing_key, required_q_rows, tile_pos
-from .matmul import any_layout, gemm
+from .matmul import any_layout, bits_operand, gemm
 from .scores import item_units, modify_scores_t, score_gradients
 from .table import plugin_address
 
@@ -178,7 +178,7 @@ def _softmax_backward_row(s, dp, neg_lse, d_sum, k_abs, key_lo, key_hi, use_pack
 
 
 @jit(apart=True, refcount=False)
-def recompute_softmax_backward(s_t, dp_t, at, qg, plan):
+def recompute_softmax_backward(s_t, dp_t, at, qg, plan, p_bits, ds_bits):
     """Steps 2.3, 2.4 and 4 on one ``[keys, queries]`` tile, in place.
 
     On entry ``s_t = S^T`` and ``dp_t = dP^T`` for keys ``at.k0..`` and
@@ -193,9 +193,15 @@ def recompute_softmax_backward(s_t, dp_t, at, qg, plan):
     * ``P = exp(S + (-LSE))``: one exp, no max subtraction, no division;
     * ``dS = (dP - D) * P``: the fused op, in this operand order, with the
       rounded P.
+
+    ``p_bits`` and ``ds_bits`` of ``s_t``'s shape (uint16; the bf16 path with nothing to change
+    P or dS afterwards) also receive the bf16 bits of P^T and dS^T, each row while it is in
+    cache: the operands of the next GEMMs (:func:`~numbafa.kernels.loops.tile_operand`'s bits,
+    written here instead of in passes of their own over the tile); empty ones, nothing.
     """
     mask = plan.mask
     n_k, n_q = s_t.shape
+    fused = p_bits.shape[0] != 0
     k_abs0, q_abs0 = at.k0, at.q0
     for j in range(n_k):
         k_abs = k_abs0 + j
@@ -214,6 +220,9 @@ def recompute_softmax_backward(s_t, dp_t, at, qg, plan):
         _softmax_backward_row(s_row[lo:hi], dp_row[lo:hi], qg.neg_lse[q0:q1], qg.d_sum[q0:q1], k_abs,
                               mask.key_lo[q0:q1], mask.key_hi[q0:q1], mask.use_packing,
                               plan.precision.round_kernel)
+        if fused:
+            bits_of_row(s_row, p_bits[j])
+            bits_of_row(dp_row, ds_bits[j])
 
 
 @jit(contract=False)
@@ -272,7 +281,11 @@ def recompute_p_ds(plan, sec, qg, blk, scratch):
     if plan.scores.active:
         score_args = (s_t, scratch.tanh, at, plan.scores)
         call_or_raise(plugin_address(_plugin_key(modify_scores_t, score_args)), (pack(score_args), np.int64(0)))
-    recompute_softmax_backward(s_t, dp_t, at, qg, plan)
+    # bf16 path, nothing to change P or dS after the softmax step: their bits written by it.
+    fused = plan.gemm.bits and not plan.dropout.active and not plan.scores.active
+    p_bits = scratch.p_bits[:blk.n_k * n_q].reshape(blk.n_k, n_q) if fused else scratch.no_bits
+    ds_bits = scratch.ds_bits[:blk.n_k * n_q].reshape(blk.n_k, n_q) if fused else scratch.no_bits
+    recompute_softmax_backward(s_t, dp_t, at, qg, plan, p_bits, ds_bits)
     if plan.scores.active:
         grad_args = (dp_t, scratch.tanh, at, plan.scores, plan.precision.round_kernel)
         call_or_raise(plugin_address(_plugin_key(score_gradients, grad_args)), (pack(grad_args), np.int64(0)))
@@ -280,6 +293,8 @@ def recompute_p_ds(plan, sec, qg, blk, scratch):
         p_args = (scratch.mult, s_t, plan.precision.round_kernel)
         call_or_raise(plugin_address(_plugin_key(drop_probabilities, p_args)), (pack(p_args), np.int64(0)))
     # P and dS are bf16-valued here when the inputs are bf16: the bf16 path takes their bits.
+    if fused:
+        return bits_operand(p_bits, scratch.no_values), bits_operand(ds_bits, scratch.no_values)
     bits = plan.gemm.bits
     return (tile_operand(any_layout(s_t), scratch.p_bits, scratch.no_values, scratch.no_bits, bits),
             tile_operand(any_layout(dp_t), scratch.ds_bits, scratch.no_values, scratch.no_bits, bits))
