@@ -11,7 +11,8 @@ are warmed up, then asked for one timing each in turn ``--repeats`` times (a pau
 ``PAUSE_S`` before each, so that the other's spinning threads have gone to sleep); the table
 gives median milliseconds, GFLOP/s (forward 4*B*Hq*S*S*D, halved when causal; backward 2.5x;
 bench/shapes.py), that figure over the machine's peak measured in this run (``bench/peak.py``:
-float32 FMA for float32, ``vdpbf16ps`` for bf16 where the CPU has it) and numbafa's speed-up over
+float32 FMA for float32; for bf16 AMX's ``tdpbf16ps`` where the CPU has AMX, else ``vdpbf16ps``
+where it has AVX512_BF16) and numbafa's speed-up over
 torch. PyTorch gets the same values in ``[batch, heads, seq, dim]`` (a transposed copy, made
 outside the timing); its backward is timed alone (the forward that builds the graph is not
 timed). Shapes with a sliding window or sinks have no SDPA equivalent and are skipped for
@@ -192,8 +193,12 @@ class IsolatedWorker:
 
 
 def _peaks() -> dict:
-    """The machine's peak GFLOP/s for each dtype's arithmetic, measured now (bench/peak.py)."""
-    return {"float32": peak_gflops("fma"), "bf16": peak_gflops("bf16")}
+    """The machine's peak GFLOP/s for each dtype's arithmetic, measured now (bench/peak.py): for
+    bf16 AMX's ``tdpbf16ps`` where the CPU has it (oneDNN runs the bf16 GEMMs there), else
+    ``vdpbf16ps`` (``bf16_unit`` says which)."""
+    amx = peak_gflops("amx")
+    return {"float32": peak_gflops("fma"), "bf16": amx or peak_gflops("bf16"),
+            "bf16_unit": "amx" if amx else "vdpbf16ps"}
 
 
 def run(args):

@@ -54,3 +54,20 @@ def test_the_bf16_loop_runs_where_the_cpu_has_vdpbf16ps():
 def test_peak_is_positive_and_counts_every_thread():
     one = peak.peak_gflops("fma", threads=1, seconds=0.02, runs=1)
     assert one > 1.0
+
+
+def test_the_amx_loop_runs_where_the_cpu_has_amx():
+    """Built where LLVM's host features have AMX-BF16 and Linux grants AMX's tile data; each round
+    adds, to element [0, 0] of each accumulator tile, a row of 32 bf16 1.0 times a column of 32
+    bf16 0.99609375."""
+    features = peak._engine()[1]
+    has_amx = bool(features.get("amx-bf16") and features.get("amx-tile"))
+    if has_amx != ("amx_bf16" in (cpu_flags() or set())):
+        pytest.skip("numbafa's CPU flags are patched (an emulated CPU): LLVM's host features decide here")
+    if not has_amx:
+        assert peak._compiled("amx") == (None, 0) and peak.peak_gflops("amx") is None
+        pytest.skip("no AMX-BF16 here: the loop is not built (checked)")
+    for n in (1, 3):
+        got, _ = _run("amx", n)
+        assert got == pytest.approx(peak.AMX_ACCUMULATORS * n * 32 * 0.99609375, rel=1e-6)
+    assert peak.flops_per_round("amx", 16) == peak.AMX_ACCUMULATORS * 16 * 16 * 32 * 2
