@@ -54,8 +54,8 @@ from .common import load_scaled, store_transposed
 from .dropout import drop_tile
 from .fastexp import exp_of, log_of
 from .heads import NEURON, copy_head_rows, dims4, gather_head, head_rows, load_scaled_rows, store_rows
-from .loops import (bits_of_row, columns, decode_item, group_rows, input_operand, n_q_groups, owns_group, row_slice, tile_operand,
-                    width)
+from .loops import (bits_of_row, columns, decode_item, group_rows, input_operand, n_q_groups, owns_group, row_slice,
+                    tile_operand, width)
 from .mask import cut_by_mask, required_q_rows, static_key_range, tile_pos, visible_keys
 from .matmul import any_layout, bits_operand, gemm, row_sums
 from .scores import modify_scores
