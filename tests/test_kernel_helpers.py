@@ -150,8 +150,8 @@ def test_row_max_of_random_rows_and_empty(dtype):
 # --- the s-major layouts' transposes (numbafa.kernels.heads): 8 x 8 vector blocks and the rest ---
 
 @jit()
-def _gather(rows, col0, d, start, count, out):
-    gather_head((rows, col0, d), start, count, out)
+def _gather(rows, col0, d, start, count, out, by_band):
+    gather_head((rows, col0, d), start, count, out, by_band)
 
 
 @jit()
@@ -178,10 +178,11 @@ def test_head_transposes_are_exact_in_every_dtype_and_size(dtype, d, count):
     else:
         rows = rows.astype(dtype)
     head = rows[start:start + count, d:2 * d]
-    out = np.zeros((d, count + 3), dtype=rows.dtype)
-    callable_from_python(_gather)(rows, d, d, start, count, out)
-    np.testing.assert_array_equal(out[:, :count], head.T)
-    assert not out[:, count:].any()
+    for by_band in (False, True):   # the loads' order and the stores' (bands of the [d, seq] side)
+        out = np.zeros((d, count + 3), dtype=rows.dtype)
+        callable_from_python(_gather)(rows, d, d, start, count, out, by_band)
+        np.testing.assert_array_equal(out[:, :count], head.T)
+        assert not out[:, count:].any()
     if dtype != "float64":
         values = np.zeros((d, count), np.float32)
         callable_from_python(_load_scaled_rows)(rows, d, d, start, count, values, np.float32(1.0))

@@ -423,7 +423,7 @@ def load_q_group(ins, outs, plan, sec, head, i_group, scratch, copies):
             for i in range(rows):
                 dq_row[i] = src[i]
     else:
-        gather_head(head_rows(outs.dq, layout, head.batch, head.q_head), q_grp0, rows, scratch.dq)
+        gather_head(head_rows(outs.dq, layout, head.batch, head.q_head), q_grp0, rows, scratch.dq, False)
     if layout == NEURON:
         load_scaled(ins.q[head.batch, head.q_head], q_grp0, rows, scratch.q_s, plan.softmax_scale, prec.round_kernel)
         dy_h = ins.dy[head.batch, head.q_head]
@@ -431,7 +431,7 @@ def load_q_group(ins, outs, plan, sec, head, i_group, scratch, copies):
     else:
         load_scaled_rows(head_rows(ins.q, layout, head.batch, head.q_head), q_grp0, rows, scratch.q_s,
                          plan.softmax_scale, prec.round_kernel)
-        gather_head(head_rows(ins.dy, layout, head.batch, head.q_head), q_grp0, rows, copies.dy)
+        gather_head(head_rows(ins.dy, layout, head.batch, head.q_head), q_grp0, rows, copies.dy, False)
         dy_op = input_operand(copies.dy[:, :rows], plan, scratch.no_values, scratch.no_bits)
     q_op = tile_operand(any_layout(scratch.q_s[:, :rows]), scratch.q_bits, scratch.no_values, scratch.no_bits,
                         plan.gemm.bits)
@@ -444,7 +444,7 @@ def load_q_group(ins, outs, plan, sec, head, i_group, scratch, copies):
             compute_rowsum(ins.o[head.batch, head.q_head], ins.dy[head.batch, head.q_head], q_grp0, rows,
                            plan.tiling.d_tile, head.d_sum[q_grp0:q_grp0 + rows], prec)
         else:
-            gather_head(head_rows(ins.o, layout, head.batch, head.q_head), q_grp0, rows, copies.o)
+            gather_head(head_rows(ins.o, layout, head.batch, head.q_head), q_grp0, rows, copies.o, False)
             compute_rowsum(copies.o, copies.dy, 0, rows, plan.tiling.d_tile, head.d_sum[q_grp0:q_grp0 + rows], prec)
     bits = plan.gemm.bits
     q_t = rows_operand(q_op, scratch.q_t, scratch.no_values, scratch.no_bits, bits)
@@ -468,8 +468,8 @@ def load_kv_section(ins, plan, batch, kv_head, i_section, scratch, copies):
         v_op = input_operand(ins.v[batch, kv_head][:, start:start + length], plan, scratch.no_values,
                              scratch.no_bits)
     else:   # an s-major layout's section, transposed into [d, keys] copies
-        gather_head(head_rows(ins.k, plan.layout, batch, kv_head), start, length, copies.k)
-        gather_head(head_rows(ins.v, plan.layout, batch, kv_head), start, length, copies.v)
+        gather_head(head_rows(ins.k, plan.layout, batch, kv_head), start, length, copies.k, False)
+        gather_head(head_rows(ins.v, plan.layout, batch, kv_head), start, length, copies.v, False)
         k_op = input_operand(copies.k[:, :length], plan, scratch.no_values, scratch.no_bits)
         v_op = input_operand(copies.v[:, :length], plan, scratch.no_values, scratch.no_bits)
     scratch.dk_acc[:] = _ZERO

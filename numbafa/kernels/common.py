@@ -49,7 +49,7 @@ def store_transposed(src, count, dst, start, round_out):
     registers (:func:`numbafa.kernels.heads.gather_head`, ``src``'s rows taken as a head's)."""
     d_head = dst.shape[0]
     out = dst[:, start:start + count]
-    gather_head((src, 0, d_head), 0, count, out)
+    gather_head((src, 0, d_head), 0, count, out, True)
     if round_out != ROUND_NONE:
         for j in range(d_head):
             round_inplace(out[j], round_out)

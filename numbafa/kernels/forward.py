@@ -353,10 +353,10 @@ def fwd_work_item(args, item):
     v_in = np.empty((seqlen_k, d_v), dtype=ins.v.dtype)
     if layout == NEURON:
         k_in = ins.k[batch, kv_head]
-        gather_head((ins.v[batch, kv_head], 0, seqlen_k), 0, d_v, v_in)
+        gather_head((ins.v[batch, kv_head], 0, seqlen_k), 0, d_v, v_in, False)
     else:
         k_in = np.empty((d_head, seqlen_k), dtype=ins.k.dtype)
-        gather_head(head_rows(ins.k, layout, batch, kv_head), 0, seqlen_k, k_in)
+        gather_head(head_rows(ins.k, layout, batch, kv_head), 0, seqlen_k, k_in, False)
         copy_head_rows(head_rows(ins.v, layout, batch, kv_head), v_in)
     k_op = input_operand(k_in, plan, scratch.no_values, scratch.no_bits)
     v_op = input_operand(v_in, plan, scratch.no_values, scratch.no_bits)

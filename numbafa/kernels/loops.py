@@ -118,7 +118,7 @@ def rows_operand(op, values_buf, no_values, no_bits, bits):
         return values_operand(no_values, no_bits)
     d, n = op.f.shape
     out = values_buf[:n * d].reshape(n, d)
-    gather_head((op.f, 0, n), 0, d, out)
+    gather_head((op.f, 0, n), 0, d, out, False)
     return values_operand(out, no_bits)
 
 
