@@ -46,7 +46,8 @@ def load_scaled(src, start, count, out, scale, round_kernel):
 def store_transposed(src, count, dst, start, round_out):
     """Store ``src[:count]`` (``[seq, d]``) into ``dst[:, start:start+count]`` (``[d, seq]``),
     rounded to the format ``round_out`` names. The transpose goes in 8 x 8 blocks held in vector
-    registers (:func:`numbafa.kernels.heads.gather_head`, ``src``'s rows taken as a head's)."""
+    registers (:func:`numbafa.kernels.heads.gather_head`, ``src``'s rows taken as a head's), 8 rows
+    of ``dst`` at a time (``by_band``)."""
     d_head = dst.shape[0]
     out = dst[:, start:start + count]
     gather_head((src, 0, d_head), 0, count, out, True)
