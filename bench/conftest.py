@@ -8,7 +8,7 @@ without what changes from run to run on one machine: the order of the BLAS libra
 which goes to each benchmark's ``extra_info`` instead, with the other per-run facts).
 
 ``--numbafa-profile``: ``full`` (default, the standard shapes: minutes) or ``quick`` (tiny
-shapes, one round each: the whole suite in well under a minute once compiled; CI runs it to
+shapes, three rounds each: the whole suite in well under a minute once compiled; CI runs it to
 keep the tracking workflow working, ``tests/test_tracking.py``).
 """
 

@@ -57,7 +57,7 @@ QUICK_SHAPES = [
 #: Per profile: (shapes, dtypes on every shape, dtypes on the first shape only, rounds). The
 #: full profile's rounds are a minimum: cheap calls get more (:func:`_rounds`).
 PROFILES = {"full": (SHAPES + HEAD_DIM_SHAPES[:1], ("float32", "bf16"), ("float16", "float64"), 5),
-            "quick": (QUICK_SHAPES, ("float32", "bf16"), ("float16", "float64"), 9)}
+            "quick": (QUICK_SHAPES, ("float32", "bf16"), ("float16", "float64"), 3)}
 #: Seconds of calls a full-profile benchmark times at most when it adds rounds to the minimum
 #: (up to 3x the minimum): more rounds where they are cheap, for the spread ``bench.track`` judges by.
 ROUND_BUDGET_S = 1.5
