@@ -18,7 +18,7 @@ from numba.extending import overload
 from ..conventions.dtypes import widen
 from ..compiler.jit import jit
 from .heads import gather_head
-from .matmul import Operand, bits_operand, values_operand
+from .matmul import Operand, any_layout, bits_operand, values_operand
 
 __all__ = ["decode_item", "n_q_groups", "owns_group", "group_rows", "input_operand",
            "tile_operand", "rows_operand", "width", "columns", "row_slice"]
@@ -77,14 +77,21 @@ def _input_operand_overload(x, plan, no_values, no_bits):
     def impl(x, plan, no_values, no_bits):
         if plan.gemm.bits:
             return bits_operand(x, no_values)
-        wide = np.empty(x.shape, dtype=np.float32)
-        for i in range(x.shape[0]):
-            src = x[i]
-            dst = wide[i]
-            for j in range(x.shape[1]):
-                dst[j] = widen(src[j])
-        return values_operand(wide, no_bits)
+        return values_operand(_widened(any_layout(x)), no_bits)
     return impl
+
+
+@jit(apart=True)
+def _widened(x):
+    """2-D bf16 bits (any layout) as a new float32 array of their values: compiled once, not
+    into each of :func:`input_operand`'s eight call sites."""
+    wide = np.empty(x.shape, dtype=np.float32)
+    for i in range(x.shape[0]):
+        src = x[i]
+        dst = wide[i]
+        for j in range(x.shape[1]):
+            dst[j] = widen(src[j])
+    return wide
 
 
 @jit(apart=True, refcount=False)
