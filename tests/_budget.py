@@ -88,15 +88,19 @@ def _rounding_spread(x, radius, rounds, rnd=golden._bf16_round):
     radius = np.asarray(radius, np.float64)
     if not rounds:
         return radius
-    x64 = np.asarray(x, np.float64)
+    x, radius = np.broadcast_arrays(np.asarray(x), radius)
+    spread = np.zeros(radius.shape)
+    live = radius > 0          # elsewhere nothing else is within reach: 0 (computed only where live)
+    x, radius = x[live], radius[live]
+    x64 = x.astype(np.float64)
     lo64, hi64 = x64 - radius, x64 + radius
     with np.errstate(over="ignore"):
         lo, hi = lo64.astype(np.float32), hi64.astype(np.float32)
     lo = np.where(lo > lo64, np.nextafter(lo, np.float32(-np.inf)), lo)
     hi = np.where(hi < hi64, np.nextafter(hi, np.float32(np.inf)), hi)
     centre = rnd(x).astype(np.float64)
-    spread = np.maximum(rnd(hi) - centre, centre - rnd(lo))
-    return np.where(radius > 0, spread, 0.0)
+    spread[live] = np.maximum(rnd(hi) - centre, centre - rnd(lo))
+    return spread
 
 
 def _rowsum_spread(prod, d_tile, round_partial, round_total, rnd):
