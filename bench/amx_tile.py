@@ -9,7 +9,8 @@ that choice on one tile, before building it, for the forward's products on the b
 ``S = Q_s^T K`` (M query rows x N = 512 keys, K = d) and ``P V`` (M rows x N = d, K = 512
 keys) -- on one thread:
 
-* ``onednn``: ``dnnl_gemm_bf16bf16f32``, as the kernels call it (row-major, A and B plain);
+* ``onednn``: ``dnnl_gemm_bf16bf16f32`` through the kernels' matmul seam, as they call it
+  (row-major, A and B plain, ``beta = 0``);
 * ``amx``: a ``tdpbf16ps`` micro-kernel (llvmlite; four 16 x 16 float32 accumulator tiles in
   2 x 2 blocks, A row-major, B packed into AMX's pair-interleaved "VNNI" layout beforehand:
   :func:`vnni`), B's packing not included;
@@ -33,6 +34,7 @@ import time
 import numpy as np
 
 import peak  # bench/peak.py (a sibling, as when run as a script): the LLVM target, AMX's permission
+from gemm_paths import PATHS, _operand, _timed_gemm   # bench/gemm_paths.py: the kernels' GEMM seam
 
 #: (name, M, N, K) of the forward's tile products on the bf16 path: a Q tile and a Q group.
 SHAPES = [("S q-tile d128", 128, 512, 128), ("S q-group d128", 512, 512, 128),
@@ -163,25 +165,10 @@ def amx_product(a_bits, b_packed, n):
     return c
 
 
-@functools.lru_cache(maxsize=None)
-def _onednn():
-    from numbafa.platform import onednn
-
-    lib = ctypes.CDLL(onednn.library_path())
-    f = lib.dnnl_gemm_bf16bf16f32
-    i, p = ctypes.c_int64, ctypes.c_void_p
-    f.argtypes = [ctypes.c_char, ctypes.c_char, i, i, i, ctypes.c_float, p, i, p, i, ctypes.c_float, p, i]
-    ctypes.CDLL("libgomp.so.1").omp_set_num_threads(1)   # one thread, as inside the kernels' work items
-    return f
-
-
 def onednn_product(a_bits, b_bits, out):
-    """``out = A @ B`` by oneDNN (row-major, no transposes)."""
-    (m, k), n = a_bits.shape, b_bits.shape[1]
-    status = _onednn()(b"n", b"n", m, n, k, 1.0, a_bits.ctypes.data, k, b_bits.ctypes.data, n, 0.0,
-                       out.ctypes.data, n)
-    if status != 0:
-        raise RuntimeError(f"dnnl_gemm_bf16bf16f32 returned {status}")
+    """``out = A @ B`` by oneDNN (no transposes) through the kernels' own matmul seam
+    (:func:`numbafa.kernels.matmul.gemm` on the bf16 path: one OpenMP thread, restored after)."""
+    _timed_gemm(_operand(a_bits), _operand(b_bits), out, False, False, PATHS["onednn-bf16"], 1, 0.0)
     return out
 
 

@@ -51,9 +51,10 @@ def _operand(x):
 
 
 @njit
-def _timed_gemm(a, b, c, trans_a, trans_b, path, n):
+def _timed_gemm(a, b, c, trans_a, trans_b, path, n, beta=1.0):
+    """``n`` calls of ``c = op(a) op(b) + beta c`` through the kernels' matmul seam."""
     for _ in range(n):
-        gemm(a, b, c, trans_a, trans_b, np.float32(1.0), np.float32(1.0), path)
+        gemm(a, b, c, trans_a, trans_b, np.float32(1.0), np.float32(beta), path)
 
 
 #: Each variant's path through the kernels' matmul seam (numbafa.kernels.bundles.Gemm).
