@@ -127,6 +127,8 @@ def unavailable() -> str | None:
         return "Linux did not grant this process AMX's tile data (arch_prctl)"
     if onednn.library_path() is None:
         return "oneDNN is not installed"
+    if not onednn.bf16_units():
+        return "oneDNN's bf16 GEMM does not run on this CPU's bf16 units here (ONEDNN_MAX_CPU_ISA?)"
     return None
 
 
