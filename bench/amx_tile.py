@@ -55,19 +55,7 @@ def _module_ir() -> str:
     fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [i64, i64, i64, ptr, i64, ptr, i64, ptr, i64]),
                      name="gemm")
     m, n, k, a, lda, bp, ldb, c, ldc = fn.args
-    intrinsic = {name: ir.Function(module, ir.FunctionType(ir.VoidType(), args), name=f"llvm.x86.{name}")
-                 for name, args in (("ldtilecfg", [ptr]), ("tilerelease", []), ("tilezero", [i8]),
-                                    ("tileloadd64", [i8, ptr, i64]), ("tilestored64", [i8, ptr, i64]),
-                                    ("tdpbf16ps", [i8, i8, i8]))}
-    config = bytearray(64)
-    config[0] = 1                                    # palette 1: 8 tiles of 16 rows x 64 bytes
-    for t in range(8):
-        config[16 + 2 * t:18 + 2 * t] = (64).to_bytes(2, "little")
-        config[48 + t] = 16
-    cfg = ir.GlobalVariable(module, ir.ArrayType(i8, 64), name="config")
-    cfg.initializer = ir.Constant(ir.ArrayType(i8, 64), bytearray(config))
-    cfg.global_constant = True
-    cfg.align = 64
+    intrinsic, cfg = peak.amx_declarations(module)   # 8 tiles of 16 rows x 64 bytes
     b = ir.IRBuilder(fn.append_basic_block("entry"))
 
     def const(value):

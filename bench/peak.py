@@ -88,16 +88,13 @@ def _loop_module(kind: str, lanes: int) -> str:
     return str(module)
 
 
-def _amx_module() -> str:
-    """IR of ``void loop(i64 n, float* out)``: the tiles configured (``ldtilecfg``: 8 tiles of
-    16 rows x 64 bytes), A tiles of bf16 1.0 and B tiles of bf16 0.99609375 loaded, ``n`` rounds of
-    ``AMX_ACCUMULATORS`` ``tdpbf16ps`` (accumulator ``t`` += A[t // 2] B[t % 2]), then the sum of
-    the accumulators' element [0, 0] into ``out`` and the tiles released."""
-    i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+def amx_declarations(module):
+    """``(intrinsics, config)`` in ``module``: AMX's LLVM intrinsics by name (``ldtilecfg``,
+    ``tilerelease``, ``tilezero``, ``tileloadd64``, ``tilestored64``, ``tdpbf16ps``) and the
+    tile configuration ``ldtilecfg`` loads (a 64-byte global: palette 1, 8 tiles of 16 rows x 64
+    bytes). Also the AMX micro-kernel's (bench/amx_tile.py)."""
+    i8, i64 = ir.IntType(8), ir.IntType(64)
     ptr = i8.as_pointer()
-    module = ir.Module(name="peak_amx")
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [i64, f32.as_pointer()]), name="loop")
-    n, out = fn.args
     intrinsic = {name: ir.Function(module, ir.FunctionType(ir.VoidType(), args), name=f"llvm.x86.{name}")
                  for name, args in (("ldtilecfg", [ptr]), ("tilerelease", []), ("tilezero", [i8]),
                                     ("tileloadd64", [i8, ptr, i64]), ("tilestored64", [i8, ptr, i64]),
@@ -111,6 +108,20 @@ def _amx_module() -> str:
     cfg.initializer = ir.Constant(ir.ArrayType(i8, 64), bytearray(config))
     cfg.global_constant = True
     cfg.align = 64
+    return intrinsic, cfg
+
+
+def _amx_module() -> str:
+    """IR of ``void loop(i64 n, float* out)``: the tiles configured (``ldtilecfg``: 8 tiles of
+    16 rows x 64 bytes), A tiles of bf16 1.0 and B tiles of bf16 0.99609375 loaded, ``n`` rounds of
+    ``AMX_ACCUMULATORS`` ``tdpbf16ps`` (accumulator ``t`` += A[t // 2] B[t % 2]), then the sum of
+    the accumulators' element [0, 0] into ``out`` and the tiles released."""
+    i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+    ptr = i8.as_pointer()
+    module = ir.Module(name="peak_amx")
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [i64, f32.as_pointer()]), name="loop")
+    n, out = fn.args
+    intrinsic, cfg = amx_declarations(module)
     data = {}
     for name, bits in (("a", 0x3F80), ("b", 0x3F7F)):   # bf16 1.0 and 0.99609375
         g = ir.GlobalVariable(module, ir.ArrayType(i16, 512), name=name)
