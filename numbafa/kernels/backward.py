@@ -81,8 +81,8 @@ from .dropout import drop_probabilities, drop_scores
 from .fastexp import exp_of
 from .heads import (NEURON, dims4, gather_head, head_rows, load_scaled_rows, reduce_partials_rows, store_head_rows,
                     store_rows)
-from .loops import (bits_of_row, columns, group_rows, input_operand, n_q_groups, owns_group, row_slice, rows_operand,
-                    tile_operand)
+from .loops import (bits_of_row, columns, group_rows, input_operand, input_rows_operand, n_q_groups, owns_group,
+                    row_slice, rows_operand, tile_operand)
 from .mask import cut_by_mask, queries_seeing_key, required_q_rows, tile_pos
 from .matmul import any_layout, bits_operand, gemm
 from .scores import item_units, modify_scores_t, score_gradients
@@ -428,11 +428,16 @@ def load_q_group(ins, outs, plan, sec, head, i_group, scratch, copies):
         load_scaled(ins.q[head.batch, head.q_head], q_grp0, rows, scratch.q_s, plan.softmax_scale, prec.round_kernel)
         dy_h = ins.dy[head.batch, head.q_head]
         dy_op = input_operand(dy_h[:, q_grp0:q_grp0 + rows], plan, scratch.no_values, scratch.no_bits)
+        dy_t = rows_operand(dy_op, scratch.dy_t, scratch.no_values, scratch.no_bits, plan.gemm.bits)
     else:
         load_scaled_rows(head_rows(ins.q, layout, head.batch, head.q_head), q_grp0, rows, scratch.q_s,
                          plan.softmax_scale, prec.round_kernel)
-        gather_head(head_rows(ins.dy, layout, head.batch, head.q_head), q_grp0, rows, copies.dy, False)
+        dy_head = head_rows(ins.dy, layout, head.batch, head.q_head)
+        gather_head(dy_head, q_grp0, rows, copies.dy, False)
         dy_op = input_operand(copies.dy[:, :rows], plan, scratch.no_values, scratch.no_bits)
+        dy_rows, dy_col0, d_v = dy_head
+        dy_t = input_rows_operand(dy_rows[q_grp0:q_grp0 + rows, dy_col0:dy_col0 + d_v], dy_op, scratch.dy_t,
+                                  scratch.no_values, scratch.no_bits, plan.gemm.bits)
     q_op = tile_operand(any_layout(scratch.q_s[:, :rows]), scratch.q_bits, scratch.no_values, scratch.no_bits,
                         plan.gemm.bits)
     if sec.first:
@@ -448,7 +453,6 @@ def load_q_group(ins, outs, plan, sec, head, i_group, scratch, copies):
             compute_rowsum(copies.o, copies.dy, 0, rows, plan.tiling.d_tile, head.d_sum[q_grp0:q_grp0 + rows], prec)
     bits = plan.gemm.bits
     q_t = rows_operand(q_op, scratch.q_t, scratch.no_values, scratch.no_bits, bits)
-    dy_t = rows_operand(dy_op, scratch.dy_t, scratch.no_values, scratch.no_bits, bits)
     return QGroup(start=q_grp0, rows=rows, q_s=q_op, dy=dy_op, q_t=q_t, dy_t=dy_t, dq=dq, neg_lse=head.neg_lse,
                   d_sum=head.d_sum, batch=head.batch, q_head=head.q_head)
 

@@ -53,7 +53,7 @@ from ..compiler.linking import _plugin_key, call_or_raise, pack, unpack
 from .common import load_scaled, store_transposed
 from .dropout import drop_tile
 from .fastexp import exp_of, log_of
-from .heads import NEURON, copy_head_rows, dims4, gather_head, head_rows, load_scaled_rows, store_rows
+from .heads import NEURON, dims4, gather_head, head_rows, load_scaled_rows, store_rows
 from .loops import (bits_of_row, columns, decode_item, group_rows, input_operand, n_q_groups, owns_group, row_slice,
                     tile_operand, width)
 from .mask import cut_by_mask, required_q_rows, static_key_range, tile_pos, visible_keys
@@ -349,17 +349,19 @@ def fwd_work_item(args, item):
     # head is transposed into a [d, seq] copy first (numbafa.kernels.heads). V is a [seq, d]
     # operand (P V reads it untransposed: float32 GEMMs run 7-45 % faster so than reading
     # [d, seq] transposed): in the Neuron layout the unit's V transposed once into a copy (the
-    # forward's one tiled transpose of an input), in an s-major layout its head's rows copied.
-    v_in = np.empty((seqlen_k, d_v), dtype=ins.v.dtype)
+    # forward's one tiled transpose of an input), in an s-major layout its head's rows as they lie
+    # (a view with the input's row stride as the GEMM's ld: the same GEMM and bits).
     if layout == NEURON:
         k_in = ins.k[batch, kv_head]
+        v_in = np.empty((seqlen_k, d_v), dtype=ins.v.dtype)
         gather_head((ins.v[batch, kv_head], 0, seqlen_k), 0, d_v, v_in, False)
+        v_op = input_operand(v_in, plan, scratch.no_values, scratch.no_bits)
     else:
         k_in = np.empty((d_head, seqlen_k), dtype=ins.k.dtype)
         gather_head(head_rows(ins.k, layout, batch, kv_head), 0, seqlen_k, k_in, False)
-        copy_head_rows(head_rows(ins.v, layout, batch, kv_head), v_in)
+        v_rows, v_col0, _ = head_rows(ins.v, layout, batch, kv_head)
+        v_op = input_operand(v_rows[:, v_col0:v_col0 + d_v], plan, scratch.no_values, scratch.no_bits)
     k_op = input_operand(k_in, plan, scratch.no_values, scratch.no_bits)
-    v_op = input_operand(v_in, plan, scratch.no_values, scratch.no_bits)
     n_groups = n_q_groups(seqlen_q, tiling)
     for r in range(n_rep):
         h = kv_head * n_rep + r

@@ -15,7 +15,9 @@ s-major head is transposed where upstream transposes: at load, tile by tile, int
 ``[d, seq]`` tiles the Neuron layout gives in place (:func:`gather_head`,
 :func:`load_scaled_rows`), and at store (:func:`store_rows`, :func:`store_head_rows`). The
 GEMMs then see the same operands in the same orientation whatever the layout, so every layout
-gives the Neuron layout's bits; no whole-array copy is made.
+gives the Neuron layout's bits; no whole-array copy is made. Where a GEMM reads an operand as
+``[seq, d]`` rows (the forward's V, the backward's dO for dV), an s-major head's rows are that
+operand as they lie: a view, with the input's row stride as the GEMM's ``ld``.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np import arrayobj
 
-from ..conventions.dtypes import round_inplace, rounded, widen
+from ..conventions.dtypes import ROUND_NONE, round_inplace, rounded, widen
 from ..compiler.jit import jit
 
-__all__ = ["NEURON", "BHSD", "BSHD", "LAYOUT_CODES", "dims4", "head_rows", "gather_head", "copy_head_rows",
+__all__ = ["NEURON", "BHSD", "BSHD", "LAYOUT_CODES", "dims4", "head_rows", "gather_head",
            "load_scaled_rows", "store_rows", "store_head_rows", "reduce_partials_rows"]
 
 NEURON, BHSD, BSHD = np.int64(0), np.int64(1), np.int64(2)
@@ -155,17 +157,6 @@ def gather_head(head, start, count, out, by_band):
 
 
 @jit(apart=True, refcount=False)
-def copy_head_rows(head, out):
-    """``out`` (``[seq, d]``) = the s-major ``head`` (:func:`head_rows`), elements as they are."""
-    rows, col0, d = head
-    for i in range(out.shape[0]):
-        src = rows[i, col0:col0 + d]   # (a slice: indices that cannot wrap vectorise)
-        dst = out[i]
-        for j in range(d):
-            dst[j] = src[j]
-
-
-@jit(apart=True, refcount=False)
 def load_scaled_rows(head, start, count, out, scale, round_kernel):
     """:func:`numbafa.kernels.common.load_scaled` of an s-major head: ``out[:, :count]`` the
     transposed rows, widened to float, times ``scale`` and rounded (``scale == 1``: an exact copy)."""
@@ -200,7 +191,8 @@ def store_rows(src, count, head, start, round_out):
         s_row = src[i]
         for j in range(d):
             dst[j] = s_row[j]
-        round_inplace(dst, round_out)
+        if round_out != ROUND_NONE:   # (a call per row otherwise: 2 % of a float32 bshd backward)
+            round_inplace(dst, round_out)
 
 
 @jit(apart=True, refcount=False)
@@ -220,8 +212,9 @@ def store_head_rows(src, count, head, start, round_out):
     for i in range(full_i, count):
         for j in range(d):
             rows[start + i, col0 + j] = src[j, i]
-    for i in range(count):
-        round_inplace(rows[start + i, col0:col0 + d], round_out)
+    if round_out != ROUND_NONE:
+        for i in range(count):
+            round_inplace(rows[start + i, col0:col0 + d], round_out)
 
 
 @jit()

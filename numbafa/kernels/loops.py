@@ -21,7 +21,7 @@ from .heads import gather_head
 from .matmul import Operand, any_layout, bits_operand, values_operand
 
 __all__ = ["decode_item", "n_q_groups", "owns_group", "group_rows", "input_operand",
-           "tile_operand", "rows_operand", "width", "columns", "row_slice"]
+           "input_rows_operand", "tile_operand", "rows_operand", "width", "columns", "row_slice"]
 
 
 @jit()
@@ -127,6 +127,29 @@ def rows_operand(op, values_buf, no_values, no_bits, bits):
     out = values_buf[:n * d].reshape(n, d)
     gather_head((op.f, 0, n), 0, d, out, False)
     return values_operand(out, no_bits)
+
+
+def input_rows_operand(rows, op, values_buf, no_values, no_bits, bits):  # pragma: no cover - njit only
+    """:func:`rows_operand` of ``op`` (an input's ``[d, cols]`` operand) when ``rows`` is that
+    input's ``[cols, d]`` rows (a view of an s-major input, any row stride): a float32 or float64
+    input's rows are that transpose as they lie, so the operand is the view (the same values:
+    the same GEMM, only its ``ld`` differs); other dtypes are widened, so transposed as
+    :func:`rows_operand` does."""
+    raise NotImplementedError("input_rows_operand is only callable from @njit code")
+
+
+@overload(input_rows_operand)
+def _input_rows_operand_overload(rows, op, values_buf, no_values, no_bits, bits):
+    if not isinstance(rows, types.Array) or rows.ndim != 2:
+        return None
+    if rows.dtype in (types.float32, types.float64):
+        def view(rows, op, values_buf, no_values, no_bits, bits):
+            if bits:
+                return values_operand(no_values, no_bits)
+            return values_operand(any_layout(rows), no_bits)
+        return view
+    return lambda rows, op, values_buf, no_values, no_bits, bits: rows_operand(op, values_buf, no_values, no_bits,
+                                                                               bits)
 
 
 @jit()
