@@ -84,7 +84,7 @@ def to_neuron(x: np.ndarray, layout: str, name: str = "x") -> np.ndarray:
         How error messages call ``x`` (e.g. ``"q"``).
     """
     perm = check_layout(layout)
-    return np.transpose(_check_4d(name, x, layout), perm)
+    return _check_4d(name, x, layout).transpose(perm)
 
 
 def from_neuron(x: np.ndarray, layout: str, name: str = "x") -> np.ndarray:
@@ -92,8 +92,7 @@ def from_neuron(x: np.ndarray, layout: str, name: str = "x") -> np.ndarray:
 
     ``name`` is how error messages call ``x``.
     """
-    perm = check_layout(layout)
-    return np.transpose(_check_4d(name, x, "neuron"), np.argsort(perm))
+    return _check_4d(name, x, "neuron").transpose(from_neuron_perm(layout))
 
 
 def lse_to_natural(lse: np.ndarray) -> np.ndarray:
