@@ -51,12 +51,18 @@ PAUSE_S = 0.05
 
 def _timed(fn):
     """Seconds per call of ``fn``: one call, or the mean of a run of calls lasting >= 20 ms when
-    one call is shorter (small shapes: a single call is too short to time on a shared machine)."""
+    one call is shorter (small shapes: a single call is too short to time on a shared machine).
+    The run's length comes from a second call: the first after the pause before each timing
+    wakes the side's sleeping threads (on a 2-core VM 2-6 ms for a call of 40 us, torch's as
+    numbafa's), which made runs of a few calls whose mean was mostly that wake-up."""
     t0 = time.perf_counter()
     fn()
     once = time.perf_counter() - t0
     if once >= 0.02:
         return once
+    t0 = time.perf_counter()
+    fn()
+    once = time.perf_counter() - t0
     n = max(2, int(0.02 / max(once, 1e-6)))
     t0 = time.perf_counter()
     for _ in range(n):
