@@ -49,31 +49,39 @@ FINGERPRINT_RUNS = 256
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-#: The hash's independent lanes: sample ``j`` goes to lane ``j % _LANES``, so the multiply chains
-#: overlap (a 1 MB float32 array, Zen 4: one chain 15.7 us in cache, 31 us from memory; four lanes
-#: 8.7 and 22.5 us; eight fingerprints a training step).
-_LANES = 4
-assert (FINGERPRINT_SAMPLES // FINGERPRINT_RUNS) % _LANES == 0
+#: The hash runs in four independent lanes, sample ``j`` in lane ``j % 4``, so that the multiply
+#: chains overlap (a 1 MB float32 array, Zen 4: one chain 15.7 us in cache, 31 us from memory; four
+#: lanes 8.7 and 22.5 us; eight fingerprints a training step). A sampled run fills the lanes evenly:
+assert (FINGERPRINT_SAMPLES // FINGERPRINT_RUNS) % 4 == 0
+
+_PRIME = np.uint64(0x100000001B3)
+
+
+@jit(inline=True)
+def _lanes(words, start, stop, h0, h1, h2, h3):
+    """The four lanes after hashing ``words[start:stop]`` (``stop - start`` a multiple of 4)."""
+    for j in range(start, stop, 4):
+        h0 = (h0 ^ np.uint64(words[j])) * _PRIME
+        h1 = (h1 ^ np.uint64(words[j + 1])) * _PRIME
+        h2 = (h2 ^ np.uint64(words[j + 2])) * _PRIME
+        h3 = (h3 ^ np.uint64(words[j + 3])) * _PRIME
+    return h0, h1, h2, h3
 
 
 @jit(entry=True)
 def _fingerprint(words, runs, seed):
     """A 64-bit FNV-1a-style hash of elements of ``words`` and their positions: every element when
     ``runs`` is 0, else a run of ``FINGERPRINT_SAMPLES // runs`` elements at a pseudo-random
-    place (splitmix64 of ``seed``) in each of ``runs`` equal stretches. Four lanes (``_LANES``)
-    hash every fourth element each; the lanes are combined at the end."""
-    prime = np.uint64(0x100000001B3)
+    place (splitmix64 of ``seed``) in each of ``runs`` equal stretches. Four lanes hash every
+    fourth element each (:func:`_lanes`); they are combined at the end."""
+    prime = _PRIME
     h0 = np.uint64(0xCBF29CE484222325)
     h1 = h0 ^ np.uint64(1)
     h2 = h0 ^ np.uint64(2)
     h3 = h0 ^ np.uint64(3)
     if runs == 0:
         full = words.size - words.size % 4
-        for j in range(0, full, 4):
-            h0 = (h0 ^ np.uint64(words[j])) * prime
-            h1 = (h1 ^ np.uint64(words[j + 1])) * prime
-            h2 = (h2 ^ np.uint64(words[j + 2])) * prime
-            h3 = (h3 ^ np.uint64(words[j + 3])) * prime
+        h0, h1, h2, h3 = _lanes(words, 0, full, h0, h1, h2, h3)
         for j in range(full, words.size):
             h0 = (h0 ^ np.uint64(words[j])) * prime
     else:
@@ -86,11 +94,7 @@ def _fingerprint(words, runs, seed):
             z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
             start = i * stretch + np.int64((z ^ (z >> np.uint64(31))) % places)
             h0 = (h0 ^ np.uint64(start)) * prime
-            for j in range(start, start + length, 4):
-                h0 = (h0 ^ np.uint64(words[j])) * prime
-                h1 = (h1 ^ np.uint64(words[j + 1])) * prime
-                h2 = (h2 ^ np.uint64(words[j + 2])) * prime
-                h3 = (h3 ^ np.uint64(words[j + 3])) * prime
+            h0, h1, h2, h3 = _lanes(words, start, start + length, h0, h1, h2, h3)
     h = ((h0 ^ h1) * prime ^ h2) * prime
     return (h ^ h3) * prime
 

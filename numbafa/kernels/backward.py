@@ -79,8 +79,8 @@ from ..conventions.tiling import FLOAT32_MIN
 from .common import load_scaled, store, store_transposed
 from .dropout import drop_probabilities, drop_scores
 from .fastexp import exp_of
-from .heads import (NEURON, dims4, gather_head, head_rows, load_scaled_rows, reduce_partials_rows, store_head_rows,
-                    store_rows)
+from .heads import (NEURON, dims4, gather_head, head_rows, head_slice, load_scaled_rows, reduce_partials_rows,
+                    store_head_rows, store_rows)
 from .loops import (bits_of_row, columns, group_rows, input_operand, input_rows_operand, n_q_groups, owns_group,
                     row_slice, rows_operand, tile_operand)
 from .mask import cut_by_mask, queries_seeing_key, required_q_rows, tile_pos
@@ -435,9 +435,8 @@ def load_q_group(ins, outs, plan, sec, head, i_group, scratch, copies):
         dy_head = head_rows(ins.dy, layout, head.batch, head.q_head)
         gather_head(dy_head, q_grp0, rows, copies.dy, False)
         dy_op = input_operand(copies.dy[:, :rows], plan, scratch.no_values, scratch.no_bits)
-        dy_rows, dy_col0, d_v = dy_head
-        dy_t = input_rows_operand(dy_rows[q_grp0:q_grp0 + rows, dy_col0:dy_col0 + d_v], dy_op, scratch.dy_t,
-                                  scratch.no_values, scratch.no_bits, plan.gemm.bits)
+        dy_t = input_rows_operand(head_slice(dy_head, q_grp0, rows), dy_op, scratch.dy_t, scratch.no_values,
+                                  scratch.no_bits, plan.gemm.bits)
     q_op = tile_operand(any_layout(scratch.q_s[:, :rows]), scratch.q_bits, scratch.no_values, scratch.no_bits,
                         plan.gemm.bits)
     if sec.first:

@@ -53,7 +53,7 @@ from ..compiler.linking import _plugin_key, call_or_raise, pack, unpack
 from .common import load_scaled, store_transposed
 from .dropout import drop_tile
 from .fastexp import exp_of, log_of
-from .heads import NEURON, dims4, gather_head, head_rows, load_scaled_rows, store_rows
+from .heads import NEURON, dims4, gather_head, head_rows, head_slice, load_scaled_rows, store_rows
 from .loops import (bits_of_row, columns, decode_item, group_rows, input_operand, n_q_groups, owns_group, row_slice,
                     tile_operand, width)
 from .mask import cut_by_mask, required_q_rows, static_key_range, tile_pos, visible_keys
@@ -359,8 +359,8 @@ def fwd_work_item(args, item):
     else:
         k_in = np.empty((d_head, seqlen_k), dtype=ins.k.dtype)
         gather_head(head_rows(ins.k, layout, batch, kv_head), 0, seqlen_k, k_in, False)
-        v_rows, v_col0, _ = head_rows(ins.v, layout, batch, kv_head)
-        v_op = input_operand(v_rows[:, v_col0:v_col0 + d_v], plan, scratch.no_values, scratch.no_bits)
+        v_op = input_operand(head_slice(head_rows(ins.v, layout, batch, kv_head), 0, seqlen_k), plan,
+                             scratch.no_values, scratch.no_bits)
     k_op = input_operand(k_in, plan, scratch.no_values, scratch.no_bits)
     n_groups = n_q_groups(seqlen_q, tiling)
     for r in range(n_rep):

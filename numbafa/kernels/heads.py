@@ -32,7 +32,7 @@ from numba.np import arrayobj
 from ..conventions.dtypes import ROUND_NONE, round_inplace, rounded, widen
 from ..compiler.jit import jit
 
-__all__ = ["NEURON", "BHSD", "BSHD", "LAYOUT_CODES", "dims4", "head_rows", "gather_head",
+__all__ = ["NEURON", "BHSD", "BSHD", "LAYOUT_CODES", "dims4", "head_rows", "head_slice", "gather_head",
            "load_scaled_rows", "store_rows", "store_head_rows", "reduce_partials_rows"]
 
 NEURON, BHSD, BSHD = np.int64(0), np.int64(1), np.int64(2)
@@ -125,6 +125,14 @@ def head_rows(x, layout, b, h):
         d = x.shape[3]
         return x[b].reshape((x.shape[1], x.shape[2] * d)), h * d, d
     return x[b, h], 0, x.shape[3]
+
+
+@jit(inline=True)
+def head_slice(head, start, count):
+    """Rows ``start:start + count`` of the s-major ``head`` (:func:`head_rows`) as a ``[count, d]``
+    view (its row stride the input's): a GEMM operand read as it lies."""
+    rows, col0, d = head
+    return rows[start:start + count, col0:col0 + d]
 
 
 @jit(apart=True, refcount=False)
