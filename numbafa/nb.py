@@ -935,9 +935,16 @@ def _forward(plan, q, k, v, o, lse, sinks, bias, alibi_slopes):
 
 
 def _checked(stub, outputs, names):
-    """An overload of ``stub`` (a call of :mod:`numbafa.nb`): the implementation ``impl`` of a call
-    whose argument types pass :func:`_type_problem`, else one that raises its message."""
+    """An overload of ``stub`` (a call of :mod:`numbafa.nb`): for argument types that pass
+    :func:`_type_problem`, a call of ``impl`` compiled by :func:`~numbafa.compiler.jit.jit` (on the
+    disk cache, like the kernels: a later process, or another of a user's functions, loads it for
+    the same argument types instead of compiling it again); else a function raising the message."""
     def decorate(impl):
+        params = ", ".join(impl.__code__.co_varnames[:impl.__code__.co_argcount])
+        namespace = {"body": jit()(impl)}
+        exec(f"def call({params}):\n    body({params})\n", namespace)
+        call = namespace["call"]
+
         def typer(*args):
             arrays = {name: t for name, t in zip(names, args[1:])}
             plan_t = args[0]
@@ -946,8 +953,8 @@ def _checked(stub, outputs, names):
             else:
                 problem = _type_problem(arrays, outputs)
             if problem is None:
-                return impl
-            source = (f"def fail({', '.join(impl.__code__.co_varnames[:impl.__code__.co_argcount])}):\n"
+                return call
+            source = (f"def fail({params}):\n"
                       f"    raise {'ValueError' if 'writable' in problem else 'TypeError'}(message)\n")
             namespace = {"message": problem}
             exec(source, namespace)
