@@ -15,7 +15,9 @@ take and checks them as they do (arrays given to it fix shapes and dtypes; their
 kept, but the packing bounds'). :func:`attention_fwd` and :func:`attention_bwd` run the same
 compiled entries the Python API runs (``numbafa.kernels.entry``, which :func:`plan` compiles or
 loads and records in the process's kernel table; a user's function calls them through it and
-holds none of their code): the same value checks
+holds none of their code; nb's own checks and conversions around them are compiled once per
+argument types and kept on the disk cache too, so a later process compiles only the user's
+function): the same value checks
 (non-finite inputs raise ``ValueError`` naming the array), the same exact rescale or
 ``FloatingPointError`` past float32's range, and exactly the bits of the Python API for the same
 inputs and options, in float32, bf16, float16 and float64. They write preallocated outputs.
