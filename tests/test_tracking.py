@@ -1,7 +1,7 @@
 """Performance tracking (docs/performance.md, "Tracking performance"): the documented commands work.
 
-The quick profile of the benchmark suite is run here (tiny shapes; its kernels were compiled
-by the tests before this file), saved with pytest-benchmark's own ``--benchmark-autosave``,
+The quick profile of the benchmark suite is run here (tiny shapes; its kernels are in the
+cache the run warmed, tests/conftest.py), saved with pytest-benchmark's own ``--benchmark-autosave``,
 and compared with itself and with a copy made slower on purpose by ``python -m bench.track``.
 No timing is asserted: only that runs are saved, carry their figures, and that the
 comparison passes and fails as it should.
@@ -10,6 +10,7 @@ comparison passes and fails as it should.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -35,9 +36,11 @@ def _bench_conftest():
 def saved(tmp_path_factory):
     """One quick-profile run saved by pytest-benchmark: ``(storage, path of the saved JSON)``."""
     storage = tmp_path_factory.mktemp("benchmarks")
+    # A session of its own: pytest-benchmark switches itself off in an xdist worker's environment.
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_XDIST")}
     done = subprocess.run([sys.executable, "-m", "pytest", "bench", "--numbafa-profile=quick", "-q",
                            "--benchmark-autosave", f"--benchmark-storage=file://{storage}", "-p", "no:cacheprovider"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = sorted(storage.glob("*/*.json"))
     assert len(runs) == 1, runs
