@@ -81,10 +81,12 @@ def test_njit_errors_are_the_builtin_exceptions_with_a_formatted_message():
         nb.attention_fwd(plan, q, k, v, o, o.reshape(-1)[:512].reshape(1, 2, 128, 2))
 
 
-USER_CACHED = '''\
+#: A user's script: a step function calling both passes (``{options}``: its njit options), its
+#: arrays and plan, float32.
+USER_STEP = '''\
 import numba, numpy as np, numbafa.nb as nb, numbafa
 
-@numba.njit(cache=True)
+@numba.njit{options}
 def step(plan, q, k, v, o, lse, dy, dq, dk, dv):
     nb.attention_fwd(plan, q, k, v, o, lse)
     nb.attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv)
@@ -94,6 +96,9 @@ q, k, v, dy = (rng.standard_normal((1, 2, 16, 256), dtype=np.float32) for _ in r
 plan = nb.plan(q, k, v, use_causal_mask=True)
 o, lse = np.empty_like(q), np.empty((1, 2, 128, 2), np.float32)
 dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+'''
+
+USER_CACHED = USER_STEP.format(options="(cache=True)") + '''\
 with nb.single_threaded_blas():
     step(plan, q, k, v, o, lse, dy, dq, dk, dv)
 ref = numbafa.attention_bwd(q, k, v, o, dy, lse, use_causal_mask=True)
@@ -125,18 +130,7 @@ class Listener(event.Listener):
     def on_end(self, ev):
         pass
 event.register("numba:compile", Listener())
-import numba, numpy as np, numbafa.nb as nb
-
-@numba.njit
-def step(plan, q, k, v, o, lse, dy, dq, dk, dv):
-    nb.attention_fwd(plan, q, k, v, o, lse)
-    nb.attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv)
-
-rng = np.random.default_rng(0)
-q, k, v, dy = (rng.standard_normal((1, 2, 16, 256), dtype=np.float32) for _ in range(4))
-plan = nb.plan(q, k, v, use_causal_mask=True)
-o, lse = np.empty_like(q), np.empty((1, 2, 128, 2), np.float32)
-dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+''' + USER_STEP.format(options="") + '''\
 step(plan, q, k, v, o, lse, dy, dq, dk, dv)
 print(" ".join(name for name in compiled if name.startswith("numbafa.")) or "-")
 '''
@@ -343,8 +337,6 @@ def test_a_plan_from_another_pid_namespace_with_the_same_pid_is_refused(tmp_path
     why = _pid_namespaces()
     if why is not None:
         pytest.skip(why)
-    import pickle
-
     made = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
                            "import os, pickle, sys, numpy as np, numbafa.nb as nb\n"
                            "rng = np.random.default_rng(0)\n"
