@@ -276,6 +276,31 @@ def test_package_functions_prefer_512_bit_vectors():
     assert jit_policy.VECTOR_WIDTH_ATTRIBUTE not in "".join(user.inspect_llvm().values())
 
 
+def test_package_functions_skip_the_function_passes_a_users_keep(monkeypatch):
+    """Package functions go straight to Numba's module passes (``jit._skip_function_passes``);
+    a user's Numba function in the same process gets Numba's function passes as before; both
+    give the same bits."""
+    from numba.core import codegen
+
+    runs = []
+    original = codegen.CPUCodeLibrary._optimize_functions
+
+    def counted(self, ll_module):
+        runs.append(ll_module.name)
+        return original(self, ll_module)
+
+    monkeypatch.setattr(codegen.CPUCodeLibrary, "_optimize_functions", counted)
+    package = jit_policy.jit(entry=True)(_exp_loop())
+    x = np.linspace(-90.0, 3.0, 1001, dtype=np.float32)
+    a, b = x.copy(), x.copy()
+    package(a, np.float32(0.25))
+    assert runs == []
+    user = numba.njit(fastmath={"contract"})(_exp_loop())
+    user(b, np.float32(0.25))
+    assert runs
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
 def test_package_loops_use_512_bit_vectors_on_avx512():
     features = getattr(numba.core.registry.cpu_target.target_context.codegen(), "_tm_features", "")
     if "+avx512f" not in features.split(","):
