@@ -89,8 +89,9 @@ Optimisation rounds: Numba optimises a function's freshly lowered code three tim
 function-level passes on the new module, then the library's module passes twice (a cheap round
 that gathers reference-count operations for pruning, then the full one). Package functions skip
 the first round (:func:`_skip_function_passes`), whose work the module passes repeat: float32's
-cold compile 13 % shorter, every output bit-identical (``bench/bit_identity.py`` on both GEMM
-paths, and compiled for Haswell). A user's Numba functions keep all three.
+cold compile 0.4-2.7 s of CPU shorter on Zen 4 (of 21-24 s), every output bit-identical
+(``bench/bit_identity.py`` on both GEMM paths, and compiled for Haswell); docs/performance.md,
+"What was tried". A user's Numba functions keep all three.
 
 ``fastmath`` is restricted to ``{"contract"}`` and not configurable: it lets
 LLVM fuse ``a * b + c`` into one FMA (faster, and never less accurate), but
