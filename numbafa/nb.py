@@ -81,6 +81,7 @@ from .kernels.dropout import Dropout, dropout_plugins, philox_words
 from .kernels.entry import (EXACT_SCORES, LSE_VALUES, NONFINITE, OUTPUT, OUTPUTS, SCALED_Q, SCORES, SCORES_WITH_BIAS,
                             STATUS_WORDS, SUMS, backward_entry, exact_scores_plugin, forward_entry)
 from .kernels.launch import prepare_backward, prepare_forward
+from .kernels.stored import stored_bwd, stored_fwd
 from .kernels.scores import ScoreMods, score_plugins, serial_flags
 from .kernels.table import ensure_plugins, kernel_address
 from .compiler.linking import KERNELS, call_key, call_value_between, register_function
@@ -233,19 +234,20 @@ def _prepare(prob, fwd, bwd) -> None:
     acc = fwd.acc.dtype
     q4 = np.empty((0,) * 4, storage.dtype)
     a4, a3 = np.empty((0,) * 4, acc), np.empty((0,) * 3, acc)
+    acc_of = fwd.acc
     fwd_ins, fwd_outs = FwdInputs(q4, q4, q4, a3), FwdOutputs(a4, a3)
     bwd_ins = BwdInputs(q=q4, k=q4, v=q4, o=q4, dy=q4, lse=a3, sinks=a3)
     bwd_outs, stats = BwdOutputs(dq=a4, dk=a4, dv=a4, dsinks=a3, part_dk=a4, part_dv=a4), BwdStats(a3, a3)
     items, status, exponent = np.zeros(0, np.int64), np.zeros(STATUS_WORDS, np.int64), np.int64(-1)
     # the entries, for the argument tuples _call_forward and _call_backward build
-    fwd_args = (fwd_ins, fwd_outs, _without_arrays(fwd), items, exponent, status)
-    bwd_args = (bwd_ins, bwd_outs, stats, _without_arrays(bwd), items, items, exponent, status)
+    fwd_args = (stored_fwd(fwd_ins, acc_of), fwd_outs, _without_arrays(fwd), items, exponent, status)
+    bwd_args = (stored_bwd(bwd_ins, acc_of), bwd_outs, stats, _without_arrays(bwd), items, items, exponent, status)
     with core.kernel_call("forward", core._dtype_name(fwd_ins, fwd)):
-        prepare_forward(fwd_ins, fwd_outs, fwd)
+        prepare_forward(fwd_args[0], fwd_outs, fwd)
         ensure_plugins(exact_scores_plugin(fwd_ins, fwd))
         register_function(forward_entry, [numba.typeof(x) for x in fwd_args])
     with core.kernel_call("backward", core._dtype_name(bwd_ins, bwd)):
-        prepare_backward(bwd_ins, bwd_outs, stats, bwd, finish=True)
+        prepare_backward(bwd_args[0], bwd_outs, stats, bwd, finish=True)
         register_function(backward_entry, [numba.typeof(x) for x in bwd_args])
     for kernel_plan in (fwd, bwd):
         if kernel_plan.dropout.active:
@@ -861,7 +863,7 @@ def _call_forward(ins, outs, kernel_plan, items, status):
     :func:`plan`), inside the BLAS pin (module docstring): the code of a user's function holds
     none of its body, so it is compiled once for the Python API and every njit caller, and a
     user's compile neither links nor emits it."""
-    args = (ins, outs, kernel_plan, items, np.int64(-1), status)
+    args = (stored_fwd(ins, kernel_plan.acc), outs, kernel_plan, items, np.int64(-1), status)
     address = kernel_address(call_key("forward_entry", args))
     pin, unpin = _pin_addresses()
     if address == 0 or pin == 0:
@@ -872,7 +874,7 @@ def _call_forward(ins, outs, kernel_plan, items, status):
 @jit()
 def _call_backward(ins, outs, stats, kernel_plan, items, units, status):
     """:func:`~numbafa.kernels.entry.backward_entry` through the kernel table (as :func:`_call_forward`)."""
-    args = (ins, outs, stats, kernel_plan, items, units, np.int64(-1), status)
+    args = (stored_bwd(ins, kernel_plan.acc), outs, stats, kernel_plan, items, units, np.int64(-1), status)
     address = kernel_address(call_key("backward_entry", args))
     pin, unpin = _pin_addresses()
     if address == 0 or pin == 0:

@@ -309,3 +309,28 @@ def test_package_loops_use_512_bit_vectors_on_avx512():
     package = jit_policy.jit(entry=True)(_exp_loop())
     package(np.zeros(64, np.float32), np.float32(0.0))
     assert "zmm" in "".join(package.inspect_asm().values())
+
+
+_SHARED_KERNELS = r"""
+import json, ml_dtypes, numpy as np, numbafa
+from numbafa.kernels import backward, entry, forward
+rng = np.random.default_rng(0)
+for dtype in (np.float32, ml_dtypes.bfloat16):
+    q, k, v, dy = (rng.standard_normal((1, 2, 16, 256)).astype(dtype) for _ in range(4))
+    o, lse = numbafa.attention_fwd(q, k, v, use_causal_mask=True, mixed_precision=True)
+    numbafa.attention_bwd(q, k, v, o, dy, lse, use_causal_mask=True, mixed_precision=True)
+kernels = (entry.forward_entry, entry.backward_entry, forward.fwd_work_item, backward.bwd_work_item)
+print(json.dumps([len(k.signatures) for k in kernels]))
+"""
+
+
+def test_bf16_inputs_run_the_kernels_compiled_for_float32():
+    """bf16 inputs reach the entries and the work items as the same records as float32 ones
+    (``numbafa.kernels.stored``): in a new process, a float32 then a bf16 forward and backward
+    compile (or load) one entry and one work item per pass; only the bf16 plugins are added."""
+    import json
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-c", _SHARED_KERNELS], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1]) == [1] * 4

@@ -10,7 +10,8 @@ from numbafa.compiler.jit import callable_from_python, jit
 from numbafa.kernels import common
 from numbafa.kernels.forward import _row_max as _kernel_row_max
 from numbafa.kernels.heads import gather_head, load_scaled_rows, store_head_rows
-from numbafa.kernels.loops import input_operand
+from numbafa.kernels.stored import bits_plugins, input_operand
+from numbafa.kernels.table import ensure_plugins
 
 # The kernels' own helpers, compiled with a Python wrapper (kernel code calls them without one).
 load_scaled = callable_from_python(common.load_scaled)
@@ -93,25 +94,39 @@ def test_store_matches_numpy(round_out, d_head, start, count):
 
 
 @jit(entry=True)
-def _operand_of(x, plan):
-    op = input_operand(x, plan, np.empty((0, 0), np.float32), np.empty((0, 0), np.uint16))
-    return op.f.copy(), op.bits.copy(), op.f.ctypes.data == x.ctypes.data or op.bits.ctypes.data == x.ctypes.data
+def _operand_of(values, bits, is_bits, plan):
+    op = input_operand(values, bits, is_bits, plan, np.empty((0, 0), np.float32), np.empty((0, 0), np.uint16))
+    x = bits.ctypes.data if is_bits else values.ctypes.data
+    return op.f.copy(), op.bits.copy(), op.f.ctypes.data == x or op.bits.ctypes.data == x
+
+
+def _operand_of_input(x, plan):
+    """:func:`numbafa.kernels.stored.input_operand` of a float32 array or of bf16 bits (the other
+    member empty, as in a :data:`~numbafa.kernels.stored.Stored` record)."""
+    if x.dtype == np.uint16:
+        return _operand_of(np.empty((0, 0), np.float32), x, True, plan)
+    return _operand_of(x, np.empty((0, 0), np.uint16), False, plan)
 
 
 def test_input_operands_are_views_but_bf16_bits_widened_for_float32_gemms():
     """float32 inputs are their own operand; bf16 bits are too on the bf16 path (``plan.gemm.bits``),
-    and are widened into a float32 copy on the others."""
+    and are widened into a float32 copy on the others (the plugin ``widen_bits``)."""
+    from numbafa.checks.options import AttentionOptions
+    from numbafa.checks.validation import validate_fwd_inputs
+    from numbafa.kernels.bundles import make_plan
+    x = np.ones((1, 1, 8, 128), np.float32)
+    ensure_plugins(bits_plugins(make_plan(validate_fwd_inputs(x, x, x, AttentionOptions()), backward=False)))
     from collections import namedtuple
     Gemm, Plan = namedtuple("Gemm", ["onednn", "bits"]), namedtuple("P", ["gemm"])
     rng = np.random.default_rng(3)
     values, bits = _source(rng, "bf16", (6, 9))
-    f, b, same = _operand_of(values, Plan(Gemm(False, False)))
+    f, b, same = _operand_of_input(values, Plan(Gemm(False, False)))
     assert same and b.size == 0
     np.testing.assert_array_equal(f, values)
-    f, b, same = _operand_of(bits, Plan(Gemm(True, True)))
+    f, b, same = _operand_of_input(bits, Plan(Gemm(True, True)))
     assert same and f.size == 0
     np.testing.assert_array_equal(b, bits)
-    f, b, same = _operand_of(bits, Plan(Gemm(False, False)))
+    f, b, same = _operand_of_input(bits, Plan(Gemm(False, False)))
     assert not same and b.size == 0 and f.dtype == np.float32
     np.testing.assert_array_equal(f, values)
 

@@ -349,6 +349,7 @@ def test_a_failing_work_item_raises_its_own_exception(units):
     from numbafa.compiler.jit import callable_from_python
     from numbafa.kernels import launch
     from numbafa.kernels.bundles import FwdInputs, FwdOutputs, make_plan
+    from numbafa.kernels.stored import stored_fwd
     from numbafa.checks.options import AttentionOptions
     from numbafa.checks.validation import validate_fwd_inputs
 
@@ -359,6 +360,7 @@ def test_a_failing_work_item_raises_its_own_exception(units):
     ins = FwdInputs(prob.q, bad, prob.v, prob.sinks)
     outs = FwdOutputs(np.empty(good.shape, np.float32), np.empty((units, 1, 1), np.float32))
     plan = make_plan(prob, backward=False)
+    ins = stored_fwd(ins, plan.acc)
     launch.prepare_forward(ins, outs, plan)
     with single_threaded_blas(), pytest.raises(ValueError, match="matmul: operands need a unit inner stride"):
         callable_from_python(launch.forward_items)(ins, outs, plan, np.arange(units, dtype=np.int64))

@@ -33,12 +33,13 @@ Shape of the code, as upstream splits ``flash_attn_bwd`` from
   per block :func:`recompute_p_ds` (Steps 2-4) and :func:`update_gradients`
   (Steps 3.1, 5.1, 5.2).
 
-Compile units: :func:`bwd_work_item`, :func:`load_kv_section`,
-:func:`load_q_group` and :func:`compute_rowsum` read the input arrays, so they
-are compiled per input storage (float32, bf16 bits, float64); :func:`bwd_k_tiles`
-and everything it calls, the stores and :func:`bwd_finish_unit` take float32
-tiles (float64 for float64 inputs) and are compiled once for every input
-dtype, option and GEMM path (:mod:`numbafa.kernels.bundles`).
+Compile units: everything here is compiled once for every input dtype, option
+and GEMM path (:mod:`numbafa.kernels.bundles`; float64 inputs, float64
+arithmetic, apart). The inputs arrive as :data:`~numbafa.kernels.stored.Stored`
+records, one type for float32 values and bf16 bits: :func:`load_kv_section` and
+:func:`load_q_group` branch on the storage once per section or Q group, and the
+bf16 side of :func:`compute_rowsum` is a plugin (:func:`rowsum_bits`), compiled
+by a call with bf16 inputs only.
 
 CPU layout. The Neuron tensors are ``[d_head, seq]`` and stay so: K, V and
 dO are used in place (float32 inputs; bf16 bits are widened once per section
@@ -70,25 +71,27 @@ from __future__ import annotations
 
 from collections import namedtuple
 
+import numba
 import numpy as np
+from numba import types
 
 from ..conventions.dtypes import ROUND_NONE, round_inplace, rounded, widen
 from ..compiler.jit import jit
 from ..compiler.linking import _plugin_key, call_or_raise, pack, unpack
 from ..conventions.tiling import FLOAT32_MIN
-from .common import load_scaled, store, store_transposed
+from .common import store, store_transposed
 from .dropout import drop_probabilities, drop_scores
 from .fastexp import exp_of
-from .heads import (NEURON, dims4, gather_head, head_rows, head_slice, load_scaled_rows, reduce_partials_rows,
-                    store_head_rows, store_rows)
-from .loops import (bits_of_row, columns, group_rows, input_operand, input_rows_operand, n_q_groups, owns_group,
-                    row_slice, rows_operand, tile_operand)
+from .heads import (NEURON, dims4, gather_head, head_rows, head_slice, reduce_partials_rows, store_head_rows,
+                    store_rows)
+from .loops import (bits_of_row, columns, group_rows, n_q_groups, owns_group, row_slice, rows_operand, tile_operand)
 from .mask import cut_by_mask, queries_seeing_key, required_q_rows, tile_pos
 from .matmul import any_layout, bits_operand, gemm
 from .scores import item_units, modify_scores_t, score_gradients
+from .stored import call_bits, gather_input, input_operand, input_rows_operand, load_q, stored_dims
 from .table import plugin_address
 
-__all__ = ["bwd_work_item", "bwd_finish_unit", "BwdStats", "FinishArgs"]
+__all__ = ["bwd_work_item", "bwd_finish_unit", "BwdStats", "FinishArgs", "rowsum_plugins"]
 
 _F32_MIN = np.float32(FLOAT32_MIN)
 _ONE = np.float32(1.0)
@@ -156,6 +159,33 @@ def compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum, precision):
     round_inplace(total, round_acc)
     for i in range(count):
         d_sum[i] = total[i]
+
+
+@jit()
+def rowsum_bits(args, _):
+    """:func:`compute_rowsum` of bf16 bits, a plugin (:mod:`numbafa.kernels.stored`): ``(o_h, dy_h,
+    start, count, d_tile, d_sum, d0, precision)``, D written to ``d_sum[d0:d0 + count]``."""
+    o_h, dy_h, start, count, d_tile, d_sum, d0, precision = unpack(args)
+    compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum[d0:d0 + count], precision)
+
+
+def rowsum_plugins(plan) -> list:
+    """:func:`rowsum_bits` and its argument types, for :func:`numbafa.kernels.table.ensure_plugins`."""
+    bits2 = types.Array(types.uint16, 2, "C")
+    acc1 = types.Array(numba.from_dtype(plan.acc.dtype), 1, "C")
+    return [(rowsum_bits, types.Tuple((bits2, bits2, types.int64, types.int64, numba.typeof(plan.tiling.d_tile), acc1,
+                                       types.int64, numba.typeof(plan.precision))))]
+
+
+@jit(apart=True)
+def _row_sum(o_f, dy_f, o_bits, dy_bits, is_bits, start, count, plan, d_sum, d0):
+    """Step 1 of rows ``start:start + count`` of O and dO heads ``[d, seq]`` (values or bf16 bits:
+    :mod:`numbafa.kernels.stored`), D written to ``d_sum[d0:d0 + count]``."""
+    if is_bits:
+        call_bits(rowsum_bits, (o_bits, dy_bits, np.int64(start), np.int64(count), plan.tiling.d_tile, d_sum,
+                                np.int64(d0), plan.precision))
+    else:
+        compute_rowsum(o_f, dy_f, start, count, plan.tiling.d_tile, d_sum[d0:d0 + count], plan.precision)
 
 
 @jit(inline=True)
@@ -411,7 +441,8 @@ def load_q_group(ins, outs, plan, sec, head, i_group, scratch, copies):
     """
     prec = plan.precision
     layout = plan.layout
-    q_grp0, rows = group_rows(i_group, dims4(ins.q, layout)[3], plan.tiling)
+    b, h = head.batch, head.q_head
+    q_grp0, rows = group_rows(i_group, stored_dims(ins.q, layout)[3], plan.tiling)
     dq = scratch.dq[:, :rows]
     if sec.first:
         dq[:] = _ZERO
@@ -424,32 +455,32 @@ def load_q_group(ins, outs, plan, sec, head, i_group, scratch, copies):
                 dq_row[i] = src[i]
     else:
         gather_head(head_rows(outs.dq, layout, head.batch, head.q_head), q_grp0, rows, scratch.dq, False)
+    load_q(ins.q, layout, b, h, q_grp0, rows, scratch.q_s, plan.softmax_scale, prec.round_kernel)
+    dy = ins.dy
     if layout == NEURON:
-        load_scaled(ins.q[head.batch, head.q_head], q_grp0, rows, scratch.q_s, plan.softmax_scale, prec.round_kernel)
-        dy_h = ins.dy[head.batch, head.q_head]
-        dy_op = input_operand(dy_h[:, q_grp0:q_grp0 + rows], plan, scratch.no_values, scratch.no_bits)
+        dy_op = input_operand(dy.f[b, h][:, q_grp0:q_grp0 + rows], dy.bits[b, h][:, q_grp0:q_grp0 + rows], dy.is_bits,
+                              plan, scratch.no_values, scratch.no_bits)
         dy_t = rows_operand(dy_op, scratch.dy_t, scratch.no_values, scratch.no_bits, plan.gemm.bits)
     else:
-        load_scaled_rows(head_rows(ins.q, layout, head.batch, head.q_head), q_grp0, rows, scratch.q_s,
-                         plan.softmax_scale, prec.round_kernel)
-        dy_head = head_rows(ins.dy, layout, head.batch, head.q_head)
-        gather_head(dy_head, q_grp0, rows, copies.dy, False)
-        dy_op = input_operand(copies.dy[:, :rows], plan, scratch.no_values, scratch.no_bits)
-        dy_t = input_rows_operand(head_slice(dy_head, q_grp0, rows), dy_op, scratch.dy_t, scratch.no_values,
-                                  scratch.no_bits, plan.gemm.bits)
+        gather_input(dy, layout, b, h, q_grp0, rows, copies.dy, copies.dy_bits)
+        dy_op = input_operand(copies.dy[:, :rows], copies.dy_bits[:, :rows], dy.is_bits, plan, scratch.no_values,
+                              scratch.no_bits)
+        dy_t = input_rows_operand(head_slice(head_rows(dy.f, layout, b, h), q_grp0, rows), dy.is_bits, dy_op,
+                                  scratch.dy_t, scratch.no_values, scratch.no_bits, plan.gemm.bits)
     q_op = tile_operand(any_layout(scratch.q_s[:, :rows]), scratch.q_bits, scratch.no_values, scratch.no_bits,
                         plan.gemm.bits)
     if sec.first:
-        lse_g = ins.lse[head.batch, head.q_head, q_grp0:q_grp0 + rows]
+        lse_g = ins.lse[b, h, q_grp0:q_grp0 + rows]
         neg_lse = head.neg_lse[q_grp0:q_grp0 + rows]
         for i in range(rows):
             neg_lse[i] = rounded(-lse_g[i], prec.round_acc)
+        o = ins.o
         if layout == NEURON:
-            compute_rowsum(ins.o[head.batch, head.q_head], ins.dy[head.batch, head.q_head], q_grp0, rows,
-                           plan.tiling.d_tile, head.d_sum[q_grp0:q_grp0 + rows], prec)
+            _row_sum(o.f[b, h], dy.f[b, h], o.bits[b, h], dy.bits[b, h], o.is_bits, q_grp0, rows, plan, head.d_sum,
+                     q_grp0)
         else:
-            gather_head(head_rows(ins.o, layout, head.batch, head.q_head), q_grp0, rows, copies.o, False)
-            compute_rowsum(copies.o, copies.dy, 0, rows, plan.tiling.d_tile, head.d_sum[q_grp0:q_grp0 + rows], prec)
+            gather_input(o, layout, b, h, q_grp0, rows, copies.o, copies.o_bits)
+            _row_sum(copies.o, copies.dy, copies.o_bits, copies.dy_bits, o.is_bits, 0, rows, plan, head.d_sum, q_grp0)
     bits = plan.gemm.bits
     q_t = rows_operand(q_op, scratch.q_t, scratch.no_values, scratch.no_bits, bits)
     return QGroup(start=q_grp0, rows=rows, q_s=q_op, dy=dy_op, q_t=q_t, dy_t=dy_t, dq=dq, neg_lse=head.neg_lse,
@@ -461,20 +492,24 @@ def load_kv_section(ins, plan, batch, kv_head, i_section, scratch, copies):
     """K and V of one section ``[d, keys]`` as GEMM operands (float32 inputs and bf16 bits on
     the bf16 path: views; bf16 on a float32 path: widened), accumulators zeroed (upstream
     1162-1178)."""
-    seqlen_k = dims4(ins.k, plan.layout)[3]
+    k, v = ins.k, ins.v
+    seqlen_k = stored_dims(k, plan.layout)[3]
     section_len = plan.tiling.section_len
     start = i_section * section_len
     length = max(0, min(section_len, seqlen_k - start))
+    keys = slice(start, start + length)
     if plan.layout == NEURON:
-        k_op = input_operand(ins.k[batch, kv_head][:, start:start + length], plan, scratch.no_values,
-                             scratch.no_bits)
-        v_op = input_operand(ins.v[batch, kv_head][:, start:start + length], plan, scratch.no_values,
-                             scratch.no_bits)
+        k_op = input_operand(k.f[batch, kv_head][:, keys], k.bits[batch, kv_head][:, keys], k.is_bits, plan,
+                             scratch.no_values, scratch.no_bits)
+        v_op = input_operand(v.f[batch, kv_head][:, keys], v.bits[batch, kv_head][:, keys], v.is_bits, plan,
+                             scratch.no_values, scratch.no_bits)
     else:   # an s-major layout's section, transposed into [d, keys] copies
-        gather_head(head_rows(ins.k, plan.layout, batch, kv_head), start, length, copies.k, False)
-        gather_head(head_rows(ins.v, plan.layout, batch, kv_head), start, length, copies.v, False)
-        k_op = input_operand(copies.k[:, :length], plan, scratch.no_values, scratch.no_bits)
-        v_op = input_operand(copies.v[:, :length], plan, scratch.no_values, scratch.no_bits)
+        gather_input(k, plan.layout, batch, kv_head, start, length, copies.k, copies.k_bits)
+        gather_input(v, plan.layout, batch, kv_head, start, length, copies.v, copies.v_bits)
+        k_op = input_operand(copies.k[:, :length], copies.k_bits[:, :length], k.is_bits, plan, scratch.no_values,
+                             scratch.no_bits)
+        v_op = input_operand(copies.v[:, :length], copies.v_bits[:, :length], v.is_bits, plan, scratch.no_values,
+                             scratch.no_bits)
     scratch.dk_acc[:] = _ZERO
     scratch.dv_acc[:] = _ZERO
     return KVSection(start=start, length=length, first=i_section == 0, k=k_op, v=v_op, dk_acc=scratch.dk_acc,
@@ -513,19 +548,29 @@ def store_dq(qg, outs, plan):
 
 
 #: An item's ``[d, seq]`` copies of an s-major layout's K and V sections and of dO and O's
-#: Q-group rows, in the inputs' storage dtype (empty in the Neuron layout: read in place).
-InCopies = namedtuple("InCopies", ["k", "v", "dy", "o"])
+#: Q-group rows: values (``k``, ``v``, ``dy``, ``o``) or bf16 bits (``*_bits``), as the inputs are
+#: stored (:mod:`numbafa.kernels.stored`); empty in the Neuron layout (read in place) and on the
+#: other storage's side.
+InCopies = namedtuple("InCopies", ["k", "v", "dy", "o", "k_bits", "v_bits", "dy_bits", "o_bits"])
 
 
 @jit()
 def make_copies(ins, plan, d_head, d_v, scratch):
     """The item's :data:`InCopies` (sized as ``scratch``'s Q group and KV section)."""
     n = 0 if plan.layout == NEURON else 1
+    n_bits = n if ins.k.is_bits else 0
+    n_f = n - n_bits
     sec_cap, q_rows = scratch.dk_acc.shape[0], scratch.q_s.shape[1]
-    return InCopies(np.empty((n * d_head, n * sec_cap), dtype=ins.k.dtype),
-                    np.empty((n * d_v, n * sec_cap), dtype=ins.v.dtype),
-                    np.empty((n * d_v, n * q_rows), dtype=ins.dy.dtype),
-                    np.empty((n * d_v, n * q_rows), dtype=ins.o.dtype))
+    acc = plan.acc.dtype
+    k = np.empty((n_f * d_head, n_f * sec_cap), dtype=acc)
+    v = np.empty((n_f * d_v, n_f * sec_cap), dtype=acc)
+    dy = np.empty((n_f * d_v, n_f * q_rows), dtype=acc)
+    o = np.empty((n_f * d_v, n_f * q_rows), dtype=acc)
+    k_bits = np.empty((n_bits * d_head, n_bits * sec_cap), dtype=np.uint16)
+    v_bits = np.empty((n_bits * d_v, n_bits * sec_cap), dtype=np.uint16)
+    dy_bits = np.empty((n_bits * d_v, n_bits * q_rows), dtype=np.uint16)
+    o_bits = np.empty((n_bits * d_v, n_bits * q_rows), dtype=np.uint16)
+    return InCopies(k=k, v=v, dy=dy, o=o, k_bits=k_bits, v_bits=v_bits, dy_bits=dy_bits, o_bits=o_bits)
 
 
 @jit()
@@ -577,8 +622,8 @@ def bwd_work_item(args, item):
     """
     ins, outs, stats, plan = unpack(args)
     tiling = plan.tiling
-    bs, nheads, d_head, seqlen_q = dims4(ins.q, plan.layout)
-    _, nheads_kv, d_v, seqlen_k = dims4(ins.v, plan.layout)
+    bs, nheads, d_head, seqlen_q = stored_dims(ins.q, plan.layout)
+    _, nheads_kv, d_v, seqlen_k = stored_dims(ins.v, plan.layout)
     n_rep = nheads // nheads_kv
     b0, b1, h0, h1, chunk = item_units(item, tiling.q_chunks, bs, nheads_kv, plan.scores)
     scratch = make_scratch(d_head, d_v, seqlen_q, seqlen_k, plan)

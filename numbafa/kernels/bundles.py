@@ -25,11 +25,13 @@ Every option is a *value* of a fixed type: the rounding format, the GEMM path,
 dropout and the score variants switch code at run time (a branch per row or
 tile), so one compiled kernel serves float32, bf16 and float16 inputs, with
 or without dropout or score variants, on either GEMM path; only float64
-inputs (float64 arithmetic) and the input arrays' storage (float32, bf16
-bits, float64) are compiled apart.
+inputs (float64 arithmetic) are compiled apart. The input storage (float32
+values or bf16 bits) is a value too: the entries and the work items take the
+4-D inputs as :data:`numbafa.kernels.stored.Stored` records.
 
 ``FwdInputs``/``FwdOutputs`` and ``BwdInputs``/``BwdOutputs`` carry the
-arrays (bf16 inputs as their uint16 bit patterns; outputs in the accumulator
+arrays (the inputs as arrays in Python -- bf16 as their uint16 bit patterns --
+and as ``Stored`` records from the entries on; outputs in the accumulator
 dtype holding values of the output dtype).
 """
 

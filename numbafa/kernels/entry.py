@@ -23,9 +23,11 @@ A failure writes the ``status`` array (``code, which, count, value``: :data:`STA
 and returns before anything is launched where it can; the caller turns it into the exception,
 in its own words (:func:`numbafa.pipeline.core.raise_status`; :mod:`numbafa.nb` raises in compiled code).
 
-Inputs are the kernels' arrays: C-contiguous, float32, bf16 bits (uint16) or float64 (float16
-inputs arrive widened to float32); outputs the kernels' float32 (float64) arrays, converted to
-the caller's dtype by the caller. ``exponent`` is ``-1`` for a whole call (the checks, then the
+Inputs are the kernels' arrays, C-contiguous, float32, bf16 bits (uint16) or float64 (float16
+inputs arrive widened to float32), each in a :data:`~numbafa.kernels.stored.Stored` record
+(:func:`~numbafa.kernels.stored.stored_fwd`, ``stored_bwd``): one compiled entry serves float32
+and bf16 inputs, the bf16 scans being plugins (:mod:`numbafa.kernels.values`); outputs the
+kernels' float32 (float64) arrays, converted to the caller's dtype by the caller. ``exponent`` is ``-1`` for a whole call (the checks, then the
 rescale this call needs), or a Dask share's ``e >= 0``: its client checked the whole problem
 and chose the rescale of all its shares (a block's chunks must share it).
 """
@@ -45,7 +47,9 @@ from .bundles import BwdInputs, FwdInputs
 from .heads import BHSD, BSHD, dims4
 from .launch import backward_items, forward_items
 from .matmul import flat
+from .stored import Stored, call_bits, stored_dims
 from .table import kernel_address
+from .values import bits_value, count_nonfinite, largest_of_bits, magnitude_bits, scaled, scaled_bits
 
 __all__ = ["forward_entry", "backward_entry", "unscale_output", "exact_scores", "exact_scores_plugin", "STATUS_WORDS",
            "OK", "NONFINITE", "LSE_VALUES", "SCALED_Q", "SCORES", "SCORES_WITH_BIAS", "SUMS", "OUTPUT", "EXACT_SCORES", "INPUTS", "OUTPUTS"]
@@ -77,81 +81,28 @@ _F32_INF = 2.0 ** 128 - 2.0 ** 103
 
 # --- values ---------------------------------------------------------------------------------
 
-def _largest_bits(flat):  # pragma: no cover - replaced inside njit code
-    """The bits of ``flat``'s largest ``|element|`` as an unsigned int (the bits of magnitudes order
-    as their values, so this is one integer max reduction, which vectorises)."""
-    raise NotImplementedError
-
-
-@overload(_largest_bits)
-def _largest_bits_overload(flat):
-    # Signed views with the sign bit masked off (magnitudes order as non-negative ints), and every
-    # value cast back to the element width: Numba compares unsigned ints as 64-bit ones, so a
-    # uint32 max loaded 4 elements per instruction (0.14 ns per element on a Xeon with AVX-512),
-    # an int32 one 16 (0.037 ns); bf16 bits as int16: 0.14 -> 0.03 ns.
-    if flat.dtype == types.float32:
-        def f32(flat):
-            u = flat.view(np.int32)
-            largest = np.int32(0)
-            for i in range(u.size):
-                x = np.int32(u[i] & np.int32(0x7FFFFFFF))
-                largest = x if x > largest else largest
-            return np.uint64(largest)
-        return f32
-    if flat.dtype == types.uint16:   # bf16 bits
-        def bf16(flat):
-            u = flat.view(np.int16)
-            largest = np.int16(0)
-            for i in range(u.size):
-                x = np.int16(u[i] & np.int16(0x7FFF))
-                largest = x if x > largest else largest
-            return np.uint64(largest)
-        return bf16
-    if flat.dtype == types.float64:
-        def f64(flat):
-            u = flat.view(np.int64)
-            largest = np.int64(0)
-            for i in range(u.size):
-                x = u[i] & np.int64(0x7FFFFFFFFFFFFFFF)
-                largest = x if x > largest else largest
-            return np.uint64(largest)
-        return f64
-    return None
-
-
-def _bits_value(bits, flat):  # pragma: no cover - replaced inside njit code
-    """``(finite, value)`` of the largest-magnitude bits that :func:`_largest_bits` found."""
-    raise NotImplementedError
-
-
-@overload(_bits_value)
-def _bits_value_overload(bits, flat):
-    if flat.dtype == types.float32:
-        return lambda bits, flat: (bits < 0x7F800000, np.float64(np.uint32(bits).view(np.float32)))
-    if flat.dtype == types.uint16:
-        return lambda bits, flat: (bits < 0x7F80, np.float64(widen(np.uint16(bits))))
-    if flat.dtype == types.float64:
-        return lambda bits, flat: (bits < np.uint64(0x7FF0000000000000), np.uint64(bits).view(np.float64))
-    return None
-
-
-@jit()
-def _count_nonfinite(flat):
-    """How many elements of ``flat`` are NaN or infinite."""
-    n = 0
-    for i in range(flat.size):
-        n += not (abs(np.float64(widen(flat[i]))) < math.inf)
-    return n
-
-
 @jit()
 def _largest(x, which, status):
     """The largest ``|element|`` of the 1-D array ``x``; with a NaN or an inf in it, the status
     :data:`NONFINITE` (``which``, how many) and -1."""
-    finite, value = _bits_value(_largest_bits(x), x)
+    finite, value = bits_value(magnitude_bits(x), x)
     if finite:
         return value
-    status[0], status[1], status[2] = NONFINITE, which, _count_nonfinite(x)
+    status[0], status[1], status[2] = NONFINITE, which, count_nonfinite(x)
+    return -1.0
+
+
+@jit()
+def _largest_input(x, which, status):
+    """:func:`_largest` of a :data:`~numbafa.kernels.stored.Stored` input (of bf16 bits: the plugin
+    :func:`~numbafa.kernels.values.largest_of_bits`)."""
+    if not x.is_bits:
+        return _largest(flat(x.f), which, status)
+    out = np.zeros(2)
+    call_bits(largest_of_bits, (flat(x.bits), out))
+    if out[1] == 0.0:
+        return out[0]
+    status[0], status[1], status[2] = NONFINITE, which, np.int64(out[1])
     return -1.0
 
 
@@ -257,6 +208,16 @@ def exact_scores_plugin(ins, plan) -> list:
     return [(exact_scores, (ins.q, ins.k, plan.softmax_scale, plan.layout, np.zeros(1)))]
 
 
+@jit(inline=True)
+def _exact_scores(args):
+    """Run :func:`exact_scores` on ``args`` if it is compiled in this process; whether it ran."""
+    address = kernel_address(_plugin_key(exact_scores, args))
+    if address == 0:
+        return False
+    call_or_raise(address, (pack(args), np.int64(0)))
+    return True
+
+
 @jit()
 def _check_range(plan, q, k, m_q, m_k, m_bias, status):
     """The status :data:`SCALED_Q`, :data:`SCORES` or :data:`SCORES_WITH_BIAS` (with the value that
@@ -269,17 +230,18 @@ def _check_range(plan, q, k, m_q, m_k, m_bias, status):
             status[0], status[1], status[3] = SCALED_Q, fmt, np.float64(scale * m_q).view(np.int64)
             return
     limit = _limit(plan.acc)
-    d_head = dims4(q, plan.layout)[2]
+    d_head = stored_dims(q, plan.layout)[2]
     margin = (1.0 + 2.0 ** -7) * (1.0 + d_head * 2.0 ** -23)    # q * scale rounded (bf16), the sums
     largest = scale * m_q * m_k * d_head * margin               # inf past float64: no error
     if largest >= limit:
         exact = np.zeros(1)
-        args = (q, k, plan.softmax_scale, plan.layout, exact)
-        address = kernel_address(_plugin_key(exact_scores, args))
-        if address == 0:   # not compiled in this process yet: the caller compiles it and calls again
+        if q.is_bits:
+            ran = _exact_scores((q.bits, k.bits, plan.softmax_scale, plan.layout, exact))
+        else:
+            ran = _exact_scores((q.f, k.f, plan.softmax_scale, plan.layout, exact))
+        if not ran:   # not compiled in this process yet: the caller compiles it and calls again
             status[0] = EXACT_SCORES
             return
-        call_or_raise(address, (pack(args), np.int64(0)))
         largest = exact[0] * margin
     if largest >= limit:
         status[0], status[3] = SCORES, np.float64(largest).view(np.int64)
@@ -309,8 +271,8 @@ def _exponent(bound, plan, backward, status):
 @jit()
 def _backward_bound(plan, ins, m_q, m_k, m_v, m_o, m_dy):
     """A bound of every value the backward accumulates, for ``max|dy| = m_dy``."""
-    bs, nheads, _, seqlen_q = dims4(ins.q, plan.layout)
-    _, nheads_kv, d_v, seqlen_k = dims4(ins.v, plan.layout)
+    bs, nheads, _, seqlen_q = stored_dims(ins.q, plan.layout)
+    _, nheads_kv, d_v, seqlen_k = stored_dims(ins.v, plan.layout)
     n_rep = nheads // nheads_kv
     keep = np.float64(plan.dropout.scale) if plan.dropout.active else 1.0
     scale = abs(np.float64(plan.softmax_scale))
@@ -321,33 +283,16 @@ def _backward_bound(plan, ins, m_q, m_k, m_v, m_o, m_dy):
                n_rep * seqlen_q * d_s * m_q * scale, scale * seqlen_k * d_s * m_k, seqlen_q * d_sum, dbias)
 
 
-def _scaled(x, e):  # pragma: no cover - replaced inside njit code
-    """A new array: the kernel input ``x`` (float32, bf16 bits, float64) times ``2**-e``, exact (a
-    power of two keeps every mantissa; a value scaled below the normal range is rounded once, as
-    ``ldexp`` rounds it)."""
-    raise NotImplementedError
-
-
-@overload(_scaled)
-def _scaled_overload(x, e):
-    if x.dtype == types.uint16:
-        def bf16(x, e):
-            out = np.empty_like(x)
-            flat, dst = x.reshape(-1), out.reshape(-1)
-            for i in range(flat.size):
-                y = np.float32(math.ldexp(np.float64(widen(flat[i])), -e))
-                u = y.view(np.uint32)   # RNE to bf16 (exact but for the lowest subnormals)
-                dst[i] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-            return out
-        return bf16
-
-    def values(x, e):
-        out = np.empty_like(x)
-        flat, dst = x.reshape(-1), out.reshape(-1)
-        for i in range(flat.size):
-            dst[i] = math.ldexp(np.float64(flat[i]), -e)
-        return out
-    return values
+@jit()
+def _scaled_input(x, e):
+    """A new :data:`~numbafa.kernels.stored.Stored` input: ``x`` times ``2**-e``, exact
+    (:func:`~numbafa.kernels.values.scaled`; of bf16 bits: the plugin
+    :func:`~numbafa.kernels.values.scaled_bits`)."""
+    if not x.is_bits:
+        return Stored(scaled(x.f, e), x.bits, False)
+    out = np.empty_like(x.bits)
+    call_bits(scaled_bits, (flat(x.bits), flat(out), np.int64(e)))
+    return Stored(x.f, out, True)
 
 
 @jit()
@@ -391,11 +336,11 @@ def forward_entry(ins, outs, plan, items, exponent, status):
     Returns the rescale's exponent (``status[0] != 0``: the call failed, nothing to use)."""
     e = exponent
     if e < 0:
-        m_q = _largest(flat(ins.q), _Q, status)
-        m_k = _largest(flat(ins.k), _K, status) if m_q >= 0.0 else -1.0
-        m_v = _largest(flat(ins.v), _V, status) if m_k >= 0.0 else -1.0
+        m_q = _largest_input(ins.q, _Q, status)
+        m_k = _largest_input(ins.k, _K, status) if m_q >= 0.0 else -1.0
+        m_v = _largest_input(ins.v, _V, status) if m_k >= 0.0 else -1.0
         m_s = _largest(flat(ins.sinks), _SINKS, status) if m_v >= 0.0 else -1.0
-        longest = max(dims4(ins.q, plan.layout)[3], dims4(ins.k, plan.layout)[3])
+        longest = max(stored_dims(ins.q, plan.layout)[3], stored_dims(ins.k, plan.layout)[3])
         m_bias = _largest_bias(plan.scores, longest, status) if m_s >= 0.0 else -1.0
         if status[0] != OK:
             return 0
@@ -403,11 +348,11 @@ def forward_entry(ins, outs, plan, items, exponent, status):
         if status[0] != OK:
             return 0
         keep = np.float64(plan.dropout.scale) if plan.dropout.active else 1.0
-        e = _exponent(dims4(ins.k, plan.layout)[3] * m_v * keep, plan, False, status)
+        e = _exponent(stored_dims(ins.k, plan.layout)[3] * m_v * keep, plan, False, status)
         if e < 0 or items.size == 0:   # (no items: the checks alone, for a Dask call's client)
             return max(e, 0)
     if e > 0:
-        forward_items(FwdInputs(ins.q, ins.k, _scaled(ins.v, e), ins.sinks), outs, plan, items)
+        forward_items(FwdInputs(ins.q, ins.k, _scaled_input(ins.v, e), ins.sinks), outs, plan, items)
     else:
         forward_items(ins, outs, plan, items)
     if exponent < 0:   # (a Dask share's outputs are part of a call: its client checks them)
@@ -423,13 +368,13 @@ def backward_entry(ins, outs, stats, plan, items, units, exponent, status):
     bias's gradient is ``plan.scores.dbias``). Returns the rescale's exponent."""
     e = exponent
     if e < 0:
-        m_q = _largest(flat(ins.q), _Q, status)
-        m_k = _largest(flat(ins.k), _K, status) if m_q >= 0.0 else -1.0
-        m_v = _largest(flat(ins.v), _V, status) if m_k >= 0.0 else -1.0
-        m_o = _largest(flat(ins.o), _O, status) if m_v >= 0.0 else -1.0
-        m_dy = _largest(flat(ins.dy), _DY, status) if m_o >= 0.0 else -1.0
+        m_q = _largest_input(ins.q, _Q, status)
+        m_k = _largest_input(ins.k, _K, status) if m_q >= 0.0 else -1.0
+        m_v = _largest_input(ins.v, _V, status) if m_k >= 0.0 else -1.0
+        m_o = _largest_input(ins.o, _O, status) if m_v >= 0.0 else -1.0
+        m_dy = _largest_input(ins.dy, _DY, status) if m_o >= 0.0 else -1.0
         m_s = _largest(flat(ins.sinks), _SINKS, status) if m_dy >= 0.0 else -1.0
-        longest = max(dims4(ins.q, plan.layout)[3], dims4(ins.k, plan.layout)[3])
+        longest = max(stored_dims(ins.q, plan.layout)[3], stored_dims(ins.k, plan.layout)[3])
         m_bias = _largest_bias(plan.scores, longest, status) if m_s >= 0.0 else -1.0
         if status[0] == OK:
             _lse_values(flat(ins.lse), status)
@@ -442,8 +387,9 @@ def backward_entry(ins, outs, stats, plan, items, units, exponent, status):
         if e < 0 or items.size + units.size == 0:
             return max(e, 0)
     if e > 0:
-        scaled = BwdInputs(q=ins.q, k=ins.k, v=ins.v, o=ins.o, dy=_scaled(ins.dy, e), lse=ins.lse, sinks=ins.sinks)
-        backward_items(scaled, outs, stats, plan, items, units)
+        rescaled = BwdInputs(q=ins.q, k=ins.k, v=ins.v, o=ins.o, dy=_scaled_input(ins.dy, e), lse=ins.lse,
+                             sinks=ins.sinks)
+        backward_items(rescaled, outs, stats, plan, items, units)
     else:
         backward_items(ins, outs, stats, plan, items, units)
     if exponent >= 0:

@@ -32,11 +32,12 @@ CPU blocking choice. The dropout keep mask Z is a function of each element's
 coordinates (:mod:`numbafa.kernels.dropout`), drawn for the block's visible keys. Every product
 goes through the matmul seam (:func:`numbafa.kernels.matmul.gemm`).
 
-Compile units: :func:`fwd_work_item` reads the input arrays, so it is compiled
-per input storage (float32, bf16 bits, float64); everything after Q's load,
-:func:`fwd_q_group` and the steps it calls, takes float32 tiles (float64 for
-float64 inputs) and is compiled once for every input dtype, option and GEMM
-path (:mod:`numbafa.kernels.bundles`).
+Compile units: everything here is compiled once for every input dtype, option
+and GEMM path (:mod:`numbafa.kernels.bundles`; float64 inputs, float64
+arithmetic, apart): the inputs arrive as :data:`~numbafa.kernels.stored.Stored`
+records, one type for float32 values and bf16 bits, and :func:`fwd_work_item`
+branches on the storage once per unit and Q group (the bf16 side of its loads
+a plugin, :mod:`numbafa.kernels.stored`).
 """
 
 from __future__ import annotations
@@ -50,14 +51,14 @@ from numba.extending import overload
 from ..conventions.dtypes import round_inplace, rounded
 from ..compiler.jit import jit
 from ..compiler.linking import _plugin_key, call_or_raise, pack, unpack
-from .common import load_scaled, store_transposed
+from .common import store_transposed
 from .dropout import drop_tile
 from .fastexp import exp_of, log_of
-from .heads import NEURON, dims4, gather_head, head_rows, head_slice, load_scaled_rows, store_rows
-from .loops import (bits_of_row, columns, decode_item, group_rows, input_operand, n_q_groups, owns_group, row_slice,
-                    tile_operand, width)
+from .heads import NEURON, gather_head, head_rows, head_slice, store_rows
+from .loops import bits_of_row, columns, decode_item, group_rows, n_q_groups, owns_group, row_slice, tile_operand, width
 from .mask import cut_by_mask, required_q_rows, static_key_range, tile_pos, visible_keys
 from .matmul import any_layout, bits_operand, gemm, row_sums
+from .stored import call_bits, gather_bits, gather_input, input_operand, load_q, stored_dims
 from .scores import modify_scores
 from .table import plugin_address
 
@@ -339,8 +340,8 @@ def fwd_work_item(args, item):
     ins, outs, plan = unpack(args)
     tiling = plan.tiling
     layout = plan.layout
-    _, nheads, d_head, seqlen_q = dims4(ins.q, layout)
-    _, nheads_kv, d_v, seqlen_k = dims4(ins.v, layout)
+    _, nheads, d_head, seqlen_q = stored_dims(ins.q, layout)
+    _, nheads_kv, d_v, seqlen_k = stored_dims(ins.v, layout)
     n_rep = nheads // nheads_kv
     unit, chunk, batch, kv_head = decode_item(item, tiling.q_chunks, nheads_kv)
     scratch = make_fwd_scratch(d_head, d_v, seqlen_q, plan)
@@ -351,17 +352,28 @@ def fwd_work_item(args, item):
     # [d, seq] transposed): in the Neuron layout the unit's V transposed once into a copy (the
     # forward's one tiled transpose of an input), in an s-major layout its head's rows as they lie
     # (a view with the input's row stride as the GEMM's ld: the same GEMM and bits).
+    k, v = ins.k, ins.v
+    is_bits = k.is_bits
+    n_bits = 1 if is_bits else 0
+    acc = plan.acc.dtype
     if layout == NEURON:
-        k_in = ins.k[batch, kv_head]
-        v_in = np.empty((seqlen_k, d_v), dtype=ins.v.dtype)
-        gather_head((ins.v[batch, kv_head], 0, seqlen_k), 0, d_v, v_in, False)
-        v_op = input_operand(v_in, plan, scratch.no_values, scratch.no_bits)
+        k_f, k_bits = k.f[batch, kv_head], k.bits[batch, kv_head]
+        v_f = np.empty(((1 - n_bits) * seqlen_k, (1 - n_bits) * d_v), dtype=acc)
+        v_bits = np.empty((n_bits * seqlen_k, n_bits * d_v), dtype=np.uint16)
+        if is_bits:
+            call_bits(gather_bits, (v.bits[batch, kv_head], np.int64(0), np.int64(seqlen_k), np.int64(0),
+                                    np.int64(d_v), v_bits))
+        else:
+            gather_head((v.f[batch, kv_head], 0, seqlen_k), 0, d_v, v_f, False)
+        v_op = input_operand(v_f, v_bits, is_bits, plan, scratch.no_values, scratch.no_bits)
     else:
-        k_in = np.empty((d_head, seqlen_k), dtype=ins.k.dtype)
-        gather_head(head_rows(ins.k, layout, batch, kv_head), 0, seqlen_k, k_in, False)
-        v_op = input_operand(head_slice(head_rows(ins.v, layout, batch, kv_head), 0, seqlen_k), plan,
+        k_f = np.empty(((1 - n_bits) * d_head, (1 - n_bits) * seqlen_k), dtype=acc)
+        k_bits = np.empty((n_bits * d_head, n_bits * seqlen_k), dtype=np.uint16)
+        gather_input(k, layout, batch, kv_head, 0, seqlen_k, k_f, k_bits)
+        v_op = input_operand(head_slice(head_rows(v.f, layout, batch, kv_head), 0, seqlen_k),
+                             head_slice(head_rows(v.bits, layout, batch, kv_head), 0, seqlen_k), is_bits, plan,
                              scratch.no_values, scratch.no_bits)
-    k_op = input_operand(k_in, plan, scratch.no_values, scratch.no_bits)
+    k_op = input_operand(k_f, k_bits, is_bits, plan, scratch.no_values, scratch.no_bits)
     n_groups = n_q_groups(seqlen_q, tiling)
     for r in range(n_rep):
         h = kv_head * n_rep + r
@@ -370,12 +382,8 @@ def fwd_work_item(args, item):
         for i_group in range(n_groups):
             if owns_group(i_group, n_groups, chunk, tiling.q_chunks):
                 q_grp0, rows = group_rows(i_group, seqlen_q, tiling)
-                if layout == NEURON:
-                    load_scaled(ins.q[batch, h], q_grp0, rows, scratch.q_s, plan.softmax_scale,
-                                plan.precision.round_kernel)
-                else:
-                    load_scaled_rows(head_rows(ins.q, layout, batch, h), q_grp0, rows, scratch.q_s,
-                                     plan.softmax_scale, plan.precision.round_kernel)
+                load_q(ins.q, layout, batch, h, q_grp0, rows, scratch.q_s, plan.softmax_scale,
+                       plan.precision.round_kernel)
                 q_op = tile_operand(any_layout(scratch.q_s[:, :rows]), scratch.q_bits, scratch.no_values,
                                     scratch.no_bits, plan.gemm.bits)
                 fwd_q_group(plan, head, q_op, k_op, v_op, q_grp0, outs, scratch)

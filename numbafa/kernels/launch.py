@@ -43,10 +43,12 @@ from numba import types
 
 from ..compiler.linking import (KERNELS, _key_of, address_of, call_or_raise, call_status, native_address, pack,
                                 register_kernel, type_key)
-from .backward import FinishArgs, bwd_finish_unit, bwd_work_item
+from .backward import FinishArgs, bwd_finish_unit, bwd_work_item, rowsum_plugins
 from .forward import fwd_work_item
 from .dropout import dropout_plugins
 from .scores import score_plugins
+from .stored import bits_plugins
+from .values import value_plugins
 from .table import ensure_plugins, kernel_address
 
 __all__ = ["run_items", "ensure_launcher", "forward_items", "backward_items", "call_entry", "prepare_forward", "prepare_backward",
@@ -189,10 +191,14 @@ def _prepare_plugins(plan) -> None:
 def prepare_forward(ins, outs, plan, signature=None) -> None:
     """Compile (or load) the forward's work item for these bundles' types and record it in the
     kernel table (once per ``signature``, a hashable value that determines those types for the
-    caller; None: on each call), and the plugins the plan's options need."""
+    caller; None: on each call), the bf16 loads' plugins for bf16 inputs, and the plugins the
+    plan's options need. ``ins``: the entries' inputs (:data:`~numbafa.kernels.stored.Stored`
+    records, :func:`~numbafa.kernels.stored.stored_fwd`)."""
     if signature is None or ("fwd", signature) not in _prepared:
         ensure_launcher()
         register_kernel(fwd_work_item, numba.typeof((ins, outs, plan)))
+        if ins.q.is_bits:
+            ensure_plugins(bits_plugins(plan) + value_plugins())
         if signature is not None:
             _prepared.add(("fwd", signature))
     _prepare_plugins(plan)
@@ -204,6 +210,8 @@ def prepare_backward(ins, outs, stats, plan, finish: bool, signature=None) -> No
     if signature is None or key not in _prepared:
         ensure_launcher()
         register_kernel(bwd_work_item, numba.typeof((ins, outs, stats, plan)))
+        if ins.q.is_bits:
+            ensure_plugins(bits_plugins(plan) + value_plugins() + rowsum_plugins(plan))
         if finish:
             register_kernel(bwd_finish_unit, numba.typeof(FinishArgs(outs, stats, ins.sinks, plan)))
         if signature is not None:

@@ -12,16 +12,13 @@ forward); an item owns every ``q_chunks``-th group in zigzag order.
 from __future__ import annotations
 
 import numpy as np
-from numba import types
-from numba.extending import overload
 
-from ..conventions.dtypes import widen
 from ..compiler.jit import jit
 from .heads import gather_head
-from .matmul import Operand, any_layout, bits_operand, values_operand
+from .matmul import Operand, bits_operand, values_operand
 
-__all__ = ["decode_item", "n_q_groups", "owns_group", "group_rows", "input_operand",
-           "input_rows_operand", "tile_operand", "rows_operand", "width", "columns", "row_slice"]
+__all__ = ["decode_item", "n_q_groups", "owns_group", "group_rows", "tile_operand", "rows_operand", "width",
+           "columns", "row_slice"]
 
 
 @jit()
@@ -60,40 +57,6 @@ def group_rows(i_group, seqlen_q, tiling):
 
 # --- GEMM operands (numbafa.kernels.matmul.Operand) ----------------------------------------
 
-def input_operand(x, plan, no_values, no_bits):  # pragma: no cover - replaced inside njit code
-    """A 2-D slice of an input array (K, V or dO, ``[d, seq]``) as a GEMM operand: float32 and
-    float64 inputs and bf16 bits on the bf16 path (``plan.gemm.bits``) in place; bf16 bits on a
-    float32 path widened into a new float32 tile."""
-    raise NotImplementedError("input_operand is only callable from @njit code")
-
-
-@overload(input_operand)
-def _input_operand_overload(x, plan, no_values, no_bits):
-    if not isinstance(x, types.Array) or x.ndim != 2:
-        return None
-    if x.dtype in (types.float32, types.float64):
-        return lambda x, plan, no_values, no_bits: values_operand(x, no_bits)
-
-    def impl(x, plan, no_values, no_bits):
-        if plan.gemm.bits:
-            return bits_operand(x, no_values)
-        return values_operand(_widened(any_layout(x)), no_bits)
-    return impl
-
-
-@jit(apart=True)
-def _widened(x):
-    """2-D bf16 bits (any layout) as a new float32 array of their values: compiled once, not
-    into each of :func:`input_operand`'s eight call sites."""
-    wide = np.empty(x.shape, dtype=np.float32)
-    for i in range(x.shape[0]):
-        src = x[i]
-        dst = wide[i]
-        for j in range(x.shape[1]):
-            dst[j] = widen(src[j])
-    return wide
-
-
 @jit(apart=True, refcount=False)
 def tile_operand(t, bits_buf, no_values, no_bits, bits):
     """A tile computed in float32 (2-D, values of the kernel dtype) as a GEMM operand: itself, or
@@ -127,29 +90,6 @@ def rows_operand(op, values_buf, no_values, no_bits, bits):
     out = values_buf[:n * d].reshape(n, d)
     gather_head((op.f, 0, n), 0, d, out, False)
     return values_operand(out, no_bits)
-
-
-def input_rows_operand(rows, op, values_buf, no_values, no_bits, bits):  # pragma: no cover - njit only
-    """:func:`rows_operand` of ``op`` (an input's ``[d, cols]`` operand) when ``rows`` is that
-    input's ``[cols, d]`` rows (a view of an s-major input, any row stride): a float32 or float64
-    input's rows are that transpose as they lie, so the operand is the view (the same values:
-    the same GEMM, only its ``ld`` differs); other dtypes are widened, so transposed as
-    :func:`rows_operand` does."""
-    raise NotImplementedError("input_rows_operand is only callable from @njit code")
-
-
-@overload(input_rows_operand)
-def _input_rows_operand_overload(rows, op, values_buf, no_values, no_bits, bits):
-    if not isinstance(rows, types.Array) or rows.ndim != 2:
-        return None
-    if rows.dtype in (types.float32, types.float64):
-        def view(rows, op, values_buf, no_values, no_bits, bits):
-            if bits:
-                return values_operand(no_values, no_bits)
-            return values_operand(any_layout(rows), no_bits)
-        return view
-    return lambda rows, op, values_buf, no_values, no_bits, bits: rows_operand(op, values_buf, no_values, no_bits,
-                                                                               bits)
 
 
 @jit()

@@ -45,8 +45,9 @@ def plugin_address(key):
     plugin, no compiled function per call site)."""
     address = kernel_address(key)
     if address == 0:
-        raise RuntimeError("numbafa: this call's dropout or score-variant code was not compiled in this process "
-                           "(numbafa.nb: make the plan with numbafa.nb.plan, with these options, in this process)")
+        raise RuntimeError("numbafa: this call's bf16, dropout or score-variant code was not compiled in this process "
+                           "(numbafa.nb: make the plan with numbafa.nb.plan, with these options and dtypes, in this "
+                           "process)")
     return address
 
 
@@ -55,10 +56,11 @@ _ensured: set = set()
 
 def ensure_plugins(plugins) -> None:
     """Compile (or load) and register each ``(function, sample arguments)`` of ``plugins``: the
-    sample's Numba type is that of the arguments the kernels pass (``numbafa.kernels.dropout``,
-    ``numbafa.kernels.scores``: ``*_plugins``), once per process and type."""
+    sample's Numba type (or the sample itself, a Numba type) is that of the arguments the kernels
+    pass (``numbafa.kernels.dropout``, ``numbafa.kernels.scores``, ``numbafa.kernels.stored``:
+    ``*_plugins``), once per process and type."""
     for function, sample in plugins:
-        args_type = numba.typeof(sample)
+        args_type = sample if isinstance(sample, numba.types.Type) else numba.typeof(sample)
         key = (function, args_type)
         if key not in _ensured:
             register_kernel(function, args_type)

@@ -25,6 +25,7 @@ from ..kernels.entry import (EXACT_SCORES, INPUTS, LSE_VALUES, NONFINITE, OUTPUT
                              SCORES_WITH_BIAS, STATUS_WORDS, SUMS, backward_entry, exact_scores_plugin, forward_entry)
 from ..kernels.table import ensure_plugins
 from ..kernels.launch import call_entry, needs_finish, prepare_backward, prepare_forward
+from ..kernels.stored import stored_bwd, stored_fwd
 from ..kernels.scores import n_backward_items
 from ..layout import lse_to_neuron
 from ..compiler.memo import Memo
@@ -176,13 +177,14 @@ def run_fwd(ins: FwdInputs, plan, items=None, n_threads=None, exponent=-1, signa
 def _launch_fwd(ins, outs, plan, items, n_threads, exponent, signature):
     """The forward entry on allocated outputs (:func:`run_fwd`): ``(e, status)``."""
     status = np.zeros(STATUS_WORDS, dtype=np.int64)
+    kernel_ins = stored_fwd(ins, plan.acc)
     with kernel_call("forward", _dtype_name(ins, plan)), _on_threads(n_threads):
-        prepare_forward(ins, outs, plan, signature)
-        e = call_entry(forward_entry, (ins, outs, plan, items, exponent, status), signature)
+        prepare_forward(kernel_ins, outs, plan, signature)
+        e = call_entry(forward_entry, (kernel_ins, outs, plan, items, exponent, status), signature)
         if status[0] == EXACT_SCORES:   # (rare: compiled only for a call that needs it)
             ensure_plugins(exact_scores_plugin(ins, plan))
             status[:] = 0
-            e = call_entry(forward_entry, (ins, outs, plan, items, exponent, status), signature)
+            e = call_entry(forward_entry, (kernel_ins, outs, plan, items, exponent, status), signature)
     return e, status
 
 
@@ -200,13 +202,15 @@ def run_bwd(ins: BwdInputs, plan, items=None, units=None, n_threads=None, state=
     if units is None:
         units = _all(n_units if needs_finish(ins, plan) else 0)
     status = np.zeros(STATUS_WORDS, dtype=np.int64)
+    kernel_ins = stored_bwd(ins, plan.acc)
     with kernel_call("backward", _dtype_name(ins, plan)), _on_threads(n_threads):
-        prepare_backward(ins, outs, stats, plan, bool(units.size), signature)
-        e = call_entry(backward_entry, (ins, outs, stats, plan, items, units, exponent, status), signature)
+        prepare_backward(kernel_ins, outs, stats, plan, bool(units.size), signature)
+        e = call_entry(backward_entry, (kernel_ins, outs, stats, plan, items, units, exponent, status), signature)
         if status[0] == EXACT_SCORES:
             ensure_plugins(exact_scores_plugin(ins, plan))
             status[:] = 0
-            e = call_entry(backward_entry, (ins, outs, stats, plan, items, units, exponent, status), signature)
+            e = call_entry(backward_entry, (kernel_ins, outs, stats, plan, items, units, exponent, status),
+                           signature)
     return outs, stats, e, status
 
 
