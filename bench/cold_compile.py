@@ -15,6 +15,11 @@ for float32, bf16 (``mixed_precision=True``), and float32 with dropout (a
 kernel of its own); ``--dtypes`` adds float16 and float64 (kernels of their own). Also prints each process's wall time, and Numba's own
 breakdown of the cold float32 compile (CPU in LLVM, number of compiles).
 
+``--after-float32`` adds one cold process (``NUMBAFA_CACHE=0``) that runs the float32 forward
+and backward, then each variant's in turn -- bf16, float16, float32 with dropout, float32 with a
+bias and a soft cap -- and prints what each *adds* in that process (CPU seconds, compiles): the
+variants' compile beyond float32's.
+
 ``--nb`` adds, cold, what a ``numbafa.nb`` user meets after the Python API's float32 forward and
 backward in the same process: ``numbafa.nb.plan`` (with sinks), then the first call of a
 ``@numba.njit`` function calling ``nb.attention_fwd`` and ``nb.attention_bwd``.
@@ -94,6 +99,34 @@ print(json.dumps(dict(plan=t1 - t0, step=t2 - t1)))
 """
 
 
+_AFTER_CHILD = r"""
+import json, time
+import ml_dtypes, numpy as np, numbafa
+from numba.core import event
+compiles = [0]
+class Listener(event.Listener):
+    def on_start(self, ev):
+        compiles[0] += 1
+    def on_end(self, ev):
+        pass
+event.register("numba:compile", Listener())
+rng = np.random.default_rng(0)
+def step(dtype, **kw):
+    q, k, v, dy = (rng.standard_normal((1, 2, 16, 256)).astype(dtype) for _ in range(4))
+    t0, n0 = time.process_time(), compiles[0]
+    o, lse = numbafa.attention_fwd(q, k, v, use_causal_mask=True, **kw)
+    numbafa.attention_bwd(q, k, v, o, dy, lse, use_causal_mask=True, **kw)
+    return dict(cpu=time.process_time() - t0, compiles=compiles[0] - n0)
+bias = rng.standard_normal((1, 2, 256, 256)).astype(np.float32)
+steps = [("float32", step(np.float32)),
+         ("bf16", step(ml_dtypes.bfloat16, mixed_precision=True)),
+         ("float16", step(np.float16, mixed_precision=True)),
+         ("float32 + dropout", step(np.float32, dropout_p=0.1, seed=1)),
+         ("float32 + bias + soft cap", step(np.float32, bias=bias, softcap=30.0))]
+print(json.dumps(steps))
+"""
+
+
 def _child(variant, env):
     dtype, dropout = variant
     out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(dict(dtype=dtype, dropout=dropout))],
@@ -108,6 +141,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtypes", nargs="+", default=[], choices=["float16", "float64"],
                    help="also these input dtypes, without dropout")
+    p.add_argument("--after-float32", action="store_true",
+                   help="also one cold process: float32, then what each variant adds in it")
     p.add_argument("--nb", action="store_true", help="also numbafa.nb's plan and a user's first njit call, cold")
     args = p.parse_args(argv)
     import numbafa
@@ -125,6 +160,16 @@ def main(argv=None):
             print(f"round {round_ + 1}, {name:18s} cold: fwd {cold['fwd']:5.2f} s + bwd {cold['bwd']:5.2f} s "
                   f"= {cold['total']:5.2f} s CPU (LLVM {cold['llvm']:5.2f} s, {cold['compiles']} compiles); "
                   f"cached: {cached['total']:.2f} s (whole process {cached['process']:.2f} s)", flush=True)
+        if args.after_float32:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = subprocess.run([sys.executable, "-c", _AFTER_CHILD], capture_output=True, text=True,
+                                     timeout=1800, env=dict(os.environ, NUMBAFA_CACHE="0", NUMBA_CACHE_DIR=tmp))
+            if out.returncode:
+                raise RuntimeError(out.stderr[-3000:])
+            for i, (name, cost) in enumerate(json.loads(out.stdout.strip().splitlines()[-1])):
+                what = "cold" if i == 0 else "adds"
+                print(f"round {round_ + 1}, one process: {name:26s} {what} {cost['cpu']:5.2f} s CPU "
+                      f"({cost['compiles']} compiles)", flush=True)
         if args.nb:
             with tempfile.TemporaryDirectory() as tmp:
                 out = subprocess.run([sys.executable, "-c", _NB_CHILD], capture_output=True, text=True, timeout=1800,
