@@ -77,7 +77,7 @@ from numba import types
 
 from ..conventions.dtypes import ROUND_NONE, round_inplace, rounded, widen
 from ..compiler.jit import jit
-from ..compiler.linking import _plugin_key, call_or_raise, pack, unpack
+from ..compiler.linking import unpack
 from ..conventions.tiling import FLOAT32_MIN
 from .common import store, store_transposed
 from .dropout import drop_probabilities, drop_scores
@@ -88,8 +88,8 @@ from .loops import (bits_of_row, columns, group_rows, n_q_groups, owns_group, ro
 from .mask import cut_by_mask, queries_seeing_key, required_q_rows, tile_pos
 from .matmul import any_layout, bits_operand, gemm
 from .scores import item_units, modify_scores_t, score_gradients
-from .stored import call_bits, gather_input, input_operand, input_rows_operand, load_q, stored_dims
-from .table import plugin_address
+from .stored import gather_input, input_operand, input_rows_operand, load_q, stored_dims
+from .table import call_plugin
 
 __all__ = ["bwd_work_item", "bwd_finish_unit", "BwdStats", "FinishArgs", "rowsum_plugins"]
 
@@ -114,6 +114,8 @@ FinishArgs = namedtuple("FinishArgs", ["outs", "stats", "sinks", "plan"])
 #: float tiles), the dQ accumulator ``[d, rows]``, the head's -LSE and D rows, batch and q-head.
 QGroup = namedtuple("QGroup", ["start", "rows", "q_s", "dy", "q_t", "dy_t", "dq", "neg_lse", "d_sum", "batch",
                                "q_head"])
+#: The inputs a Q group's load reads (:data:`~numbafa.kernels.stored.Stored` q, o, dy; the lse).
+QInputs = namedtuple("QInputs", ["q", "o", "dy", "lse"])
 #: A block of a K tile: keys ``k0:k0+n_k`` (section-relative), Q rows ``r0:r1`` (group-relative).
 Block = namedtuple("Block", ["k0", "n_k", "r0", "r1"])
 #: Per-item scratch, sized for the largest tiles (``*_bits``: bf16 operand tiles, the bf16 path
@@ -177,12 +179,12 @@ def rowsum_plugins(plan) -> list:
                                        types.int64, numba.typeof(plan.precision))))]
 
 
-@jit(apart=True)
+@jit(apart=True, refcount=False)
 def _row_sum(o_f, dy_f, o_bits, dy_bits, is_bits, start, count, plan, d_sum, d0):
     """Step 1 of rows ``start:start + count`` of O and dO heads ``[d, seq]`` (values or bf16 bits:
     :mod:`numbafa.kernels.stored`), D written to ``d_sum[d0:d0 + count]``."""
     if is_bits:
-        call_bits(rowsum_bits, (o_bits, dy_bits, np.int64(start), np.int64(count), plan.tiling.d_tile, d_sum,
+        call_plugin(rowsum_bits, (o_bits, dy_bits, np.int64(start), np.int64(count), plan.tiling.d_tile, d_sum,
                                 np.int64(d0), plan.precision))
     else:
         compute_rowsum(o_f, dy_f, start, count, plan.tiling.d_tile, d_sum[d0:d0 + count], plan.precision)
@@ -307,10 +309,10 @@ def recompute_p_ds(plan, sec, qg, blk, scratch):
          alpha=_ONE, beta=_ZERO, path=plan.gemm)
     if plan.dropout.active:
         drop_args = (scratch.mult, dp_t, at, plan.dropout)
-        call_or_raise(plugin_address(_plugin_key(drop_scores, drop_args)), (pack(drop_args), np.int64(0)))
+        call_plugin(drop_scores, drop_args)
     if plan.scores.active:
         score_args = (s_t, scratch.tanh, at, plan.scores)
-        call_or_raise(plugin_address(_plugin_key(modify_scores_t, score_args)), (pack(score_args), np.int64(0)))
+        call_plugin(modify_scores_t, score_args)
     # bf16 path, nothing to change P or dS after the softmax step: their bits written by it.
     fused = plan.gemm.bits and not plan.dropout.active and not plan.scores.active
     p_bits = scratch.p_bits[:blk.n_k * n_q].reshape(blk.n_k, n_q) if fused else scratch.no_bits
@@ -318,10 +320,10 @@ def recompute_p_ds(plan, sec, qg, blk, scratch):
     recompute_softmax_backward(s_t, dp_t, at, qg, plan, p_bits, ds_bits)
     if plan.scores.active:
         grad_args = (dp_t, scratch.tanh, at, plan.scores, plan.precision.round_kernel)
-        call_or_raise(plugin_address(_plugin_key(score_gradients, grad_args)), (pack(grad_args), np.int64(0)))
+        call_plugin(score_gradients, grad_args)
     if plan.dropout.active:
         p_args = (scratch.mult, s_t, plan.precision.round_kernel)
-        call_or_raise(plugin_address(_plugin_key(drop_probabilities, p_args)), (pack(p_args), np.int64(0)))
+        call_plugin(drop_probabilities, p_args)
     # P and dS are bf16-valued here when the inputs are bf16: the bf16 path takes their bits.
     if fused:
         return bits_operand(p_bits, scratch.no_values), bits_operand(ds_bits, scratch.no_values)
@@ -431,18 +433,19 @@ def bwd_k_tiles(plan, sec, qg, scratch):
 
 
 @jit(apart=True)
-def load_q_group(ins, outs, plan, sec, head, i_group, scratch, copies):
+def load_q_group(q_ins, outs, plan, sec, head, i_group, scratch, copies):
     """Load one Q group of one q-head for a KV section (upstream 1184-1270): its :data:`QGroup`.
 
     dQ is zeroed on the first section and reloaded from the output on later
     ones (it round-trips through the output between sections); Q is scaled at
     load; the -LSE bias (in mixed_dtype, upstream 1149-1160) and D (Step 1,
-    :func:`compute_rowsum`) are computed on the first section only.
+    :func:`compute_rowsum`) are computed on the first section only. ``q_ins``: :data:`QInputs`.
     """
     prec = plan.precision
     layout = plan.layout
+    q, o, dy, lse = q_ins
     b, h = head.batch, head.q_head
-    q_grp0, rows = group_rows(i_group, stored_dims(ins.q, layout)[3], plan.tiling)
+    q_grp0, rows = group_rows(i_group, stored_dims(q, layout)[3], plan.tiling)
     dq = scratch.dq[:, :rows]
     if sec.first:
         dq[:] = _ZERO
@@ -455,8 +458,7 @@ def load_q_group(ins, outs, plan, sec, head, i_group, scratch, copies):
                 dq_row[i] = src[i]
     else:
         gather_head(head_rows(outs.dq, layout, head.batch, head.q_head), q_grp0, rows, scratch.dq, False)
-    load_q(ins.q, layout, b, h, q_grp0, rows, scratch.q_s, plan.softmax_scale, prec.round_kernel)
-    dy = ins.dy
+    load_q(q, layout, b, h, q_grp0, rows, scratch.q_s, plan.softmax_scale, prec.round_kernel)
     if layout == NEURON:
         dy_op = input_operand(dy.f[b, h][:, q_grp0:q_grp0 + rows], dy.bits[b, h][:, q_grp0:q_grp0 + rows], dy.is_bits,
                               plan, scratch.no_values, scratch.no_bits)
@@ -470,11 +472,10 @@ def load_q_group(ins, outs, plan, sec, head, i_group, scratch, copies):
     q_op = tile_operand(any_layout(scratch.q_s[:, :rows]), scratch.q_bits, scratch.no_values, scratch.no_bits,
                         plan.gemm.bits)
     if sec.first:
-        lse_g = ins.lse[b, h, q_grp0:q_grp0 + rows]
+        lse_g = lse[b, h, q_grp0:q_grp0 + rows]
         neg_lse = head.neg_lse[q_grp0:q_grp0 + rows]
         for i in range(rows):
             neg_lse[i] = rounded(-lse_g[i], prec.round_acc)
-        o = ins.o
         if layout == NEURON:
             _row_sum(o.f[b, h], dy.f[b, h], o.bits[b, h], dy.bits[b, h], o.is_bits, q_grp0, rows, plan, head.d_sum,
                      q_grp0)
@@ -488,27 +489,26 @@ def load_q_group(ins, outs, plan, sec, head, i_group, scratch, copies):
 
 
 @jit()
-def load_kv_section(ins, plan, batch, kv_head, i_section, scratch, copies):
+def load_kv_section(k_in, v_in, plan, batch, kv_head, i_section, scratch, copies):
     """K and V of one section ``[d, keys]`` as GEMM operands (float32 inputs and bf16 bits on
     the bf16 path: views; bf16 on a float32 path: widened), accumulators zeroed (upstream
     1162-1178)."""
-    k, v = ins.k, ins.v
-    seqlen_k = stored_dims(k, plan.layout)[3]
+    seqlen_k = stored_dims(k_in, plan.layout)[3]
     section_len = plan.tiling.section_len
     start = i_section * section_len
     length = max(0, min(section_len, seqlen_k - start))
     keys = slice(start, start + length)
     if plan.layout == NEURON:
-        k_op = input_operand(k.f[batch, kv_head][:, keys], k.bits[batch, kv_head][:, keys], k.is_bits, plan,
+        k_op = input_operand(k_in.f[batch, kv_head][:, keys], k_in.bits[batch, kv_head][:, keys], k_in.is_bits, plan,
                              scratch.no_values, scratch.no_bits)
-        v_op = input_operand(v.f[batch, kv_head][:, keys], v.bits[batch, kv_head][:, keys], v.is_bits, plan,
+        v_op = input_operand(v_in.f[batch, kv_head][:, keys], v_in.bits[batch, kv_head][:, keys], v_in.is_bits, plan,
                              scratch.no_values, scratch.no_bits)
     else:   # an s-major layout's section, transposed into [d, keys] copies
-        gather_input(k, plan.layout, batch, kv_head, start, length, copies.k, copies.k_bits)
-        gather_input(v, plan.layout, batch, kv_head, start, length, copies.v, copies.v_bits)
-        k_op = input_operand(copies.k[:, :length], copies.k_bits[:, :length], k.is_bits, plan, scratch.no_values,
+        gather_input(k_in, plan.layout, batch, kv_head, start, length, copies.k, copies.k_bits)
+        gather_input(v_in, plan.layout, batch, kv_head, start, length, copies.v, copies.v_bits)
+        k_op = input_operand(copies.k[:, :length], copies.k_bits[:, :length], k_in.is_bits, plan, scratch.no_values,
                              scratch.no_bits)
-        v_op = input_operand(copies.v[:, :length], copies.v_bits[:, :length], v.is_bits, plan, scratch.no_values,
+        v_op = input_operand(copies.v[:, :length], copies.v_bits[:, :length], v_in.is_bits, plan, scratch.no_values,
                              scratch.no_bits)
     scratch.dk_acc[:] = _ZERO
     scratch.dv_acc[:] = _ZERO
@@ -555,22 +555,22 @@ InCopies = namedtuple("InCopies", ["k", "v", "dy", "o", "k_bits", "v_bits", "dy_
 
 
 @jit()
-def make_copies(ins, plan, d_head, d_v, scratch):
-    """The item's :data:`InCopies` (sized as ``scratch``'s Q group and KV section)."""
-    n = 0 if plan.layout == NEURON else 1
-    n_bits = n if ins.k.is_bits else 0
-    n_f = n - n_bits
+def make_copies(is_bits, plan, d_head, d_v, scratch):
+    """The item's :data:`InCopies` (sized as ``scratch``'s Q group and KV section); the members
+    not used are ``scratch``'s empty arrays (nothing allocated for them)."""
+    no_f, no_b = scratch.no_values, scratch.no_bits
+    if plan.layout == NEURON:
+        return InCopies(k=no_f, v=no_f, dy=no_f, o=no_f, k_bits=no_b, v_bits=no_b, dy_bits=no_b, o_bits=no_b)
     sec_cap, q_rows = scratch.dk_acc.shape[0], scratch.q_s.shape[1]
+    if is_bits:
+        return InCopies(k=no_f, v=no_f, dy=no_f, o=no_f, k_bits=np.empty((d_head, sec_cap), dtype=np.uint16),
+                        v_bits=np.empty((d_v, sec_cap), dtype=np.uint16),
+                        dy_bits=np.empty((d_v, q_rows), dtype=np.uint16),
+                        o_bits=np.empty((d_v, q_rows), dtype=np.uint16))
     acc = plan.acc.dtype
-    k = np.empty((n_f * d_head, n_f * sec_cap), dtype=acc)
-    v = np.empty((n_f * d_v, n_f * sec_cap), dtype=acc)
-    dy = np.empty((n_f * d_v, n_f * q_rows), dtype=acc)
-    o = np.empty((n_f * d_v, n_f * q_rows), dtype=acc)
-    k_bits = np.empty((n_bits * d_head, n_bits * sec_cap), dtype=np.uint16)
-    v_bits = np.empty((n_bits * d_v, n_bits * sec_cap), dtype=np.uint16)
-    dy_bits = np.empty((n_bits * d_v, n_bits * q_rows), dtype=np.uint16)
-    o_bits = np.empty((n_bits * d_v, n_bits * q_rows), dtype=np.uint16)
-    return InCopies(k=k, v=v, dy=dy, o=o, k_bits=k_bits, v_bits=v_bits, dy_bits=dy_bits, o_bits=o_bits)
+    return InCopies(k=np.empty((d_head, sec_cap), dtype=acc), v=np.empty((d_v, sec_cap), dtype=acc),
+                    dy=np.empty((d_v, q_rows), dtype=acc), o=np.empty((d_v, q_rows), dtype=acc), k_bits=no_b,
+                    v_bits=no_b, dy_bits=no_b, o_bits=no_b)
 
 
 @jit()
@@ -627,7 +627,8 @@ def bwd_work_item(args, item):
     n_rep = nheads // nheads_kv
     b0, b1, h0, h1, chunk = item_units(item, tiling.q_chunks, bs, nheads_kv, plan.scores)
     scratch = make_scratch(d_head, d_v, seqlen_q, seqlen_k, plan)
-    copies = make_copies(ins, plan, d_head, d_v, scratch)
+    copies = make_copies(ins.k.is_bits, plan, d_head, d_v, scratch)
+    q_ins = QInputs(q=ins.q, o=ins.o, dy=ins.dy, lse=ins.lse)
     n_groups = n_q_groups(seqlen_q, tiling)
     # A zero-length key sequence still runs one (empty) section, so that D,
     # dQ = 0 and dsinks come from the same code path.
@@ -636,12 +637,12 @@ def bwd_work_item(args, item):
         for kv_head in range(h0, h1):
             unit = batch * nheads_kv + kv_head
             for i_section in range(n_sections):
-                sec = load_kv_section(ins, plan, batch, kv_head, i_section, scratch, copies)
+                sec = load_kv_section(ins.k, ins.v, plan, batch, kv_head, i_section, scratch, copies)
                 for r in range(n_rep):
                     head = Head(batch, kv_head * n_rep + r, stats.neg_lse[unit, r], stats.d_sum[unit, r])
                     for i_group in range(n_groups):
                         if owns_group(i_group, n_groups, chunk, tiling.q_chunks):
-                            qg = load_q_group(ins, outs, plan, sec, head, i_group, scratch, copies)
+                            qg = load_q_group(q_ins, outs, plan, sec, head, i_group, scratch, copies)
                             bwd_k_tiles(plan, sec, qg, scratch)
                             store_dq(qg, outs, plan)
                 store_kv_section(outs, plan, sec, unit, chunk, batch, kv_head)

@@ -25,9 +25,10 @@ in its own words (:func:`numbafa.pipeline.core.raise_status`; :mod:`numbafa.nb` 
 
 Inputs are the kernels' arrays, C-contiguous, float32, bf16 bits (uint16) or float64 (float16
 inputs arrive widened to float32), each in a :data:`~numbafa.kernels.stored.Stored` record
-(:func:`~numbafa.kernels.stored.stored_fwd`, ``stored_bwd``): one compiled entry serves float32
-and bf16 inputs, the bf16 scans being plugins (:mod:`numbafa.kernels.values`); outputs the
-kernels' float32 (float64) arrays, converted to the caller's dtype by the caller. ``exponent`` is ``-1`` for a whole call (the checks, then the
+(:func:`~numbafa.kernels.stored.stored_fwd`, ``stored_bwd``, which the callers apply): one
+compiled entry serves float32 and bf16 inputs, the bf16 scans being plugins
+(:mod:`numbafa.kernels.values`); outputs the kernels' float32 (float64) arrays, converted to the
+caller's dtype by the caller. ``exponent`` is ``-1`` for a whole call (the checks, then the
 rescale this call needs), or a Dask share's ``e >= 0``: its client checked the whole problem
 and chose the rescale of all its shares (a block's chunks must share it).
 """
@@ -47,8 +48,8 @@ from .bundles import BwdInputs, FwdInputs
 from .heads import BHSD, BSHD, dims4
 from .launch import backward_items, forward_items
 from .matmul import flat
-from .stored import Stored, call_bits, stored_dims
-from .table import kernel_address
+from .stored import Stored, stored_dims
+from .table import call_plugin, kernel_address
 from .values import bits_value, count_nonfinite, largest_of_bits, magnitude_bits, scaled, scaled_bits
 
 __all__ = ["forward_entry", "backward_entry", "unscale_output", "exact_scores", "exact_scores_plugin", "STATUS_WORDS",
@@ -99,7 +100,7 @@ def _largest_input(x, which, status):
     if not x.is_bits:
         return _largest(flat(x.f), which, status)
     out = np.zeros(2)
-    call_bits(largest_of_bits, (flat(x.bits), out))
+    call_plugin(largest_of_bits, (flat(x.bits), out))
     if out[1] == 0.0:
         return out[0]
     status[0], status[1], status[2] = NONFINITE, which, np.int64(out[1])
@@ -269,10 +270,11 @@ def _exponent(bound, plan, backward, status):
 
 
 @jit()
-def _backward_bound(plan, ins, m_q, m_k, m_v, m_o, m_dy):
-    """A bound of every value the backward accumulates, for ``max|dy| = m_dy``."""
-    bs, nheads, _, seqlen_q = stored_dims(ins.q, plan.layout)
-    _, nheads_kv, d_v, seqlen_k = stored_dims(ins.v, plan.layout)
+def _backward_bound(plan, q_dims, v_dims, m_q, m_k, m_v, m_o, m_dy):
+    """A bound of every value the backward accumulates, for ``max|dy| = m_dy`` (``q_dims``,
+    ``v_dims``: q's and v's ``(batch, heads, head_dim, seq)``)."""
+    bs, nheads, _, seqlen_q = q_dims
+    _, nheads_kv, d_v, seqlen_k = v_dims
     n_rep = nheads // nheads_kv
     keep = np.float64(plan.dropout.scale) if plan.dropout.active else 1.0
     scale = abs(np.float64(plan.softmax_scale))
@@ -291,7 +293,7 @@ def _scaled_input(x, e):
     if not x.is_bits:
         return Stored(scaled(x.f, e), x.bits, False)
     out = np.empty_like(x.bits)
-    call_bits(scaled_bits, (flat(x.bits), flat(out), np.int64(e)))
+    call_plugin(scaled_bits, (flat(x.bits), flat(out), np.int64(e)))
     return Stored(x.f, out, True)
 
 
@@ -383,7 +385,9 @@ def backward_entry(ins, outs, stats, plan, items, units, exponent, status):
         _check_range(plan, ins.q, ins.k, m_q, m_k, m_bias, status)
         if status[0] != OK:
             return 0
-        e = _exponent(_backward_bound(plan, ins, m_q, m_k, m_v, m_o, m_dy), plan, True, status)
+        bound = _backward_bound(plan, stored_dims(ins.q, plan.layout), stored_dims(ins.v, plan.layout), m_q, m_k, m_v,
+                                m_o, m_dy)
+        e = _exponent(bound, plan, True, status)
         if e < 0 or items.size + units.size == 0:
             return max(e, 0)
     if e > 0:

@@ -50,7 +50,7 @@ from numba.extending import overload
 
 from ..conventions.dtypes import round_inplace, rounded
 from ..compiler.jit import jit
-from ..compiler.linking import _plugin_key, call_or_raise, pack, unpack
+from ..compiler.linking import unpack
 from .common import store_transposed
 from .dropout import drop_tile
 from .fastexp import exp_of, log_of
@@ -58,9 +58,9 @@ from .heads import NEURON, gather_head, head_rows, head_slice, store_rows
 from .loops import bits_of_row, columns, decode_item, group_rows, n_q_groups, owns_group, row_slice, tile_operand, width
 from .mask import cut_by_mask, required_q_rows, static_key_range, tile_pos, visible_keys
 from .matmul import any_layout, bits_operand, gemm, row_sums
-from .stored import call_bits, gather_bits, gather_input, input_operand, load_q, stored_dims
+from .stored import gather_bits, gather_input, input_operand, load_q, stored_dims
 from .scores import modify_scores
-from .table import plugin_address
+from .table import call_plugin
 
 __all__ = ["fwd_work_item", "fwd_q_group"]
 
@@ -202,7 +202,7 @@ def online_softmax_block(plan, head, q_op, k_op, v_op, blk, stats, scratch):
     gemm(q_op, k_op, s, trans_a=True, trans_b=False, alpha=_ONE, beta=_ZERO, path=plan.gemm)
     if plan.scores.active:
         args = (s, at, plan.scores)
-        call_or_raise(plugin_address(_plugin_key(modify_scores, args)), (pack(args), np.int64(0)))
+        call_plugin(modify_scores, args)
     fused = plan.gemm.bits and not plan.dropout.active   # P's bits written by the softmax step
     p_bits = scratch.p_bits[:n_q * n_k].reshape(n_q, n_k) if fused else scratch.no_bits
     online_softmax_update(s, at, stats, plan, p_bits)
@@ -210,7 +210,7 @@ def online_softmax_block(plan, head, q_op, k_op, v_op, blk, stats, scratch):
     row_sums(s, scratch.ones[:n_k], tile_sum)   # rowsum(P)
     if plan.dropout.active:
         args = (s, at, plan.dropout, plan.precision.round_kernel)
-        call_or_raise(plugin_address(_plugin_key(drop_tile, args)), (pack(args), np.int64(0)))
+        call_plugin(drop_tile, args)
     pv = scratch.pv[:n_q * d_v].reshape(n_q, d_v)
     # P as written (bf16 values for bf16 inputs): its bits are the operand on the bf16 path.
     if fused:
@@ -354,26 +354,27 @@ def fwd_work_item(args, item):
     # (a view with the input's row stride as the GEMM's ld: the same GEMM and bits).
     k, v = ins.k, ins.v
     is_bits = k.is_bits
-    n_bits = 1 if is_bits else 0
-    acc = plan.acc.dtype
+    no_f, no_b = scratch.no_values, scratch.no_bits   # (the storage not used: nothing allocated)
     if layout == NEURON:
         k_f, k_bits = k.f[batch, kv_head], k.bits[batch, kv_head]
-        v_f = np.empty(((1 - n_bits) * seqlen_k, (1 - n_bits) * d_v), dtype=acc)
-        v_bits = np.empty((n_bits * seqlen_k, n_bits * d_v), dtype=np.uint16)
         if is_bits:
-            call_bits(gather_bits, (v.bits[batch, kv_head], np.int64(0), np.int64(seqlen_k), np.int64(0),
-                                    np.int64(d_v), v_bits))
+            v_f, v_bits = no_f, np.empty((seqlen_k, d_v), dtype=np.uint16)
+            call_plugin(gather_bits, (v.bits[batch, kv_head], np.int64(0), np.int64(seqlen_k), np.int64(0),
+                                      np.int64(d_v), v_bits))
         else:
+            v_f, v_bits = np.empty((seqlen_k, d_v), dtype=plan.acc.dtype), no_b
             gather_head((v.f[batch, kv_head], 0, seqlen_k), 0, d_v, v_f, False)
-        v_op = input_operand(v_f, v_bits, is_bits, plan, scratch.no_values, scratch.no_bits)
+        v_op = input_operand(v_f, v_bits, is_bits, plan, no_f, no_b)
     else:
-        k_f = np.empty(((1 - n_bits) * d_head, (1 - n_bits) * seqlen_k), dtype=acc)
-        k_bits = np.empty((n_bits * d_head, n_bits * seqlen_k), dtype=np.uint16)
+        if is_bits:
+            k_f, k_bits = no_f, np.empty((d_head, seqlen_k), dtype=np.uint16)
+        else:
+            k_f, k_bits = np.empty((d_head, seqlen_k), dtype=plan.acc.dtype), no_b
         gather_input(k, layout, batch, kv_head, 0, seqlen_k, k_f, k_bits)
         v_op = input_operand(head_slice(head_rows(v.f, layout, batch, kv_head), 0, seqlen_k),
                              head_slice(head_rows(v.bits, layout, batch, kv_head), 0, seqlen_k), is_bits, plan,
-                             scratch.no_values, scratch.no_bits)
-    k_op = input_operand(k_f, k_bits, is_bits, plan, scratch.no_values, scratch.no_bits)
+                             no_f, no_b)
+    k_op = input_operand(k_f, k_bits, is_bits, plan, no_f, no_b)
     n_groups = n_q_groups(seqlen_q, tiling)
     for r in range(n_rep):
         h = kv_head * n_rep + r

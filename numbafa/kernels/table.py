@@ -16,9 +16,10 @@ import numba
 import numpy as np
 
 from ..compiler.jit import jit
-from ..compiler.linking import KERNEL_TABLE_CAPACITY, _table_words, register_kernel
+from ..compiler.linking import (KERNEL_TABLE_CAPACITY, _plugin_key, _table_words, address_of, call_or_raise, pack,
+                                register_kernel)
 
-__all__ = ["kernel_address", "plugin_address", "ensure_plugins"]
+__all__ = ["kernel_address", "plugin_address", "call_plugin", "run_plugin", "ensure_plugins"]
 
 
 @jit()
@@ -49,6 +50,20 @@ def plugin_address(key):
                            "(numbafa.nb: make the plan with numbafa.nb.plan, with these options and dtypes, in this "
                            "process)")
     return address
+
+
+@jit(apart=True)
+def run_plugin(key, word):
+    """Call the plugin registered under ``key`` on the packed arguments at ``word`` (an int64, as
+    :func:`numbafa.compiler.linking.address_of` gives it); its exception propagates. Compiled once
+    for every plugin: a call site holds no lookup and no exception path of its own."""
+    call_or_raise(plugin_address(key), (word, np.int64(0)))
+
+
+@jit(inline=True)
+def call_plugin(function, args):
+    """Call the plugin ``function`` (registered for the types of the tuple ``args``) on ``args``."""
+    run_plugin(_plugin_key(function, args), address_of(pack(args)))
 
 
 _ensured: set = set()
