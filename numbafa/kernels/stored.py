@@ -80,15 +80,35 @@ def _stored_overload(x, acc):
     return values
 
 
+def _members(ins, acc):
+    """``(empty values, empty bits, is_bits)`` of the inputs of ``ins`` (one storage for all)."""
+    if ins.q.dtype.char == "H":
+        return _EMPTY[acc.dtype.char], None, True
+    return None, _EMPTY["H"], False
+
+
 def stored_fwd(ins, acc):
     """``ins`` (:data:`~numbafa.kernels.bundles.FwdInputs` of arrays) with :data:`Stored` inputs."""
-    return FwdInputs(stored(ins.q, acc), stored(ins.k, acc), stored(ins.v, acc), ins.sinks)
+    no_f, no_bits, is_bits = _members(ins, acc)
+    new = _new_record
+    if is_bits:
+        return FwdInputs(new(Stored, (no_f, ins.q, True)), new(Stored, (no_f, ins.k, True)),
+                         new(Stored, (no_f, ins.v, True)), ins.sinks)
+    return FwdInputs(new(Stored, (ins.q, no_bits, False)), new(Stored, (ins.k, no_bits, False)),
+                     new(Stored, (ins.v, no_bits, False)), ins.sinks)
 
 
 def stored_bwd(ins, acc):
     """``ins`` (:data:`~numbafa.kernels.bundles.BwdInputs` of arrays) with :data:`Stored` inputs."""
-    return BwdInputs(q=stored(ins.q, acc), k=stored(ins.k, acc), v=stored(ins.v, acc), o=stored(ins.o, acc),
-                     dy=stored(ins.dy, acc), lse=ins.lse, sinks=ins.sinks)
+    no_f, no_bits, is_bits = _members(ins, acc)
+    new = _new_record
+    if is_bits:
+        return BwdInputs(q=new(Stored, (no_f, ins.q, True)), k=new(Stored, (no_f, ins.k, True)),
+                         v=new(Stored, (no_f, ins.v, True)), o=new(Stored, (no_f, ins.o, True)),
+                         dy=new(Stored, (no_f, ins.dy, True)), lse=ins.lse, sinks=ins.sinks)
+    return BwdInputs(q=new(Stored, (ins.q, no_bits, False)), k=new(Stored, (ins.k, no_bits, False)),
+                     v=new(Stored, (ins.v, no_bits, False)), o=new(Stored, (ins.o, no_bits, False)),
+                     dy=new(Stored, (ins.dy, no_bits, False)), lse=ins.lse, sinks=ins.sinks)
 
 
 @overload(stored_fwd, inline="always")
@@ -209,19 +229,20 @@ def gather_input(x, layout, b, h, start, count, out_f, out_bits):
 def input_operand(f, bits, is_bits, plan, no_values, no_bits):
     """A 2-D ``[d, seq]`` slice of an input (``f`` or ``bits``, as :data:`Stored`) as a GEMM
     operand: float32 and float64 values, and bf16 bits on the bf16 path (``plan.gemm.bits``), in
-    place; bf16 bits on a float32 path widened into a new float32 tile."""
-    return _input_operand(any_layout(f), any_layout(bits), is_bits, plan.gemm.bits, no_values, no_bits)
+    place (a view: no call); bf16 bits on a float32 path widened into a new float32 tile."""
+    if not is_bits:
+        return values_operand(f, no_bits)
+    if plan.gemm.bits:
+        return bits_operand(bits, no_values)
+    return _widened_operand(any_layout(bits), no_values, no_bits)
 
 
 @jit(apart=True)
-def _input_operand(f, bits, is_bits, on_bits, no_values, no_bits):
-    """:func:`input_operand` compiled once (its slices typed as of any layout)."""
-    if not is_bits:
-        return values_operand(f, no_bits)
-    if on_bits:
-        return bits_operand(bits, no_values)
+def _widened_operand(bits, no_values, no_bits):
+    """The float32 operand of bf16 ``bits`` (any layout): a new tile, filled by the plugin
+    :func:`widen_bits`."""
     wide = np.empty(bits.shape, dtype=no_values.dtype)
-    call_plugin(widen_bits, (any_layout(bits), wide))
+    call_plugin(widen_bits, (bits, wide))
     return values_operand(wide, no_bits)
 
 
