@@ -36,34 +36,20 @@ def _magnitude_bits_overload(flat):
     # value cast back to the element width: Numba compares unsigned ints as 64-bit ones, so a
     # uint32 max loaded 4 elements per instruction (0.14 ns per element on a Xeon with AVX-512),
     # an int32 one 16 (0.037 ns); bf16 bits as int16: 0.14 -> 0.03 ns.
-    if flat.dtype == types.float32:
-        def f32(flat):
-            u = flat.view(np.int32)
-            largest = np.int32(0)
-            for i in range(u.size):
-                x = np.int32(u[i] & np.int32(0x7FFFFFFF))
-                largest = x if x > largest else largest
-            return np.uint64(largest)
-        return f32
-    if flat.dtype == types.uint16:   # bf16 bits
-        def bf16(flat):
-            u = flat.view(np.int16)
-            largest = np.int16(0)
-            for i in range(u.size):
-                x = np.int16(u[i] & np.int16(0x7FFF))
-                largest = x if x > largest else largest
-            return np.uint64(largest)
-        return bf16
-    if flat.dtype == types.float64:
-        def f64(flat):
-            u = flat.view(np.int64)
-            largest = np.int64(0)
-            for i in range(u.size):
-                x = u[i] & np.int64(0x7FFFFFFFFFFFFFFF)
-                largest = x if x > largest else largest
-            return np.uint64(largest)
-        return f64
-    return None
+    widths = {types.float32: (np.int32, 0x7FFFFFFF), types.uint16: (np.int16, 0x7FFF),   # uint16: bf16 bits
+              types.float64: (np.int64, 0x7FFFFFFFFFFFFFFF)}
+    if flat.dtype not in widths:
+        return None
+    signed, mask = widths[flat.dtype]
+
+    def impl(flat):
+        u = flat.view(signed)
+        largest = signed(0)
+        for i in range(u.size):
+            x = signed(u[i] & signed(mask))
+            largest = x if x > largest else largest
+        return np.uint64(largest)
+    return impl
 
 
 def bits_value(bits, flat):  # pragma: no cover - replaced inside njit code
