@@ -177,7 +177,7 @@ _U16_2D = types.Array(types.uint16, 2, "C")
 def bits_plugins(plan) -> list:
     """The bf16 sides of the loads (``(function, argument types)``) for
     :func:`numbafa.kernels.table.ensure_plugins`: what a call with bf16 inputs needs."""
-    acc2 = types.Array(numba_dtype(plan.acc.dtype), 2, "C")
+    acc2 = types.Array(numba.from_dtype(plan.acc.dtype), 2, "C")
     i64 = types.int64
     scale = numba.typeof(plan.softmax_scale)
     code = numba.typeof(plan.precision.round_kernel)
@@ -187,11 +187,6 @@ def bits_plugins(plan) -> list:
         (gather_bits, types.Tuple((_U16_2D, i64, i64, i64, i64, _U16_2D))),
         (widen_bits, types.Tuple((types.Array(types.uint16, 2, "A"), acc2))),
     ]
-
-
-def numba_dtype(dtype):
-    """The Numba type of a NumPy dtype."""
-    return numba.from_dtype(np.dtype(dtype))
 
 
 # --- the storage-independent steps --------------------------------------------------------------
