@@ -32,7 +32,7 @@ from numba.np import arrayobj
 from ..conventions.dtypes import ROUND_NONE, round_inplace, rounded, widen
 from ..compiler.jit import jit
 
-__all__ = ["NEURON", "BHSD", "BSHD", "LAYOUT_CODES", "dims4", "head_rows", "head_slice", "gather_head",
+__all__ = ["NEURON", "BHSD", "BSHD", "LAYOUT_CODES", "shape_dims", "dims4", "head_rows", "head_slice", "gather_head",
            "load_scaled_rows", "store_rows", "store_head_rows", "reduce_partials_rows"]
 
 NEURON, BHSD, BSHD = np.int64(0), np.int64(1), np.int64(2)
@@ -105,14 +105,20 @@ def _transpose8(typingctx, src, r0, c0, dst, o0, i0):
     return types.void(src, r0, c0, dst, o0, i0), codegen
 
 
+@jit(inline=True)
+def shape_dims(s, layout):
+    """``(batch, heads, head_dim, seq)`` of a 4-D kernel array's shape ``s`` in ``layout``."""
+    if layout == BSHD:
+        return s[0], s[2], s[3], s[1]
+    if layout == BHSD:
+        return s[0], s[1], s[3], s[2]
+    return s[0], s[1], s[2], s[3]
+
+
 @jit()
 def dims4(x, layout):
     """``(batch, heads, head_dim, seq)`` of a 4-D kernel array in ``layout``."""
-    if layout == BSHD:
-        return x.shape[0], x.shape[2], x.shape[3], x.shape[1]
-    if layout == BHSD:
-        return x.shape[0], x.shape[1], x.shape[3], x.shape[2]
-    return x.shape[0], x.shape[1], x.shape[2], x.shape[3]
+    return shape_dims(x.shape, layout)
 
 
 @jit(inline=True)

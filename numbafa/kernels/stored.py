@@ -31,7 +31,7 @@ from ..compiler.linking import unpack
 from ..conventions.dtypes import widen
 from .bundles import BwdInputs, FwdInputs
 from .common import load_scaled
-from .heads import BSHD, BHSD, NEURON, gather_head, head_rows, load_scaled_rows
+from .heads import NEURON, gather_head, head_rows, load_scaled_rows, shape_dims
 from .matmul import any_layout, bits_operand, values_operand
 from .loops import rows_operand
 from .table import call_plugin
@@ -126,12 +126,7 @@ def _stored_bwd_overload(ins, acc):
 def stored_dims(x, layout):
     """``(batch, heads, head_dim, seq)`` of a :data:`Stored` input in ``layout``
     (:func:`numbafa.kernels.heads.dims4`)."""
-    s = x.bits.shape if x.is_bits else x.f.shape
-    if layout == BSHD:
-        return s[0], s[2], s[3], s[1]
-    if layout == BHSD:
-        return s[0], s[1], s[3], s[2]
-    return s[0], s[1], s[2], s[3]
+    return shape_dims(x.bits.shape if x.is_bits else x.f.shape, layout)
 
 
 # --- the bf16 sides: plugins ------------------------------------------------------------------
