@@ -87,16 +87,21 @@ def _kernels(q, k, v, dy, causal):
 
 
 def _without_kernel(fn):
-    """``fn`` with the compiled entries replaced by nothing (:func:`numbafa.pipeline.core.call_entry`)."""
+    """``fn`` with the compiled entries replaced by nothing: the full path's
+    :func:`numbafa.pipeline.core.call_entry`, and the entries a remembered call passes to
+    :func:`numbafa.kernels.launch.call_prepared` (whose BLAS pin stays in the Python work)."""
     from numbafa.pipeline import core
 
+    def nothing(*args, **kwargs):
+        return 0
+
     def call():
-        real = core.call_entry
-        core.call_entry = lambda *args, **kwargs: 0
+        real = core.call_entry, core.forward_entry, core.backward_entry
+        core.call_entry = core.forward_entry = core.backward_entry = nothing
         try:
             fn()
         finally:
-            core.call_entry = real
+            core.call_entry, core.forward_entry, core.backward_entry = real
     return call
 
 

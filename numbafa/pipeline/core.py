@@ -24,7 +24,7 @@ from ..kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, shar
 from ..kernels.entry import (EXACT_SCORES, INPUTS, LSE_VALUES, NONFINITE, OUTPUT, OUTPUTS, SCALED_Q, SCORES,
                              SCORES_WITH_BIAS, STATUS_WORDS, SUMS, backward_entry, exact_scores_plugin, forward_entry)
 from ..kernels.table import ensure_plugins
-from ..kernels.launch import call_entry, needs_finish, prepare_backward, prepare_forward
+from ..kernels.launch import call_entry, call_prepared, needs_finish, prepare_backward, prepare_forward
 from ..kernels.stored import stored_bwd, stored_fwd
 from ..kernels.scores import n_backward_items
 from ..layout import lse_to_neuron
@@ -37,7 +37,7 @@ from ..checks.validation import (KERNEL_LAYOUT_PERMS, as_kernel_array, kernel_ls
                                  validate_fwd_inputs)
 
 __all__ = ["LSE_LAYOUTS", "attention_bwd", "attention_fwd", "check_lse_layout", "lse_out", "raise_status",
-           "run_bwd", "run_fwd", "to_dtype", "user_dbias", "user_dsinks", "bwd_outputs"]
+           "remembered_bwd", "remembered_fwd", "run_bwd", "run_fwd", "to_dtype", "user_dbias", "user_dsinks", "bwd_outputs"]
 
 #: The layouts of the forward's lse: the Neuron kernel's ``[bs, nheads, 128, seqlen_q // 128]``
 #: and the natural ``[bs, nheads, seqlen_q]``.
@@ -291,8 +291,8 @@ class _Recipe:
     forward's outputs, the entry's signature, and whether the kernels took the arrays as they are
     (:func:`_kernel_arrays`)."""
 
-    __slots__ = ("layout", "perm", "plan", "sinks", "items", "units", "dtype", "lse_shape", "o_shape",
-                 "signature", "as_they_are", "bits", "bwd_shapes")
+    __slots__ = ("layout", "perm", "plan", "acc", "sinks", "items", "units", "dtype", "lse_shape", "o_shape",
+                 "signature", "as_they_are", "bits", "bwd_shapes", "bwd_empty")
 
     def __init__(self, prob, plan, arrays: tuple, kernel_arrays: tuple, items, units=None, state=None):
         self.layout, self.plan, self.sinks, self.items, self.units = prob.layout, plan, prob.sinks, items, units
@@ -301,9 +301,15 @@ class _Recipe:
         dims = prob.dims
         self.lse_shape = (dims.bs, dims.nheads, dims.seqlen_q)
         self.o_shape = _in_layout((dims.bs, dims.nheads, dims.d_head_v, dims.seqlen_q), prob.layout)
-        # the backward's outputs and statistics (:func:`bwd_outputs`, :func:`new_bwd_stats`)
-        self.bwd_shapes = None if state is None else tuple({name: x.shape for name, x in part._asdict().items()}
-                                                           for part in state)
+        self.acc = plan.acc.dtype
+        # the backward's outputs and statistics (:func:`bwd_outputs`, :func:`new_bwd_stats`): the
+        # shapes of those a call writes, and the empty ones (no sinks, no split units), which
+        # every call shares (a kernel writes no element of them)
+        self.bwd_shapes = self.bwd_empty = None
+        if state is not None:
+            self.bwd_shapes = tuple({name: x.shape for name, x in part._asdict().items() if x.size}
+                                    for part in state)
+            self.bwd_empty = tuple({name: x for name, x in part._asdict().items() if not x.size} for part in state)
         self.bits = kernel_arrays[0].dtype != prob.dtype   # bf16 as uint16 bits
         self.as_they_are = all(x.flags.writeable and kx.dtype.itemsize == x.dtype.itemsize
                                and kx.__array_interface__["data"][0] == x.__array_interface__["data"][0]
@@ -324,22 +330,30 @@ def _kernel_arrays(arrays: tuple, recipe: _Recipe) -> tuple:
 _RECIPES = Memo()
 
 
-def _call_key(arrays: tuple, options: AttentionOptions, backward: bool, lse_layout: str):
+def _call_key(arrays: tuple, option_arrays: tuple, dropout_p, scalars, backward: bool, lse_layout: str):
     """The key of a call that can be remembered (:class:`_Recipe`), else None: each array's
-    type, shape, strides, dtype and flags (the kernels' views of them follow), the scalar options,
-    the pass, the lse layout and the GEMM path."""
-    if (options.sinks is not None or options.bound_min is not None or options.bound_max is not None
-            or options.bias is not None or options.alibi_slopes is not None
-            or type(options.dropout_p) not in (int, float) or options.dropout_p != 0):
+    type, shape, strides, dtype and flags (the kernels' views of them follow), the scalar options
+    (:func:`~numbafa.checks.options.scalar_key`), the pass, the lse layout and the GEMM path. A
+    call with an option array (``option_arrays``: sinks, packing bounds, bias, ALiBi slopes) or
+    dropout is not remembered."""
+    if scalars is None or type(dropout_p) not in (int, float) or dropout_p != 0:
         return None
+    for x in option_arrays:
+        if x is not None:
+            return None
     parts = []
     for x in arrays:
         if type(x) is not np.ndarray:
             return None
         flags = x.flags
         parts.append((x.shape, x.strides, x.dtype, flags.aligned, flags.writeable))
-    scalars = options.scalar_key()
-    return None if scalars is None else (tuple(parts), scalars, backward, lse_layout, active_gemm_path())
+    return tuple(parts), scalars, backward, lse_layout, active_gemm_path()
+
+
+def _options_key(arrays: tuple, options: AttentionOptions, backward: bool, lse_layout: str):
+    """:func:`_call_key` of a call with ``options``."""
+    return _call_key(arrays, (options.sinks, options.bound_min, options.bound_max, options.bias, options.alibi_slopes),
+                     options.dropout_p, options.scalar_key(), backward, lse_layout)
 
 
 def _remember(key, recipe) -> None:
@@ -354,21 +368,38 @@ def _fwd_outputs(outs, dtype, layout: int, lse_layout: str) -> tuple:
     return _as_neuron(to_dtype(outs.o, dtype, "o"), layout), lse_out(outs.lse, lse_layout)
 
 
+def remembered_fwd(arrays: tuple, option_arrays: tuple, dropout_p, scalars, lse_layout: str):
+    """``(o, lse)`` of the forward of ``arrays`` (q, k, v) when a call with the same
+    :func:`_call_key` succeeded before and this one succeeds too, else None (then
+    :func:`attention_fwd` runs, and raises what this call's values make it raise). The public
+    :func:`numbafa.attention_fwd` calls it with its arguments as it got them
+    (:func:`~numbafa.checks.options.scalar_key`), before it builds its options."""
+    recipe = _RECIPES.get(_call_key(arrays, option_arrays, dropout_p, scalars, False, lse_layout))
+    return None if recipe is None else _run_remembered_fwd(arrays, recipe, lse_layout)
+
+
+def _run_remembered_fwd(arrays: tuple, recipe: _Recipe, lse_layout: str):
+    """:func:`remembered_fwd` of a known recipe: the outputs, or None when the entry reports a failure."""
+    acc = recipe.acc
+    outs = FwdOutputs(np.empty(recipe.o_shape, acc), np.empty(recipe.lse_shape, acc))
+    status = np.zeros(STATUS_WORDS, dtype=np.int64)
+    ins = stored_fwd(FwdInputs(*_kernel_arrays(arrays, recipe), recipe.sinks), recipe.plan.acc)
+    call_prepared(forward_entry, (ins, outs, recipe.plan, recipe.items, -1, status), recipe.signature)
+    return None if status[0] else _fwd_outputs(outs, recipe.dtype, recipe.layout, lse_layout)
+
+
 def attention_fwd(q, k, v, options: AttentionOptions, caller: Caller, lse_layout: str = "natural"):
     """The forward of a whole problem: ``(o, lse)``, ``o`` in the inputs' dtype, lse in ``lse_layout``.
 
     ``q, k, v``: Neuron-layout NumPy arrays; ``options`` as the user gave them (checked here);
     ``caller``: names and layout for the messages.
     """
-    key = _call_key((q, k, v), options, False, lse_layout)
+    key = _options_key((q, k, v), options, False, lse_layout)
     recipe = _RECIPES.get(key)
     if recipe is not None:
-        acc = recipe.plan.acc.dtype
-        outs = FwdOutputs(np.empty(recipe.o_shape, acc), np.empty(recipe.lse_shape, acc))
-        _, status = _launch_fwd(FwdInputs(*_kernel_arrays((q, k, v), recipe), recipe.sinks), outs, recipe.plan,
-                                recipe.items, None, -1, recipe.signature)
-        if not status[0]:
-            return _fwd_outputs(outs, recipe.dtype, recipe.layout, lse_layout)
+        result = _run_remembered_fwd((q, k, v), recipe, lse_layout)
+        if result is not None:
+            return result
     check_lse_layout(lse_layout)
     prob = validate_fwd_inputs(q, k, v, options, caller, any_layout=True)
     check_lse_layout(lse_layout, prob.dims.seqlen_q)
@@ -395,23 +426,39 @@ def _grads(outs, dtype, layout: int) -> tuple:
     return tuple(_as_neuron(to_dtype(getattr(outs, name), dtype, name), layout) for name in ("dq", "dk", "dv"))
 
 
+def remembered_bwd(arrays: tuple, option_arrays: tuple, dropout_p, scalars):
+    """:func:`remembered_fwd` of the backward: ``(dq, dk, dv)`` of ``arrays`` (q, k, v, o, dy,
+    lse), or None."""
+    recipe = _RECIPES.get(_call_key(arrays, option_arrays, dropout_p, scalars, True, ""))
+    return None if recipe is None else _run_remembered_bwd(arrays, recipe)
+
+
+def _run_remembered_bwd(arrays: tuple, recipe: _Recipe):
+    """:func:`remembered_bwd` of a known recipe: the gradients, or None when the entry reports a failure."""
+    q, k, v, o, dy, lse = arrays
+    qk, kk, vk, ok, dyk = _kernel_arrays((q, k, v, o, dy), recipe)
+    ins = stored_bwd(BwdInputs(q=qk, k=kk, v=vk, o=ok, dy=dyk, lse=kernel_lse(lse, recipe.lse_shape),
+                               sinks=recipe.sinks), recipe.plan.acc)
+    acc = recipe.acc
+    (outs_shapes, stats_shapes), (outs_empty, stats_empty) = recipe.bwd_shapes, recipe.bwd_empty
+    outs = BwdOutputs(**outs_empty, **{name: np.empty(shape, acc) for name, shape in outs_shapes.items()})
+    stats = BwdStats(**stats_empty, **{name: np.empty(shape, acc) for name, shape in stats_shapes.items()})
+    status = np.zeros(STATUS_WORDS, dtype=np.int64)
+    call_prepared(backward_entry, (ins, outs, stats, recipe.plan, recipe.items, recipe.units, -1, status),
+                  recipe.signature)
+    return None if status[0] else _grads(outs, recipe.dtype, recipe.layout)
+
+
 def attention_bwd(q, k, v, o, dy, lse, options: AttentionOptions, caller: Caller) -> tuple:
     """The backward of a whole problem: ``(dq, dk, dv)`` in the inputs' dtype, ``+ (dsinks,)``
     in the sinks' shape and dtype when there are sinks, ``+ (dbias,)`` in the bias's shape and
     dtype when ``options.return_dbias``. Arguments as :func:`attention_fwd`."""
-    key = _call_key((q, k, v, o, dy, lse), options, True, "")
+    key = _options_key((q, k, v, o, dy, lse), options, True, "")
     recipe = _RECIPES.get(key)
     if recipe is not None:
-        qk, kk, vk, ok, dyk = _kernel_arrays((q, k, v, o, dy), recipe)
-        ins = BwdInputs(q=qk, k=kk, v=vk, o=ok, dy=dyk, lse=kernel_lse(lse, recipe.lse_shape), sinks=recipe.sinks)
-        acc = recipe.plan.acc.dtype
-        outs_shapes, stats_shapes = recipe.bwd_shapes
-        state = (BwdOutputs(**{name: np.empty(shape, acc) for name, shape in outs_shapes.items()}),
-                 BwdStats(**{name: np.empty(shape, acc) for name, shape in stats_shapes.items()}))
-        outs, _, _, status = run_bwd(ins, recipe.plan, items=recipe.items, units=recipe.units, state=state,
-                                     signature=recipe.signature)
-        if not status[0]:
-            return _grads(outs, recipe.dtype, recipe.layout)
+        grads = _run_remembered_bwd((q, k, v, o, dy, lse), recipe)
+        if grads is not None:
+            return grads
     prob = validate_bwd_inputs(q, k, v, o, dy, lse, options, caller, any_layout=True)
     plan = shared_plan(prob, backward=True)
     ins = BwdInputs(q=prob.q, k=prob.k, v=prob.v, o=prob.o, dy=prob.dy, lse=prob.lse, sinks=prob.sinks)
