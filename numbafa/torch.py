@@ -36,10 +36,11 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from .pipeline import core as _core
 from .pipeline import frameworks as _frameworks
 from .layout import check_layout, from_neuron_perm
 from .layout import cu_seqlens_to_bounds as _cu_seqlens_to_bounds
-from .checks.options import AttentionOptions
+from .checks.options import AttentionOptions, scalar_key
 from .checks.validation import KERNEL_LAYOUT_PERMS, layout_of_strides
 
 __all__ = ["attention", "cu_seqlens_to_bounds", "to_numpy", "from_numpy"]
@@ -91,9 +92,20 @@ def _host_fwd(tensors: tuple, scalars: tuple):
 
 
 def _fwd_on_arrays(arrays: tuple, scalars: tuple) -> tuple:
-    """numbafa's forward on the NumPy views of the operator's tensors: ``(o, lse)`` arrays."""
+    """numbafa's forward on the NumPy views of the operator's tensors: ``(o, lse)`` arrays (a
+    remembered call's straight away, :func:`numbafa.pipeline.core.remembered_fwd`)."""
+    done = _core.remembered_fwd(arrays[:3], arrays[3:], scalars[4], _scalar_key(scalars), "natural")
+    if done is not None:
+        return done
     options, layout = _host_options(arrays[3:], scalars)
     return _frameworks.host_forward(*arrays[:3], options, layout)
+
+
+def _scalar_key(scalars: tuple, return_dbias: bool = False):
+    """:func:`~numbafa.checks.options.scalar_key` of the options :func:`_host_options` makes of
+    the operator's ``scalars`` (causal ... softcap)."""
+    causal, window, softmax_scale, _, dropout_p, seed, seed_offset, softcap = scalars
+    return scalar_key(causal, True, softmax_scale, window, dropout_p, seed, seed_offset, softcap, return_dbias)
 
 
 def _host_options(option_arrays: tuple, scalars: tuple, return_dbias: bool = False):
@@ -139,9 +151,12 @@ def _host_bwd(tensors: tuple, scalars: tuple, return_dbias: bool):
     """The backward operator's body on its ``tensors`` (q ... alibi_slopes) and ``scalars``
     (causal ... softcap): plain eager calls run it without the dispatcher (:func:`_backward`)."""
     q, k, v, o, do, lse, *option_tensors = tensors
-    options, layout = _host_options(tuple(_np(t) for t in option_tensors), scalars, return_dbias)
-    grads = _frameworks.host_backward(tuple(to_numpy(x) for x in (q, k, v, o, do)), to_numpy(lse), options,
-                                      layout)
+    option_arrays = tuple(_np(t) for t in option_tensors)
+    arrays = tuple(to_numpy(x) for x in (q, k, v, o, do, lse))
+    grads = _core.remembered_bwd(arrays, option_arrays, scalars[4], _scalar_key(scalars, return_dbias))
+    if grads is None:
+        options, layout = _host_options(option_arrays, scalars, return_dbias)
+        grads = _frameworks.host_backward(arrays[:5], arrays[5], options, layout)
     sinks = option_tensors[0]
     # (two empty tensors: an operator's outputs must not alias each other)
     dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else from_numpy(grads[3])

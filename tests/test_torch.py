@@ -634,3 +634,25 @@ def test_eager_calls_skip_the_dispatcher_unless_a_dispatch_mode_watches():
     assert quiet.ops == []
     for a, b in zip((direct,) + direct_grads, (watched,) + watched_grads):
         assert torch.equal(a, b)
+
+
+def test_a_repeated_call_is_remembered_without_building_its_options(monkeypatch):
+    """The operators' bodies look a call up from their arguments as given
+    (numbafa.pipeline.core.remembered_fwd / remembered_bwd): a repeat of a call builds no options
+    and gives the same bits, gradients included; a call with sinks builds them (the full path)."""
+    def boom(*args, **kwargs):
+        raise AssertionError("the full path ran")
+
+    q, k, v, do = make(seed=9)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    first = nt.attention(*leaves, causal=True, window=64)
+    first_grads = torch.autograd.grad(first, leaves, do)
+    monkeypatch.setattr(nt, "_host_options", boom)
+    again = nt.attention(*leaves, causal=True, window=64)
+    again_grads = torch.autograd.grad(again, leaves, do)
+    for a, b in zip((first,) + first_grads, (again,) + again_grads):
+        assert torch.equal(a, b)
+    with pytest.raises(AssertionError, match="the full path ran"):
+        nt.attention(*leaves, causal=True, window=64, sinks=torch.zeros(q.shape[1]))
+    with pytest.raises(AssertionError, match="the full path ran"):   # another window: not remembered
+        nt.attention(*leaves, causal=True, window=32)
