@@ -286,10 +286,11 @@ def _signature(prob) -> tuple:
 # which runs the call again and words the error.
 
 class _Recipe:
-    """What a remembered call needs: the kernel layout code, the plan, the empty sinks, the
-    work items (and units to finish), the input dtype, the natural lse shape, the shapes of the
-    forward's outputs, the entry's signature, and whether the kernels took the arrays as they are
-    (:func:`_kernel_arrays`)."""
+    """What a remembered call needs: the kernel layout code, the plan and its accumulator dtype,
+    the empty sinks, the work items (and units to finish), the input dtype, the natural lse shape,
+    the shapes of the forward's outputs (of the backward's: those it writes, and the empty ones
+    shared by every call), the entry's signature, and whether the kernels took the arrays as they
+    are (:func:`_kernel_arrays`)."""
 
     __slots__ = ("layout", "perm", "plan", "acc", "sinks", "items", "units", "dtype", "lse_shape", "o_shape",
                  "signature", "as_they_are", "bits", "bwd_shapes", "bwd_empty")
