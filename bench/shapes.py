@@ -3,7 +3,10 @@
 Each shape: (id, batch, q-heads, KV heads, seqlen, head_dim, options); the
 option ``head_dim_v`` gives v (and o, dy) a head dim of its own.
 FLOPs follow flash-attention's convention: forward 4*B*Hq*Sq*Sk*D, halved
-when causal; backward 2.5x the forward. With two head dims the products are
+when causal; backward 2.5x the forward. A causal window of w < S keys counts
+its visible (query, key) pairs exactly, w*S - w*(w - 1)/2 of S*S (before
+2026-12-06 it counted half of them, which put the window shape's figures 2.3x
+too high: 113 % of the bf16 peak). With two head dims the products are
 counted as they are: forward 2*B*Hq*Sq*Sk*(D + Dv) (S = Q^T K, O = P V),
 backward 2*B*Hq*Sq*Sk*(3 D + 2 Dv) (S, dQ, dK over D; dP, dV over Dv).
 """
@@ -47,9 +50,20 @@ def forward_flops(bs, nheads, seqlen, d_head, options):
     return flops("forward", bs, nheads, seqlen, d_head, options)
 
 
+def visible_fraction(seqlen, options) -> float:
+    """The share of the ``seqlen x seqlen`` (query, key) pairs the mask leaves visible: all, the
+    causal half (flash-attention's convention), or a causal window's exact pairs."""
+    if not options.get("use_causal_mask"):
+        return 1.0
+    window = options.get("sliding_window") or 0
+    if 0 < window < seqlen:
+        return (window * seqlen - window * (window - 1) / 2) / seqlen ** 2
+    return 0.5
+
+
 def flops(pass_, bs, nheads, seqlen, d_head, options):
     """FLOPs of one pass (module docstring)."""
-    visible = 0.5 if options.get("use_causal_mask") else 1.0
+    visible = visible_fraction(seqlen, options)
     d_v = options.get("head_dim_v", d_head)
     dims = d_head + d_v if pass_ == "forward" else 3 * d_head + 2 * d_v
     return 2.0 * bs * nheads * seqlen * seqlen * dims * visible

@@ -47,3 +47,21 @@ def test_a_long_call_is_timed_once(clock):
         clock(0.025)
 
     assert compare._timed(fn) == 0.025 and len(calls) == 1
+
+
+def test_flops_count_the_pairs_the_mask_leaves_visible():
+    """flash-attention's convention (causal: half of S x S), and a causal window's exact pairs
+    counted against a brute-force count of the visible (query, key) pairs."""
+    import numpy as np
+    from shapes import flops, visible_fraction
+
+    full = flops("forward", 1, 8, 2048, 128, {})
+    assert full == 4.0 * 8 * 2048 * 2048 * 128
+    assert flops("backward", 1, 8, 2048, 128, {}) == 2.5 * full
+    assert flops("forward", 1, 8, 2048, 128, dict(use_causal_mask=True)) == full / 2
+    for seqlen, window in ((2048, 512), (300, 7), (128, 1)):
+        i, j = np.indices((seqlen, seqlen))
+        pairs = np.count_nonzero((j <= i) & (j > i - window))
+        assert visible_fraction(seqlen, dict(use_causal_mask=True, sliding_window=window)) == pairs / seqlen ** 2
+    for window in (None, -1, 0, 2048, 4096):   # no window, or one that hides nothing: the causal half
+        assert visible_fraction(2048, dict(use_causal_mask=True, sliding_window=window)) == 0.5
