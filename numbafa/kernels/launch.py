@@ -184,13 +184,9 @@ def call_prepared(entry, args: tuple, signature):
     call of :mod:`numbafa.pipeline.core`): nothing is left to compile, so it runs inside the BLAS
     pin only (:func:`numbafa.platform.blas.pin`), without the compile announcer's context
     (:func:`numbafa.compiler.runtime.kernel_call`)."""
-    call = _entries.get((entry, signature), entry)
     pin()
     try:
-        if threading_layer_is_thread_safe():
-            return call(*args)
-        with _launch_lock:
-            return call(*args)
+        return call_entry(entry, args, signature)
     finally:
         unpin()
 

@@ -57,13 +57,12 @@ _EMPTY = {code: _empty_member(code) for code in ("f", "d", "H")}
 _new_record = tuple.__new__   # (a record from its three fields, in Stored's order: 0.1 us, not 0.3)
 
 
-def stored(x, acc):
+def stored(x, acc):  # pragma: no cover - replaced inside njit code
     """The :data:`Stored` record of the 4-D kernel input ``x`` (float32, float64, or bf16 bits as
-    uint16), ``acc`` the accumulator dtype's empty array (``plan.acc``). Python and njit code;
-    in Python, on every call of a pass, so kept to a dtype code and the shared empty members."""
-    if x.dtype.char == "H":
-        return _new_record(Stored, (_EMPTY[acc.dtype.char], x, True))
-    return _new_record(Stored, (x, _EMPTY["H"], False))
+    uint16), ``acc`` the accumulator dtype's empty array (``plan.acc``), in compiled code (the
+    compiled :func:`stored_fwd` / :func:`stored_bwd`, for :mod:`numbafa.nb`); Python makes its
+    records in :func:`stored_fwd` / :func:`stored_bwd` directly, with the shared empty members."""
+    raise NotImplementedError("stored is only callable from @njit code")
 
 
 @overload(stored, inline="always")

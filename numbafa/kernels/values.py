@@ -18,7 +18,7 @@ from numba.extending import overload
 
 from ..compiler.jit import jit
 from ..compiler.linking import unpack
-from ..conventions.dtypes import widen
+from ..conventions.dtypes import f32_to_bf16_bits, widen
 
 __all__ = ["magnitude_bits", "bits_value", "count_nonfinite", "scaled", "largest_of_bits", "scaled_bits",
            "value_plugins"]
@@ -109,9 +109,7 @@ def scaled_bits(args, _):
     rounded to nearest even); ``args`` points to ``(x, out, e)``."""
     x, out, e = unpack(args)
     for i in range(x.size):
-        y = np.float32(math.ldexp(np.float64(widen(x[i])), -e))
-        u = y.view(np.uint32)
-        out[i] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        out[i] = f32_to_bf16_bits(np.float32(math.ldexp(np.float64(widen(x[i])), -e)))
 
 
 def value_plugins() -> list:
