@@ -166,11 +166,7 @@ def call_entry(entry, args: tuple, signature):
     the compiled overload's own entry point, which skips the dispatcher's typing of the nested
     bundles (about 10 us a call). Under ``workqueue`` the call takes the launch lock."""
     call = entry if signature is None else _entries.get((entry, signature), entry)
-    if threading_layer_is_thread_safe():
-        result = call(*args)
-    else:
-        with _launch_lock:
-            result = call(*args)
+    result = _locked_call(call, args)
     if call is entry and signature is not None:
         compiled = entry.overloads.get(tuple(numba.typeof(a) for a in args))
         if compiled is not None:
@@ -184,11 +180,20 @@ def call_prepared(entry, args: tuple, signature):
     call of :mod:`numbafa.pipeline.core`): nothing is left to compile, so it runs inside the BLAS
     pin only (:func:`numbafa.platform.blas.pin`), without the compile announcer's context
     (:func:`numbafa.compiler.runtime.kernel_call`)."""
+    call = _entries.get((entry, signature), entry)
     pin()
     try:
-        return call_entry(entry, args, signature)
+        return _locked_call(call, args)
     finally:
         unpin()
+
+
+def _locked_call(call, args: tuple):
+    """``call(*args)``, under the launch lock where the threading layer is ``workqueue``."""
+    if threading_layer_is_thread_safe():
+        return call(*args)
+    with _launch_lock:
+        return call(*args)
 
 
 _prepared: set = set()
