@@ -68,13 +68,12 @@ from collections import namedtuple
 import numba
 import numpy as np
 from numba import types
-from numba.extending import overload
 
 from .pipeline import core
 from .platform.blas import single_threaded_blas
 from .conventions.dtypes import (ROUND_FP16, bf16_dtype, f32_to_bf16_bits, f32_to_fp16_bits, fp16_bits_to_f32,
                                  is_bf16, widen)
-from .compiler.jit import jit
+from .compiler.jit import jit, overload
 from .kernels.backward import BwdStats
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, Plan, make_plan
 from .kernels.dropout import Dropout, dropout_plugins, philox_words

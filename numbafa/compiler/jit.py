@@ -124,6 +124,7 @@ import threading
 import warnings
 
 import numba
+import numba.extending
 from numba.core import caching
 from numba.core.compiler import Compiler
 from numba.core.compiler_machinery import LoweringPass, register_pass
@@ -132,7 +133,7 @@ from numba.core.typed_passes import NativeLowering
 
 from . import linking
 
-__all__ = ["JIT_FLAGS", "jit", "callable_from_python", "KernelDispatcher", "cache_info", "source_hash",
+__all__ = ["JIT_FLAGS", "jit", "overload", "callable_from_python", "KernelDispatcher", "cache_info", "source_hash",
            "CacheWarning", "KEEP_SOURCE_VERSIONS", "COMPILE_TIME"]
 
 #: What a cold compile costs, quoted by every compile notice (docs/performance.md, "Compile time",
@@ -763,6 +764,18 @@ def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True, 
         return linking.apart(dispatcher) if apart else dispatcher
 
     return decorate
+
+
+#: The options of every overload implementation of the package: compiled for njit callers only, as
+#: :func:`jit`'s functions are (Numba gives an implementation both wrappers by default: 15-20 % of
+#: :mod:`numbafa.nb`'s compile for new argument types; docs/performance.md, "Compile time").
+OVERLOAD_OPTIONS = {"no_cpython_wrapper": True, "no_cfunc_wrapper": True}
+
+
+def overload(func, **kwargs):
+    """``numba.extending.overload`` with :data:`OVERLOAD_OPTIONS` (``jit_options`` given add to them)."""
+    return numba.extending.overload(func, jit_options={**OVERLOAD_OPTIONS, **kwargs.pop("jit_options", {})},
+                                    **kwargs)
 
 
 _python_twins: dict = {}

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from numba import types
-from numba.extending import overload
+
+from .jit import overload
 
 __all__ = ["replaced"]
 

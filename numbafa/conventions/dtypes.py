@@ -30,9 +30,9 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import config
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
-from ..compiler.jit import jit
+from ..compiler.jit import jit, overload
 
 __all__ = [
     "fp16_bits_to_f32",

@@ -39,10 +39,9 @@ import math
 
 import numpy as np
 from numba import types
-from numba.extending import overload
 
 from ..conventions.dtypes import ROUND_BF16, ROUND_FP16, widen
-from ..compiler.jit import jit
+from ..compiler.jit import jit, overload
 from ..compiler.linking import _plugin_key, call_or_raise, pack, unpack
 from .bundles import BwdInputs, FwdInputs
 from .heads import BHSD, BSHD, dims4

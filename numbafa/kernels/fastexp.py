@@ -28,9 +28,8 @@ import math
 
 import numpy as np
 from numba import types
-from numba.extending import overload
 
-from ..compiler.jit import jit
+from ..compiler.jit import jit, overload
 
 __all__ = ["expf", "exp_of", "log_of", "tanhf", "tanh_of"]
 

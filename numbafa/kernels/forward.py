@@ -46,10 +46,9 @@ from collections import namedtuple
 
 import numpy as np
 from numba import types
-from numba.extending import overload
 
 from ..conventions.dtypes import round_inplace, rounded
-from ..compiler.jit import jit
+from ..compiler.jit import jit, overload
 from ..compiler.linking import unpack
 from .common import store_transposed
 from .dropout import drop_tile

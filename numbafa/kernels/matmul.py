@@ -49,10 +49,10 @@ import numpy as np
 import scipy.linalg.cython_blas  # noqa: F401  -- the BLAS behind numba_xxgemm must be importable
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 from numba.np.arrayobj import make_array, populate_array
 
-from ..compiler.jit import jit
+from ..compiler.jit import jit, overload
 from ..compiler.linking import pack
 from ..platform.onednn import ensure_symbols
 

@@ -43,10 +43,9 @@ from collections import namedtuple
 import numpy as np
 
 from numba import types
-from numba.extending import overload
 
 from ..conventions.dtypes import round_inplace
-from ..compiler.jit import jit
+from ..compiler.jit import jit, overload
 from ..compiler.linking import unpack
 from .mask import TilePos
 from .fastexp import tanh_of

@@ -23,10 +23,9 @@ from collections import namedtuple
 import numba
 import numpy as np
 from numba import types
-from numba.extending import overload
 from numpy.lib.stride_tricks import as_strided
 
-from ..compiler.jit import jit
+from ..compiler.jit import jit, overload
 from ..compiler.linking import unpack
 from ..conventions.dtypes import widen
 from .bundles import BwdInputs, FwdInputs

@@ -14,9 +14,8 @@ import math
 
 import numpy as np
 from numba import types
-from numba.extending import overload
 
-from ..compiler.jit import jit
+from ..compiler.jit import jit, overload
 from ..compiler.linking import unpack
 from ..conventions.dtypes import f32_to_bf16_bits, widen
 
