@@ -43,6 +43,31 @@ def test_no_hard_coded_jit_flags():
     assert not offenders, offenders
 
 
+def test_overload_implementations_get_no_wrappers():
+    """Every overload of the package is made by numbafa.compiler.jit.overload, so Numba compiles its
+    implementations without the CPython and C wrappers it gives an overload by default (only
+    njit code calls them)."""
+    import numbafa.nb as nb
+    from numba.core.registry import cpu_target
+    from numbafa.compiler.records import replaced
+    from numbafa.kernels.fastexp import exp_of
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "jit.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "numba.extending":
+                offenders += [f"{path.name}:{node.lineno}" for alias in node.names if alias.name == "overload"]
+            elif isinstance(node, ast.Attribute) and node.attr == "overload" and "extending" in ast.unparse(node):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders, offenders
+    typing = cpu_target.typing_context
+    typing.refresh()
+    for stub in (nb._store, nb._fwd_stub, exp_of, replaced):
+        for template in typing.resolve_value_type(stub).templates:
+            assert template._jit_options["no_cpython_wrapper"] and template._jit_options["no_cfunc_wrapper"], stub
+
+
 def test_fastmath_only_contracts():
     assert set(jit_policy.JIT_FLAGS["fastmath"]) == {"contract"}
 
