@@ -71,8 +71,7 @@ from numba import types
 
 from .pipeline import core
 from .platform.blas import single_threaded_blas
-from .conventions.dtypes import (ROUND_FP16, bf16_dtype, f32_to_bf16_bits, f32_to_fp16_bits, fp16_bits_to_f32,
-                                 is_bf16, widen)
+from .conventions.dtypes import bf16_dtype, f32_to_bf16_bits, f32_to_fp16_bits, fp16_bits_to_f32, widen
 from .compiler.jit import jit, overload
 from .kernels.backward import BwdStats
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, Plan, make_plan
@@ -81,7 +80,7 @@ from .kernels.entry import (EXACT_SCORES, LSE_VALUES, NONFINITE, OUTPUT, OUTPUTS
                             STATUS_WORDS, SUMS, backward_entry, exact_scores_plugin, forward_entry)
 from .kernels.launch import prepare_backward, prepare_forward
 from .kernels.stored import stored_bwd, stored_fwd
-from .kernels.scores import ScoreMods, score_plugins, serial_flags
+from .kernels.scores import ScoreMods, score_plugins
 from .kernels.table import ensure_plugins, kernel_address
 from .compiler.linking import KERNELS, call_key, call_value_between, register_function
 from .compiler.runtime import PIN_KEY, UNPIN_KEY, register_pin

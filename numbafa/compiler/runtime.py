@@ -43,7 +43,6 @@ import logging
 import os
 import threading
 
-import numba
 from numba.core import event
 
 from ..platform.blas import pin, unpin

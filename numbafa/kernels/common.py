@@ -10,8 +10,6 @@ rows]``, stored with :func:`store` and reloaded between KV sections with
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..conventions.dtypes import ROUND_NONE, round_inplace, widen
 from ..compiler.jit import jit
 from .heads import gather_head
