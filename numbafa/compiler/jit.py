@@ -2,7 +2,9 @@
 
 Every ``@njit`` in the package is created through :func:`jit`, so its flags
 (``fastmath``, ``error_model``, ``nogil``, the cache) come from :data:`JIT_FLAGS`
-and nowhere else. ``tests/test_jit.py`` greps the sources for hard-coded flags.
+and nowhere else, and every ``@overload`` through :func:`overload`, whose
+implementations get no wrappers (:data:`OVERLOAD_OPTIONS`). ``tests/test_jit.py``
+greps the sources for hard-coded flags and for Numba's own ``overload``.
 
 Importing this module only defines: the cache settings below are read, the
 package sources hashed and the cache directory created on first use (the
@@ -767,8 +769,8 @@ def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True, 
 
 
 #: The options of every overload implementation of the package: compiled for njit callers only, as
-#: :func:`jit`'s functions are (Numba gives an implementation both wrappers by default: 15-20 % of
-#: :mod:`numbafa.nb`'s compile for new argument types; docs/performance.md, "Compile time").
+#: :func:`jit`'s functions are (Numba gives an implementation both wrappers by default: 8 % of
+#: :mod:`numbafa.nb`'s compile for new argument types; docs/performance.md, "What was tried").
 OVERLOAD_OPTIONS = {"no_cpython_wrapper": True, "no_cfunc_wrapper": True}
 
 
