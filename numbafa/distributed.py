@@ -214,16 +214,37 @@ def _run_shares(client, plan, shares, submit, on_result) -> None:
         del result
 
 
-def _worker_deaths(client, since: float) -> str:
+#: How long the error of a lost share waits for the nannies to be asked (seconds): the scheduler
+#: knows a nanny only while its worker is registered, and a worker killed again and again may be
+#: between two lives when the share is given up.
+DEATHS_WAIT = 10.0
+
+
+def _worker_deaths(client, since: float, wait: float = DEATHS_WAIT) -> str:
     """What the workers' nannies logged since ``since`` (``time.time()``) about worker processes
     that ended (their exit status or signal: 134 is an abort in native code, 137 or signal 9 a
-    kill), for the error of a share that could not run; the workers' own stderr says more."""
+    kill), for the error of a share that could not run; the workers' own stderr says more. Asks
+    again every half second for up to ``wait`` seconds while no nanny has logged an exit."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            found = _exits_logged(client.get_worker_logs(n=200, nanny=True), since)
+        except Exception as exc:   # a broken cluster: say so rather than hide the first error
+            return f"(the nannies' logs could not be read: {exc})"
+        if found or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    if not found:
+        return "The nannies logged no worker exit; the workers' logs (client.get_worker_logs()) may say more."
+    return ("What the nannies logged meanwhile: " + "; ".join(m for _, m in sorted(found)[-4:])
+            + " (the workers' stderr says why).")
+
+
+def _exits_logged(logs: dict, since: float) -> list:
+    """``(time, message)`` of the worker exits in nanny logs (``get_worker_logs``'s answer)
+    logged since ``since`` (or undated)."""
     import datetime
 
-    try:
-        logs = client.get_worker_logs(n=200, nanny=True)
-    except Exception as exc:   # a broken cluster: say so rather than hide the first error
-        return f"(the nannies' logs could not be read: {exc})"
     found = []
     for entries in logs.values():
         for _, message in entries:
@@ -235,10 +256,7 @@ def _worker_deaths(client, since: float) -> str:
                 when = since
             if when >= since - 1.0:
                 found.append((when, message.split(" - ")[-1]))
-    if not found:
-        return "The nannies logged no worker exit; the workers' logs (client.get_worker_logs()) may say more."
-    return ("What the nannies logged meanwhile: " + "; ".join(m for _, m in sorted(found)[-4:])
-            + " (the workers' stderr says why).")
+    return found
 
 
 def _units_per_task(plan, prob, n_slots: int) -> int:

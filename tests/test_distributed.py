@@ -592,6 +592,38 @@ def _kill_every_bwd_chunk():
     return Killer()
 
 
+class _Nannies:
+    """A client whose nannies' logs (``get_worker_logs(nanny=True)``) are ``answers``, one per call."""
+
+    def __init__(self, *answers):
+        self.answers, self.calls = list(answers), 0
+
+    def get_worker_logs(self, n, nanny):
+        self.calls += 1
+        answer = self.answers[min(self.calls, len(self.answers)) - 1]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def test_a_lost_shares_error_waits_for_a_nanny_between_two_lives_of_its_worker():
+    """The scheduler knows a nanny only while its worker is registered: the first ask may find no
+    exit (CI met it: the error said "no worker exit" for a worker killed three times); the error
+    asks again until a nanny answers, for a bounded time."""
+    since = time.time()
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S,000", time.localtime(since + 1))
+    killed = {"tcp://n1": [("INFO", f"{stamp} - distributed.nanny - INFO - Worker process 123 was killed by signal 9")]}
+    quiet = {"tcp://n1": [("INFO", f"{stamp} - distributed.nanny - INFO - Start Nanny at: 'tcp://n1'")]}
+    nannies = _Nannies({}, quiet, killed)
+    text = nd._worker_deaths(nannies, since, wait=5.0)
+    assert nannies.calls == 3 and "Worker process 123 was killed by signal 9" in text
+    nannies = _Nannies(quiet)
+    start = time.monotonic()
+    assert "logged no worker exit" in nd._worker_deaths(nannies, since, wait=1.0)
+    assert 1.0 <= time.monotonic() - start < 3.0 and nannies.calls >= 2
+    assert "could not be read: gone" in nd._worker_deaths(_Nannies(OSError("gone")), since, wait=1.0)
+
+
 def test_a_share_that_kills_its_worker_every_time_says_what_happened(client):
     """Every worker that runs a share dies (as one whose kernel aborts would): after three attempts
     the error says the share was lost with its workers, and what the nannies logged. On a cluster
