@@ -67,43 +67,40 @@ class Packed:
                                ctypes.c_float, _P, _L]
 
     def tile(self, a, b, m, n, k, trans_a, trans_b):
-        """``(plain, pack, packed)``: calls computing ``op(a) op(b)`` into their own float32
-        arrays (column-major ``a``, ``b``), and packing ``a``; returns ``(c_plain, c_packed)``."""
+        """``(plain, pack, packed, c_plain, c_packed)``: calls computing ``op(a) op(b)`` (column-major
+        ``a``, ``b``) into ``c_plain`` and, from the packed ``a``, into ``c_packed``, and the call
+        packing ``a``; their arguments built once, outside the timed calls."""
         lda, ldb = a.shape[0], b.shape[0]
-        ta, tb = trans_a.encode(), trans_b.encode()
-        dims = [_L(x) for x in (m, n, k, lda, ldb)]
-        refs = [ctypes.byref(x) for x in dims]
+        letter_a, letter_p, ta, tb = (_C(x) for x in (b"A", b"P", trans_a.encode(), trans_b.encode()))
+        refs = [ctypes.byref(_L(x)) for x in (m, n, k, lda, ldb)]
         size, wanted = ctypes.c_size_t(0), ctypes.c_bool(False)
-        status = self.get_size(_C(b"A"), _C(ta), _C(tb), *refs, ctypes.byref(size), ctypes.byref(wanted))
+        status = self.get_size(letter_a, ta, tb, *refs, ctypes.byref(size), ctypes.byref(wanted))
         if status != 0:
             raise RuntimeError(f"pack_get_size: status {status}")
         buffer = np.empty(size.value // 4 + 16, np.float32)
         c_plain = np.zeros((m, n), np.float32, order="F")
         c_packed = np.zeros_like(c_plain)
-        beta = ctypes.c_float(0.0)
-        ldc = _L(m)
+        # (pointers made by data_as hold their arrays: the packed buffer lives as long as the calls)
+        a_p, b_p, buffer_p, c_plain_p, c_packed_p = (x.ctypes.data_as(_P) for x in (a, b, buffer, c_plain, c_packed))
+        # dnnl_sgemm is row-major: C^T = op(b)^T op(a)^T computes the column-major C
+        plain_args = (trans_b.encode(), trans_a.encode(), n, m, k, 1.0, b_p, ldb, a_p, lda, 0.0, c_plain_p, m)
+        pack_args = (letter_a, ta, tb, *refs, a_p, buffer_p)
+        packed_args = (letter_p, tb, *refs[:3], buffer_p, refs[3], b_p, refs[4], ctypes.byref(ctypes.c_float(0.0)),
+                       c_packed_p, ctypes.byref(_L(m)))
 
         def plain():
-            # dnnl_sgemm is row-major: C^T = op(b)^T op(a)^T computes the column-major C
-            if self.plain(tb, ta, n, m, k, 1.0, b.ctypes.data, ldb, a.ctypes.data, lda, 0.0, c_plain.ctypes.data,
-                          m) != 0:
+            if self.plain(*plain_args) != 0:
                 raise RuntimeError("plain GEMM failed")
 
         def pack():
-            if self.pack(_C(b"A"), _C(ta), _C(tb), *refs, _P(a.ctypes.data), _P(buffer.ctypes.data)) != 0:
+            if self.pack(*pack_args) != 0:
                 raise RuntimeError("pack failed")
 
         def packed():
-            if self.compute(_C(b"P"), _C(tb), refs[0], refs[1], refs[2], _P(buffer.ctypes.data), refs[3],
-                            _P(b.ctypes.data), refs[4], ctypes.byref(beta), _P(c_packed.ctypes.data),
-                            ctypes.byref(ldc)) != 0:
+            if self.compute(*packed_args) != 0:
                 raise RuntimeError("packed GEMM failed")
 
         return plain, pack, packed, c_plain, c_packed
-
-
-def _median_time(fn, repeats_of):
-    return float(np.median(repeats_of[fn]))
 
 
 def main(argv=None):
@@ -165,9 +162,9 @@ def _measure(lib, dtypes, args):
                             fn()
                         times[fn].append((time.perf_counter() - start) / INNER)
                 flops = 2 * m * n * k
-                row = dict(dtype=dtype, d_head=d_head, gemm=name, plain=flops / _median_time(plain, times) / 1e9,
-                           packed=flops / _median_time(packed, times) / 1e9,
-                           pack_us=_median_time(pack, times) * 1e6, identical=same)
+                median = {fn: float(np.median(t)) for fn, t in times.items()}
+                row = dict(dtype=dtype, d_head=d_head, gemm=name, plain=flops / median[plain] / 1e9,
+                           packed=flops / median[packed] / 1e9, pack_us=median[pack] * 1e6, identical=same)
                 rows.append(row)
                 print(f"| {dtype} | {d_head} | {name} ({m} x {n} x {k}) | {row['plain']:.0f} | {row['packed']:.0f} | "
                       f"{row['pack_us']:.1f} | {'identical' if same else 'differ'} |")
