@@ -15,11 +15,15 @@ take and checks them as they do (arrays given to it fix shapes and dtypes; their
 kept, but the packing bounds'). :func:`attention_fwd` and :func:`attention_bwd` run the same
 compiled entries the Python API runs (``numbafa.kernels.entry``, which :func:`plan` compiles or
 loads and records in the process's kernel table; a user's function calls them through it and
-holds none of their code; nb's own checks and conversions around them are compiled once per
-argument types and kept on the disk cache too, so a later process compiles only the user's
-function): the same value checks
+holds none of their code). nb's own checks and conversions around them are compiled once per
+argument types, kept on the disk cache too, and called through the same table: typing a call
+compiles or loads them and records them there, :func:`plan` records those the disk cache holds
+for its plan (for a user's function loaded from Numba's own cache), so a user's function holds
+none of their code either and a later process compiles only the user's function and a one-line
+call (a ``RuntimeError`` says so if such a function finds them missing: numbafa's cache off or
+cleared since Numba cached it). They make the same value checks
 (non-finite inputs raise ``ValueError`` naming the array), the same exact rescale or
-``FloatingPointError`` past float32's range, and exactly the bits of the Python API for the same
+``FloatingPointError`` past float32's range, and give exactly the bits of the Python API for the same
 inputs and options, in float32, bf16, float16 and float64. They write preallocated outputs.
 
 Arrays (the Neuron layout): ``q, dq`` ``[bs, nheads, d_head, seqlen_q]``; ``o, dy`` ``[bs, nheads,
@@ -72,7 +76,7 @@ from numba import types
 from .pipeline import core
 from .platform.blas import single_threaded_blas
 from .conventions.dtypes import bf16_dtype, f32_to_bf16_bits, f32_to_fp16_bits, fp16_bits_to_f32, widen
-from .compiler.jit import jit, overload
+from .compiler.jit import cached_signatures, jit, overload
 from .kernels.backward import BwdStats
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, Plan, make_plan
 from .kernels.dropout import Dropout, dropout_plugins, philox_words
@@ -82,7 +86,7 @@ from .kernels.launch import prepare_backward, prepare_forward
 from .kernels.stored import stored_bwd, stored_fwd
 from .kernels.scores import ScoreMods, score_plugins
 from .kernels.table import ensure_plugins, kernel_address
-from .compiler.linking import KERNELS, call_key, call_value_between, register_function
+from .compiler.linking import KERNELS, call_key, call_or_raise, call_value_between, register_function
 from .compiler.runtime import PIN_KEY, UNPIN_KEY, register_pin
 from .checks.options import AttentionOptions, Caller
 from .compiler.records import replaced
@@ -205,6 +209,7 @@ def plan(q, k, v, *, sinks=None, bound_min=None, bound_max=None, use_causal_mask
                      seed=(prob.seed & 0xFFFFFFFF, prob.seed >> 32),
                      token=int.from_bytes(os.urandom(8), "little") >> 2)
     _prepare(prob, fwd, bwd)
+    _register_cached_bodies(nb_plan)
     KERNELS.register(int(plan_digest(nb_plan)), 1)
     return nb_plan
 
@@ -908,7 +913,6 @@ def _run_forward_overload(plan, kernel_plan, q, k, v, sinks, outs, status):
 
 
 def _forward(plan, q, k, v, o, lse, sinks, bias, alibi_slopes):
-    _check_plan(plan)
     _storage_kind(q, plan)
     bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_v = plan.dims
     _expect_shape(q, "q", (bs, nheads, d_head, seqlen_q))
@@ -936,16 +940,44 @@ def _forward(plan, q, k, v, o, lse, sinks, bias, alibi_slopes):
     _store_lse(lse_k, lse)
 
 
+#: The passes' bodies (:func:`_checked`), which :func:`plan` registers from the disk cache.
+_BODIES: list = []
+_registered_plans: set = set()
+
+_BODY_NOT_LOADED = ("numbafa.nb: the checks and conversions of this call's argument types were not compiled or "
+                    "loaded in this process (a function loaded from Numba's own cache, with numbafa's disk cache "
+                    "off or cleared since): compile the function again, or turn numbafa's cache on")
+
+
 def _checked(stub, outputs, names):
     """An overload of ``stub`` (a call of :mod:`numbafa.nb`): for argument types that pass
     :func:`_type_problem`, a call of ``impl`` compiled by :func:`~numbafa.compiler.jit.jit` (on the
     disk cache, like the kernels: a later process, or another of a user's functions, loads it for
-    the same argument types instead of compiling it again); else a function raising the message."""
+    the same argument types instead of compiling it again) through the kernel table, as the
+    entries are called: typing the call compiles (or loads) ``impl`` for those types and records
+    it (:func:`~numbafa.compiler.linking.register_function`), so the caller's code holds none of
+    ``impl``'s and a user's compile neither links nor optimises it again; :func:`plan` records
+    the types the disk cache holds for its plan (a user's function loaded from Numba's own cache
+    is typed in another process). Else a function raising the message."""
     def decorate(impl):
         params = ", ".join(impl.__code__.co_varnames[:impl.__code__.co_argcount])
-        namespace = {"body": jit()(impl)}
-        exec(f"def call({params}):\n    body({params})\n", namespace)
-        call = namespace["call"]
+        body = jit()(impl)
+        _BODIES.append(body)
+        callers = {}
+
+        def caller(key):
+            if key not in callers:
+                source = (f"def call({params}):\n"
+                          f"    check_plan(plan)\n"
+                          f"    address = kernel_address(np.int64({key}))\n"
+                          f"    if address == 0:\n"
+                          f"        raise RuntimeError(message)\n"
+                          f"    call_or_raise(address, ({params},))\n")
+                namespace = {"check_plan": _check_plan, "kernel_address": kernel_address,
+                             "call_or_raise": call_or_raise, "np": np, "message": _BODY_NOT_LOADED}
+                exec(source, namespace)
+                callers[key] = namespace["call"]
+            return callers[key]
 
         def typer(*args):
             arrays = {name: t for name, t in zip(names, args[1:])}
@@ -955,7 +987,7 @@ def _checked(stub, outputs, names):
             else:
                 problem = _type_problem(arrays, outputs)
             if problem is None:
-                return call
+                return caller(register_function(body, args))
             source = (f"def fail({params}):\n"
                       f"    raise {'ValueError' if 'writable' in problem else 'TypeError'}(message)\n")
             namespace = {"message": problem}
@@ -966,6 +998,32 @@ def _checked(stub, outputs, names):
     return decorate
 
 
+def _as_boxed(value):
+    """``value`` (a plan, or a field of one) as njit code returns it to Python: float32 scalars
+    become Python floats (Numba boxes them so), the rest is unchanged."""
+    if isinstance(value, np.float32):
+        return float(value)
+    if isinstance(value, tuple):
+        fields = [_as_boxed(x) for x in value]
+        return type(value)(*fields) if hasattr(value, "_fields") else tuple(fields)
+    return value
+
+
+def _register_cached_bodies(nb_plan) -> None:
+    """Record in the kernel table every pass body the disk cache holds for plans of this plan's
+    type, or of its type once returned by njit code (:func:`_as_boxed`): loaded, not compiled.
+    A user's function loaded from Numba's own cache calls them by key without having been typed
+    in this process."""
+    plan_types = {numba.typeof(nb_plan), numba.typeof(_as_boxed(nb_plan))}
+    if plan_types <= _registered_plans:
+        return
+    for body in _BODIES:
+        for argtys in cached_signatures(body):
+            if argtys and argtys[0] in plan_types:
+                register_function(body, argtys)
+    _registered_plans.update(plan_types)
+
+
 def _fwd_stub(plan, q, k, v, o, lse, sinks, bias, alibi_slopes):  # pragma: no cover - replaced inside njit
     raise NotImplementedError
 
@@ -973,7 +1031,7 @@ def _fwd_stub(plan, q, k, v, o, lse, sinks, bias, alibi_slopes):  # pragma: no c
 _checked(_fwd_stub, ("o", "lse"), ("q", "k", "v", "o", "lse", "sinks", "bias", "alibi_slopes"))(_forward)
 
 
-@jit(entry=True, inline=True)
+@jit(entry=True, inline=True, disk_cache=False)
 def attention_fwd(plan, q, k, v, o, lse, sinks=None, bias=None, alibi_slopes=None):
     """The forward of :func:`numbafa.attention_fwd` into ``o`` and ``lse`` (module docstring).
 
@@ -1048,7 +1106,6 @@ def _natural_lse_overload(lse):
 
 
 def _backward(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks, bias, dbias, alibi_slopes):
-    _check_plan(plan)
     _storage_kind(q, plan)
     bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_v = plan.dims
     for x, name, shape in ((q, "q", (bs, nheads, d_head, seqlen_q)), (dq, "dq", (bs, nheads, d_head, seqlen_q)),
@@ -1114,7 +1171,7 @@ _checked(_bwd_stub, ("dq", "dk", "dv", "dsinks", "dbias"),
     _backward)
 
 
-@jit(entry=True, inline=True)
+@jit(entry=True, inline=True, disk_cache=False)
 def attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks=None, dsinks=None, bias=None, dbias=None,
                   alibi_slopes=None):
     """The backward of :func:`numbafa.attention_bwd` into ``dq, dk, dv`` (and ``dsinks``, ``dbias``).

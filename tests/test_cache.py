@@ -309,6 +309,27 @@ def test_corrupted_cache_entry_is_dropped_and_recompiled(populated, tmp_path, mo
     assert again == {"value": 42, "hits": 1, "warnings": []}
 
 
+SIGNATURES = """\
+import json
+from numbafa.compiler.jit import cached_signatures
+import numbafa._probe as p
+print(json.dumps([[[str(t) for t in sig] for sig in cached_signatures(f)] for f in (p.probe, p.pair)]))
+"""
+
+
+def test_cached_signatures_lists_what_the_cache_holds_and_nothing_it_cannot_read(populated, tmp_path):
+    """``cached_signatures`` (what numbafa.nb.plan registers from): the argument types of the
+    function's entries for these sources and this CPU; none without the cache or with an index
+    that does not read back (its entries are compiled again when called)."""
+    assert run(populated, populated / "site", SIGNATURES) == [[["int64"]], []]
+    assert run(populated, populated / "site", SIGNATURES, NUMBAFA_CACHE="0") == [[], []]
+    root = tmp_path / "root"
+    shutil.copytree(populated, root)
+    (index,) = root.rglob("_probe.probe-*.nbi")
+    _garble(index)
+    assert run(root, root / "site", SIGNATURES) == [[], []]
+
+
 # -- entries bound to their function ----------------------------------------------------------
 
 

@@ -52,12 +52,13 @@ def test_nb_code_reads_no_cell():
 
 def test_a_users_function_holds_no_entry_body_and_builds_no_string():
     """The compiled entries are called through the kernel table (compiled once for the Python API
-    and every njit caller), the checks' messages are formatted in Python when raised, and the
+    and every njit caller), and so are nb's checks and conversions around them (compiled once per
+    argument types: a user's compile neither links nor re-optimises them), the checks' messages are formatted in Python when raised, and the
     passes' thin wrappers are inlined: a user's compile neither re-optimises the entries nor
     compiles Numba's string building, which together were most of it."""
     defined = [f.name for f in _users_step_module().functions if not f.is_declaration]
     for forbidden in ("forward_entry", "backward_entry", "forward_items", "unicode_concat", "_set_code_point",
-                      "integer_str", "_empty_string"):
+                      "integer_str", "_empty_string", "2nb8_forward", "2nb9_backward"):
         assert not [name for name in defined if forbidden in name], forbidden
     # nb's public passes are inlined into the caller at Numba's IR level: one level less to compile
     assert not [name for name in defined if "2nb13attention_fwd" in name or "2nb13attention_bwd" in name], defined
@@ -108,16 +109,22 @@ print(sum(step.stats.cache_hits.values()), all(np.array_equal(a, b) for a, b in 
 
 def test_a_users_function_cached_by_numba_loads_in_a_new_process(tmp_path):
     """Numba's own cache (the user's ``cache=True``) holds nb's code with the launchers' parallel
-    loops; loaded in a new process it must find the threading layer started and run."""
+    loops; loaded in a new process it must find the threading layer started and run, and the
+    passes' checks, which it calls by key, recorded by ``nb.plan`` from numbafa's disk cache.
+    Without them (numbafa's cache off or cleared since) the call raises, naming the remedy."""
     script = tmp_path / "user_step.py"
     script.write_text(USER_CACHED)
+    unregistered = ("import runpy, numbafa.nb\nnumbafa.nb._register_cached_bodies = lambda plan: None\n"
+                    f"runpy.run_path({str(script)!r}, run_name='__main__')\n")   # the same file: its cache
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba-cache"),
                NUMBAFA_CACHE_DIR=str(pathlib.Path(numbafa.backend_info()["cache"]["dir"] or tmp_path).parent))
-    runs = [subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                           timeout=600) for _ in range(2)]
-    for run in runs:
+    runs = [subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600)
+            for args in ([str(script)], [str(script)], ["-c", unregistered])]
+    for run in runs[:2]:
         assert run.returncode == 0, run.stderr[-3000:]
-    assert [run.stdout.split()[-2:] for run in runs] == [["0", "True"], ["1", "True"]]
+    assert [run.stdout.split()[-2:] for run in runs[:2]] == [["0", "True"], ["1", "True"]]
+    assert runs[2].returncode == 1
+    assert runs[2].stderr.rstrip().splitlines()[-1] == f"RuntimeError: {nb._BODY_NOT_LOADED}", runs[2].stderr[-3000:]
 
 
 USER_UNCACHED = '''\
@@ -177,6 +184,28 @@ def test_the_njit_training_example_takes_the_python_apis_gradients_and_learns(dt
         np.testing.assert_array_equal(a.view(np.uint8), e.view(np.uint8))
     losses = ex.train(steps=30, bsz=4, log_every=0, dtype=dtype)
     assert losses[-1] < losses[0] - 0.8
+
+
+def test_plan_knows_the_type_of_its_plans_back_from_njit_code():
+    """``nb.plan`` records the cached checks of its plan's type and of that type once returned by
+    njit code (float32 fields boxed as floats), which a user's cached function may be typed with."""
+    q, k, v, dy, sinks = nb_inputs(1, 2, 1, 16, 256, np.float32)
+    plan = nb.plan(q, k, v, dropout_p=0.3, seed=11)
+    back = nb.with_seed_offset(plan, 2)
+    assert numba.typeof(back) != numba.typeof(plan)
+    assert numba.typeof(back) == numba.typeof(nb._as_boxed(plan))
+    assert nb._as_boxed(plan)._replace(fwd=back.fwd, bwd=back.bwd) == back
+
+
+def test_the_public_passes_are_typed_in_every_process():
+    """Called from Python, ``nb.attention_fwd``/``attention_bwd`` are compiled in each process, never
+    loaded from the disk cache: typing their call is what records nb's checks in the process's
+    kernel table (a cached copy, typed with a changed plan's type in an earlier process, would find
+    nothing there and raise a RuntimeError instead of the plan's ValueError)."""
+    from numbafa.compiler.jit import _LazyCache
+    for public in (nb.attention_fwd, nb.attention_bwd):
+        assert not isinstance(public._cache, _LazyCache)
+    assert isinstance(nb.with_seed_offset._cache, _LazyCache)
 
 
 def test_a_plan_back_from_njit_code_still_works():

@@ -136,7 +136,7 @@ from numba.core.typed_passes import NativeLowering
 from . import linking
 
 __all__ = ["JIT_FLAGS", "jit", "overload", "callable_from_python", "KernelDispatcher", "cache_info", "source_hash",
-           "CacheWarning", "KEEP_SOURCE_VERSIONS", "COMPILE_TIME"]
+           "cached_signatures", "CacheWarning", "KEEP_SOURCE_VERSIONS", "COMPILE_TIME"]
 
 #: What a cold compile costs, quoted by every compile notice (docs/performance.md, "Compile time",
 #: measures it per CPU).
@@ -697,6 +697,22 @@ def _enable_cache(dispatcher) -> None:
         dispatcher._cache = _LazyCache(dispatcher.py_func)
 
 
+def cached_signatures(dispatcher) -> list:
+    """The argument types of every signature of ``dispatcher`` (a :func:`jit` function) that the
+    disk cache holds for this process's sources, Numba and CPU ([] without the cache, or with an
+    index that cannot be read: those signatures are compiled when a call is typed)."""
+    cache = getattr(dispatcher, "_cache", None)
+    real = cache._real() if isinstance(cache, _LazyCache) else None
+    if not isinstance(real, _Cache):
+        return []
+    try:
+        index = real._cache_file._load_index()
+    except Exception:  # unreadable: the next load of one of its entries drops it (_Cache)
+        return []
+    codegen = dispatcher.targetctx.codegen()
+    return [key[0] for key in index if real._index_key(key[0], codegen) == key]
+
+
 class KernelDispatcher(CPUDispatcher):
     """The dispatcher of a function compiled for ``@njit`` callers only (``jit(entry=False)``).
 
@@ -710,7 +726,7 @@ class KernelDispatcher(CPUDispatcher):
 
 
 def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True, entry: bool = False,
-        apart: bool = False, refcount: bool = True):
+        apart: bool = False, refcount: bool = True, disk_cache: bool = True):
     """Return a decorator like ``numba.njit``, configured with :data:`JIT_FLAGS`.
 
     Parameters
@@ -748,6 +764,10 @@ def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True, 
         (:mod:`numbafa.compiler.linking`). What such a step calls that returns arrays is
         inlined or apart as well: a counted view handed to it would never be released
         (``tests/test_jit.py`` checks the balance of the kernels' variants).
+    disk_cache : bool
+        ``False`` keeps the function off the disk cache: compiled in every process, so that its
+        typing runs in every process (``numbafa.nb``'s public passes, whose typing records the
+        checks they call in the process's kernel table).
     """
     if not (refcount or apart):
         raise ValueError("jit(refcount=False) needs apart=True: its call site balances returned references")
@@ -762,7 +782,8 @@ def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True, 
         dispatcher = njit(func)
         if not wrappers:
             dispatcher.__class__ = KernelDispatcher
-        _enable_cache(dispatcher)
+        if disk_cache:
+            _enable_cache(dispatcher)
         return linking.apart(dispatcher) if apart else dispatcher
 
     return decorate
