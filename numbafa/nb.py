@@ -20,7 +20,8 @@ argument types, kept on the disk cache too, and called through the same table: t
 compiles or loads them and records them there, :func:`plan` records those the disk cache holds
 for its plan (for a user's function loaded from Numba's own cache), so a user's function holds
 none of their code either and a later process compiles only the user's function and a one-line
-call (a ``RuntimeError`` says so if such a function finds them missing: numbafa's cache off or
+call. Their compile is announced as the kernels' is (logger ``"numbafa"``); a ``RuntimeError``
+says so if a function loaded from Numba's cache finds them missing (numbafa's cache off, or
 cleared since Numba cached it). They make the same value checks
 (non-finite inputs raise ``ValueError`` naming the array), the same exact rescale or
 ``FloatingPointError`` past float32's range, and give exactly the bits of the Python API for the same
@@ -87,7 +88,7 @@ from .kernels.stored import stored_bwd, stored_fwd
 from .kernels.scores import ScoreMods, score_plugins
 from .kernels.table import ensure_plugins, kernel_address
 from .compiler.linking import KERNELS, call_key, call_or_raise, call_value_between, register_function
-from .compiler.runtime import PIN_KEY, UNPIN_KEY, register_pin
+from .compiler.runtime import PIN_KEY, UNPIN_KEY, announced_compile, register_pin
 from .checks.options import AttentionOptions, Caller
 from .compiler.records import replaced
 from .conventions.tiling import Q_TILE
@@ -949,7 +950,7 @@ _BODY_NOT_LOADED = ("numbafa.nb: the checks and conversions of this call's argum
                     "off or cleared since): compile the function again, or turn numbafa's cache on")
 
 
-def _checked(stub, outputs, names):
+def _checked(stub, public, outputs, names):
     """An overload of ``stub`` (a call of :mod:`numbafa.nb`): for argument types that pass
     :func:`_type_problem`, a call of ``impl`` compiled by :func:`~numbafa.compiler.jit.jit` (on the
     disk cache, like the kernels: a later process, or another of a user's functions, loads it for
@@ -958,7 +959,9 @@ def _checked(stub, outputs, names):
     it (:func:`~numbafa.compiler.linking.register_function`), so the caller's code holds none of
     ``impl``'s and a user's compile neither links nor optimises it again; :func:`plan` records
     the types the disk cache holds for its plan (a user's function loaded from Numba's own cache
-    is typed in another process). Else a function raising the message."""
+    is typed in another process). A real compile of ``impl`` is announced first
+    (:class:`~numbafa.compiler.runtime.announced_compile`, naming ``public``). Else a function
+    raising the message."""
     def decorate(impl):
         params = ", ".join(impl.__code__.co_varnames[:impl.__code__.co_argcount])
         body = jit()(impl)
@@ -987,7 +990,11 @@ def _checked(stub, outputs, names):
             else:
                 problem = _type_problem(arrays, outputs)
             if problem is None:
-                return caller(register_function(body, args))
+                with announced_compile((public, args), f"compiling numbafa.nb's checks and conversions around "
+                                                       f"{public} for the argument types of a call being compiled, "
+                                                       f"once per argument types (several seconds of CPU)"):
+                    key = register_function(body, args)
+                return caller(key)
             source = (f"def fail({params}):\n"
                       f"    raise {'ValueError' if 'writable' in problem else 'TypeError'}(message)\n")
             namespace = {"message": problem}
@@ -1028,7 +1035,8 @@ def _fwd_stub(plan, q, k, v, o, lse, sinks, bias, alibi_slopes):  # pragma: no c
     raise NotImplementedError
 
 
-_checked(_fwd_stub, ("o", "lse"), ("q", "k", "v", "o", "lse", "sinks", "bias", "alibi_slopes"))(_forward)
+_checked(_fwd_stub, "attention_fwd", ("o", "lse"),
+         ("q", "k", "v", "o", "lse", "sinks", "bias", "alibi_slopes"))(_forward)
 
 
 @jit(entry=True, inline=True, disk_cache=False)
@@ -1166,7 +1174,7 @@ def _bwd_stub(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks, bias, dbias,
     raise NotImplementedError
 
 
-_checked(_bwd_stub, ("dq", "dk", "dv", "dsinks", "dbias"),
+_checked(_bwd_stub, "attention_bwd", ("dq", "dk", "dv", "dsinks", "dbias"),
          ("q", "k", "v", "o", "dy", "lse", "dq", "dk", "dv", "sinks", "dsinks", "bias", "dbias", "alibi_slopes"))(
     _backward)
 

@@ -53,9 +53,9 @@ def test_nb_code_reads_no_cell():
 def test_a_users_function_holds_no_entry_body_and_builds_no_string():
     """The compiled entries are called through the kernel table (compiled once for the Python API
     and every njit caller), and so are nb's checks and conversions around them (compiled once per
-    argument types: a user's compile neither links nor re-optimises them), the checks' messages are formatted in Python when raised, and the
-    passes' thin wrappers are inlined: a user's compile neither re-optimises the entries nor
-    compiles Numba's string building, which together were most of it."""
+    argument types), the checks' messages are formatted in Python when raised, and the passes'
+    thin wrappers are inlined: a user's compile neither re-optimises the entries or the checks
+    nor compiles Numba's string building, which together were most of it."""
     defined = [f.name for f in _users_step_module().functions if not f.is_declaration]
     for forbidden in ("forward_entry", "backward_entry", "forward_items", "unicode_concat", "_set_code_point",
                       "integer_str", "_empty_string", "2nb8_forward", "2nb9_backward"):
@@ -206,6 +206,34 @@ def test_the_public_passes_are_typed_in_every_process():
     for public in (nb.attention_fwd, nb.attention_bwd):
         assert not isinstance(public._cache, _LazyCache)
     assert isinstance(nb.with_seed_offset._cache, _LazyCache)
+
+
+def test_compiling_the_checks_is_announced_before_it_starts(monkeypatch, caplog):
+    """Typing a user's call of a pass compiles (or loads) nb's checks for its argument types inside
+    ``announced_compile``: a compile there is announced, naming the pass, before it starts."""
+    import logging
+    compiled = []
+
+    def register(body, argtys):
+        numba.njit(lambda x: x + 1)(1.0)          # a real compile where the checks' would run
+        compiled.append(body.py_func.__name__)
+        return real(body, argtys)
+
+    q, k, v, dy, plan = _small()
+    o, lse = np.empty_like(q), np.empty((1, 2, 128, 2), np.float32)
+    real = nb.register_function
+    monkeypatch.setattr(nb, "register_function", register)
+
+    @numba.njit
+    def users(plan, q, k, v, o, lse):
+        nb.attention_fwd(plan, q, k, v, o, lse)
+
+    with caplog.at_level(logging.WARNING, logger="numbafa"):
+        users(plan, q, k, v, o, lse)
+    assert compiled == ["_forward"]
+    notices = [r.getMessage() for r in caplog.records if "numbafa.nb's checks" in r.getMessage()]
+    assert len(notices) == 1 and notices[0].startswith("numbafa: compiling numbafa.nb's checks and conversions "
+                                                       "around attention_fwd"), notices
 
 
 def test_a_plan_back_from_njit_code_still_works():

@@ -247,6 +247,28 @@ def test_announced_by_default_only_when_really_compiling(tmp_path):
     assert "compiling" not in stderr()
 
 
+def test_a_compile_outside_a_kernel_call_is_announced_in_its_own_words_once(tmp_path):
+    """``announced_compile`` (numbafa.nb's checks, compiled while a user's function is typed):
+    its text, then where the code is cached, once per key in a process; a cache load is silent."""
+    from test_cache import clean_env, make_site
+
+    site = make_site(tmp_path)
+    script = ("import numbafa._probe as p\nfrom numbafa.compiler.runtime import announced_compile\n"
+              "with announced_compile('pair', 'compiling the pair probe'):\n    print(int(p.pair(2, 3)))\n"
+              "with announced_compile('pair', 'compiling the pair probe'):\n    print(int(p.pair(2.0, 3.0)))\n")
+
+    def stderr():
+        proc = subprocess.run([sys.executable, "-c", script], env=clean_env(tmp_path, site),
+                              cwd=tmp_path, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0 and proc.stdout.split() == ["7", "7"], proc.stderr
+        return proc.stderr
+
+    cold = stderr()
+    assert cold.count("compiling") == 1, cold
+    assert cold.startswith(f"numbafa: compiling the pair probe; the compiled code is cached in {tmp_path / 'cache'}"), cold
+    assert "compiling" not in stderr()
+
+
 FORK_WHILE_HELD = '''\
 import os, threading
 import numbafa.platform.blas

@@ -34,6 +34,9 @@ above when logging is not configured, and a silent first call of several
 seconds looks like a hang; it happens at most once per kernel and dtype per
 process, and normally once per machine and numbafa version.
 Silence it with ``logging.getLogger("numbafa").setLevel(logging.ERROR)``.
+A compile outside a kernel call is announced the same way inside
+:class:`announced_compile`, in its own words: :mod:`numbafa.nb`'s checks and
+conversions, compiled when a user's function that calls a pass is typed.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from ..platform.blas import pin, unpin
 from .jit import COMPILE_TIME, cache_info
 from .linking import KERNELS, type_key
 
-__all__ = ["kernel_call", "PIN_KEY", "UNPIN_KEY", "register_pin"]
+__all__ = ["kernel_call", "announced_compile", "PIN_KEY", "UNPIN_KEY", "register_pin"]
 
 logger = logging.getLogger("numbafa")
 
@@ -94,7 +97,11 @@ class _CompileAnnouncer(event.Listener):
             if call in self._announced:
                 return
             self._announced.add(call)
-        kernel, dtype = call
+        if call[0] == _NOTICE:
+            text = call[2]
+        else:
+            kernel, dtype = call
+            text = f"compiling the {kernel} kernel for {dtype} inputs, once per kernel and dtype ({COMPILE_TIME})"
         cache = cache_info()
         if cache["enabled"] and cache["save_error"]:
             where = (f"saving compiled code to the on-disk cache in {cache['dir']} failed in this process "
@@ -103,8 +110,7 @@ class _CompileAnnouncer(event.Listener):
             where = f"the compiled code is cached in {cache['dir']} for later processes"
         else:
             where = f"the on-disk cache is off ({cache['reason']}), so every new process compiles again"
-        logger.warning("numbafa: compiling the %s kernel for %s inputs, once per kernel and dtype (%s); "
-                       "%s.", kernel, dtype, COMPILE_TIME, where)
+        logger.warning("numbafa: %s; %s.", text, where)
 
     def on_end(self, ev):
         pass
@@ -156,6 +162,31 @@ class kernel_call:  # noqa: N801 -- used as a function: ``with kernel_call(kerne
             _ANNOUNCER.leave(self._previous)
         finally:
             unpin()
+        return False
+
+
+_NOTICE = object()   # the first item of an announced_compile's call: never a kernel's name
+
+
+class announced_compile:  # noqa: N801 -- used as a function: ``with announced_compile(key, text):``
+    """Announce a real compilation inside it as :class:`kernel_call` does (logger ``"numbafa"``,
+    WARNING, once per ``key`` in the process, with where the code is cached), in the words
+    ``text`` ("compiling ..."), without the BLAS pin: for compiles outside a kernel call, such
+    as :mod:`numbafa.nb`'s checks, compiled when a user's function that calls them is typed.
+    A load from the disk cache is silent."""
+
+    __slots__ = ("_call", "_previous")
+
+    def __init__(self, key, text: str):
+        self._call = (_NOTICE, key, text)
+        self._previous = None
+
+    def __enter__(self):
+        self._previous = _ANNOUNCER.enter(self._call)
+        return self
+
+    def __exit__(self, *exc):
+        _ANNOUNCER.leave(self._previous)
         return False
 
 
