@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import subprocess
 import sys
 import textwrap
 import time
@@ -282,21 +283,48 @@ class Progress:
         print(text, file=sys.stderr, flush=True)
 
 
+#: The second process of the first calls (:func:`_compile_announced`): compiles the backward into
+#: the disk cache, on stand-ins for the forward's outputs (:func:`numbafa.pipeline.shards.warm`).
+_PREFETCH = """
+import json, sys
+from numbafa.pipeline.shards import warm
+warm("backward", *json.loads(sys.argv[1]), backward_only=True)
+"""
+
+#: The dtype names of :func:`numbafa.pipeline.shards.warm`, by the CLI's.
+_WARM_NAMES = {"float32": "float32", "bf16": "bfloat16", "float16": "float16", "float64": "float64"}
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 class _CompileNotice(event.Listener):
     """Prints the compile notice when the first real compilation starts, once; meanwhile, as a
     logging filter, holds back :mod:`numbafa.compiler.runtime`'s per-kernel warnings, which it replaces.
 
     Numba's ``"numba:compile"`` event fires for a compilation, not for a load
     from the on-disk cache: with the kernels in the cache nothing is printed.
+    With ``prefetch`` (the warm-up spec of the backward, :data:`_PREFETCH`), that first
+    compilation also starts a second process that compiles the backward into the disk cache
+    while this one compiles the forward (where the cache is on and there are two cores or
+    more); :meth:`wait` waits for it before the backward's first call, which then loads it.
     """
 
-    def __init__(self, progress: "Progress", name: str):
+    def __init__(self, progress: "Progress", name: str, prefetch=None):
         self.progress, self.name, self.shown = progress, name, False
+        self.prefetch, self.process = prefetch, None
 
     def on_start(self, ev):
         if not self.shown:
             self.shown = True
             self.progress.note(_compile_notice(self.name))
+            cache = cache_info()
+            if self.prefetch is not None and cache["enabled"] and not cache["save_error"] and _cores() >= 2:
+                self.process = subprocess.Popen([sys.executable, "-c", _PREFETCH, json.dumps(self.prefetch)],
+                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                self.progress.note(f"first {self.name} calls: the backward's kernels compile meanwhile in a "
+                                   f"second process, then load from the cache")
 
     def on_end(self, ev):
         pass
@@ -304,18 +332,31 @@ class _CompileNotice(event.Listener):
     def filter(self, record) -> bool:
         return not record.getMessage().startswith("numbafa: compiling")
 
+    def wait(self) -> None:
+        """Wait for the second process, if one runs (if it failed, the backward compiles here)."""
+        if self.process is not None:
+            self.process.wait()
+
+    def stop(self) -> None:
+        """End the second process if it still runs (the first calls failed or were interrupted)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
 
 @contextlib.contextmanager
-def _compile_announced(progress: "Progress", name: str):
-    """The first calls of dtype ``name``: one CLI line if they compile, none if they load the cache."""
-    notice = _CompileNotice(progress, name)
+def _compile_announced(progress: "Progress", name: str, prefetch=None):
+    """The first calls of dtype ``name``: one CLI line if they compile, none if they load the cache
+    (and with ``prefetch``, the backward compiled in a second process meanwhile: :class:`_CompileNotice`)."""
+    notice = _CompileNotice(progress, name, prefetch)
     logger = logging.getLogger("numbafa")
     logger.addFilter(notice)
     try:
         with event.install_listener("numba:compile", notice):
-            yield
+            yield notice
     finally:
         logger.removeFilter(notice)
+        notice.stop()
 
 
 def _compile_notice(name: str) -> str:
@@ -385,10 +426,15 @@ def run(args, progress: Progress) -> list:
         v = rng.standard_normal((b, hkv, dv, s)).astype(dtype)
         dy = rng.standard_normal((b, h, dv, s)).astype(dtype)
         lse_layout = "neuron" if s % 128 == 0 else "natural"
-        with _compile_announced(progress, name):
+        # the run's first dtype compiles the kernels (if the cache lacks them): its backward in a
+        # second process meanwhile; a later dtype adds little to compile (docs/performance.md)
+        prefetch = [_WARM_NAMES[name], bool(args.dropout), bool(args.softcap or args.alibi)] if name == dtypes[0] \
+            else None
+        with _compile_announced(progress, name, prefetch) as notice:
             t0 = time.perf_counter()
             o, lse = attention_fwd(q, k, v, lse_layout=lse_layout, **opts)
             t1 = time.perf_counter()
+            notice.wait()
             grads = attention_bwd(q, k, v, o, dy, lse, **opts)
             first = {"forward": t1 - t0, "backward": time.perf_counter() - t1}
         progress.step(f"{name}: first calls")

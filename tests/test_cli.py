@@ -255,8 +255,68 @@ def test_compile_line_only_when_the_disk_cache_is_cold(tmp_path):
     cold = stderr()
     assert "first float32 calls: compiling the kernels, once (cached in " + str(tmp_path / "cache") in cold, cold
     assert "numbafa: compiling the" not in cold, cold     # the CLI's line replaces the per-kernel warnings
+    assert "the backward's kernels compile meanwhile in a second process" in cold, cold
     warm = stderr()
     assert "first float32 calls" not in warm and "compiling" not in warm, warm
+
+
+class _Notes:
+    def __init__(self):
+        self.lines = []
+
+    def note(self, text):
+        self.lines.append(text)
+
+
+@pytest.mark.parametrize("enabled,cores,started", [(True, 2, True), (False, 2, False), (True, 1, False)])
+def test_the_second_process_starts_with_the_first_compile_where_it_can_help(monkeypatch, enabled, cores, started):
+    """The first real compile of the run's first calls starts the backward's compile in a second
+    process, with the disk cache on (it hands the code over) and two cores or more; once."""
+    started_with = []
+
+    class FakeProcess:
+        def __init__(self, argv, **kwargs):
+            started_with.append(argv)
+
+        def wait(self):
+            return 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(cli.subprocess, "Popen", FakeProcess)
+    monkeypatch.setattr(cli, "cache_info", lambda: {"enabled": enabled, "save_error": None, "dir": "/c",
+                                                     "reason": "off"})
+    monkeypatch.setattr(cli, "_cores", lambda: cores)
+    notes = _Notes()
+    notice = cli._CompileNotice(notes, "float32", ["float32", False, True])
+    notice.on_start(None)
+    notice.on_start(None)
+    notice.wait()
+    assert len(started_with) == (1 if started else 0)
+    if started:
+        assert started_with[0][1:3] == ["-c", cli._PREFETCH]
+        assert json.loads(started_with[0][3]) == ["float32", False, True]
+    assert len(notes.lines) == (2 if started else 1)
+
+
+def test_the_second_process_warms_the_backward_alone(monkeypatch):
+    """The second process runs ``shards.warm(..., backward_only=True)``: the backward on stand-ins
+    of the forward's outputs, never the forward (which the first process compiles meanwhile)."""
+    from numbafa.pipeline import shards
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("the forward ran")
+
+    calls = []
+    backward = shards.attention_bwd
+    monkeypatch.setattr(shards, "attention_fwd", no_forward)
+    monkeypatch.setattr(shards, "attention_bwd", lambda *a, **k: calls.append(a) or backward(*a, **k))
+    monkeypatch.setattr(shards, "_WARM", set())
+    shards.warm("backward", "float32", backward_only=True)
+    assert len(calls) == 1
+    with pytest.raises(AssertionError, match="the forward ran"):
+        shards.warm("backward", "float32")
 
 
 def test_compile_time_is_the_readme_figure(capsys):

@@ -265,7 +265,8 @@ def test_a_compile_outside_a_kernel_call_is_announced_in_its_own_words_once(tmp_
 
     cold = stderr()
     assert cold.count("compiling") == 1, cold
-    assert cold.startswith(f"numbafa: compiling the pair probe; the compiled code is cached in {tmp_path / 'cache'}"), cold
+    where = f"the compiled code is cached in {tmp_path / 'cache'}"
+    assert cold.startswith(f"numbafa: compiling the pair probe; {where}"), cold
     assert "compiling" not in stderr()
 
 

@@ -371,12 +371,16 @@ def fingerprint() -> tuple:
     return (source_hash(), numba.__version__, gemm_path()[0])
 
 
-def warm(kernel: str, dtype_name: str, dropout: bool = False, variants: bool = False) -> tuple:
+def warm(kernel: str, dtype_name: str, dropout: bool = False, variants: bool = False,
+         backward_only: bool = False) -> tuple:
     """Load (or compile) ``kernel`` ("forward" or "backward") for ``dtype_name`` in this
     process, once, by a tiny call that runs every jitted function of that pass (sinks
     included; with ``dropout`` or score ``variants``, the kernels with them, which are
-    compiled apart); return :func:`fingerprint`. Run on every worker by ``client.run``."""
-    if (kernel, dtype_name, dropout, variants) not in _WARM:
+    compiled apart); return :func:`fingerprint`. Run on every worker by ``client.run``.
+    The backward runs on the forward's outputs, or with ``backward_only`` on stand-ins of their
+    types (zeros), so that only the backward is compiled (the CLI's second process, which
+    compiles it while the first compiles the forward)."""
+    if (kernel, dtype_name, dropout, variants, backward_only) not in _WARM:
         dtype = bf16_dtype() if dtype_name == "bfloat16" else np.dtype(dtype_name)
         rng = np.random.default_rng(0)
         q, k, v = (rng.standard_normal((1, 1, 8, 640)).astype(dtype) for _ in range(3))
@@ -385,8 +389,12 @@ def warm(kernel: str, dtype_name: str, dropout: bool = False, variants: bool = F
         if variants:
             extra.update(bias=np.zeros((640, 640), np.float32), alibi_slopes=np.ones(1, np.float32), softcap=5.0)
         options = AttentionOptions(sinks=sinks, **extra)   # the Python API's call, without its front door
-        o, lse = attention_fwd(q, k, v, options, KERNEL_CALLER, "natural")
+        if kernel == "backward" and backward_only:
+            acc = np.float64 if dtype.char == "d" else np.float32
+            o, lse = np.zeros_like(q), np.zeros(q.shape[:2] + q.shape[3:], acc)   # lse natural
+        else:
+            o, lse = attention_fwd(q, k, v, options, KERNEL_CALLER, "natural")
         if kernel == "backward":
             attention_bwd(q, k, v, o, q, lse, dataclasses.replace(options, return_dbias=variants), KERNEL_CALLER)
-        _WARM.add((kernel, dtype_name, dropout, variants))
+        _WARM.add((kernel, dtype_name, dropout, variants, backward_only))
     return fingerprint()
