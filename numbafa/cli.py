@@ -295,6 +295,11 @@ warm("backward", *json.loads(sys.argv[1]), backward_only=True)
 _WARM_NAMES = {"float32": "float32", "bf16": "bfloat16", "float16": "float16", "float64": "float64"}
 
 
+#: The longest the backward's first call waits for the second process (a cold compile takes
+#: 20-30 s of CPU); then it is ended and the backward compiles in this process.
+_PREFETCH_WAIT = 600
+
+
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -333,9 +338,13 @@ class _CompileNotice(event.Listener):
         return not record.getMessage().startswith("numbafa: compiling")
 
     def wait(self) -> None:
-        """Wait for the second process, if one runs (if it failed, the backward compiles here)."""
+        """Wait for the second process, if one runs, at most :data:`_PREFETCH_WAIT` seconds (if it
+        failed or was ended, the backward compiles here)."""
         if self.process is not None:
-            self.process.wait()
+            try:
+                self.process.wait(timeout=_PREFETCH_WAIT)
+            except subprocess.TimeoutExpired:
+                self.stop()
 
     def stop(self) -> None:
         """End the second process if it still runs (the first calls failed or were interrupted)."""

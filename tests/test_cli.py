@@ -278,7 +278,7 @@ def test_the_second_process_starts_with_the_first_compile_where_it_can_help(monk
         def __init__(self, argv, **kwargs):
             started_with.append(argv)
 
-        def wait(self):
+        def wait(self, timeout=None):
             return 0
 
         def poll(self):
@@ -298,6 +298,16 @@ def test_the_second_process_starts_with_the_first_compile_where_it_can_help(monk
         assert started_with[0][1:3] == ["-c", cli._PREFETCH]
         assert json.loads(started_with[0][3]) == ["float32", False, True]
     assert len(notes.lines) == (2 if started else 1)
+
+
+def test_a_second_process_that_does_not_finish_is_ended(monkeypatch):
+    """The backward's first call waits for the second process at most ``_PREFETCH_WAIT`` seconds,
+    then ends it and compiles the backward itself."""
+    monkeypatch.setattr(cli, "_PREFETCH_WAIT", 0.2)
+    notice = cli._CompileNotice(_Notes(), "float32")
+    notice.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    notice.wait()
+    assert notice.process.poll() is not None
 
 
 def test_the_second_process_warms_the_backward_alone(monkeypatch):
