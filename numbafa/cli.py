@@ -326,8 +326,11 @@ class _CompileNotice(event.Listener):
             self.progress.note(_compile_notice(self.name))
             cache = cache_info()
             if self.prefetch is not None and cache["enabled"] and not cache["save_error"] and _cores() >= 2:
-                self.process = subprocess.Popen([sys.executable, "-c", _PREFETCH, json.dumps(self.prefetch)],
-                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                try:
+                    self.process = subprocess.Popen([sys.executable, "-c", _PREFETCH, json.dumps(self.prefetch)],
+                                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                except OSError:   # no process to be had: the backward compiles here, as without the cache
+                    return
                 self.progress.note(f"first {self.name} calls: the backward's kernels compile meanwhile in a "
                                    f"second process, then load from the cache")
 

@@ -268,14 +268,18 @@ class _Notes:
         self.lines.append(text)
 
 
-@pytest.mark.parametrize("enabled,cores,started", [(True, 2, True), (False, 2, False), (True, 1, False)])
+@pytest.mark.parametrize("enabled,cores,started", [(True, 2, True), (False, 2, False), (True, 1, False),
+                                                   (True, 2, OSError)])
 def test_the_second_process_starts_with_the_first_compile_where_it_can_help(monkeypatch, enabled, cores, started):
     """The first real compile of the run's first calls starts the backward's compile in a second
-    process, with the disk cache on (it hands the code over) and two cores or more; once."""
+    process, with the disk cache on (it hands the code over) and two cores or more; once. If no
+    process can be started, the first calls go on without it."""
     started_with = []
 
     class FakeProcess:
         def __init__(self, argv, **kwargs):
+            if started is OSError:
+                raise OSError("no processes here")
             started_with.append(argv)
 
         def wait(self, timeout=None):
@@ -293,11 +297,12 @@ def test_the_second_process_starts_with_the_first_compile_where_it_can_help(monk
     notice.on_start(None)
     notice.on_start(None)
     notice.wait()
-    assert len(started_with) == (1 if started else 0)
-    if started:
+    assert len(started_with) == (1 if started is True else 0)
+    if started is True:
         assert started_with[0][1:3] == ["-c", cli._PREFETCH]
         assert json.loads(started_with[0][3]) == ["float32", False, True]
-    assert len(notes.lines) == (2 if started else 1)
+    assert len(notes.lines) == (2 if started is True else 1)
+    assert (notice.process is None) == (started is not True)
 
 
 def test_a_second_process_that_does_not_finish_is_ended(monkeypatch):

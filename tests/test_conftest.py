@@ -48,7 +48,9 @@ def test_the_warm_up_names_kernels_the_workers_can_warm():
     pass, a dtype it takes, and the two flags)."""
     import inspect
 
-    assert list(inspect.signature(shards.warm).parameters) == ["kernel", "dtype_name", "dropout", "variants"]
+    parameters = inspect.signature(shards.warm).parameters
+    assert list(parameters)[:4] == ["kernel", "dtype_name", "dropout", "variants"]
+    assert all(p.default is False for p in list(parameters.values())[4:])   # the CLI's backward_only
     entries = [entry for group in conftest.WARM_GROUPS for entry in group]
     assert len(set(entries)) == len(entries)
     for kernel, dtype, dropout, variants in entries:
