@@ -46,7 +46,7 @@ import numpy as np
 
 from .core import (attention_bwd, attention_fwd, lse_out, raise_status, run_bwd, run_fwd, to_dtype, user_dbias,
                    user_dsinks)
-from ..conventions.dtypes import bf16_dtype, is_bf16
+from ..conventions.dtypes import accumulator_dtype, bf16_dtype, is_bf16
 from ..compiler.jit import source_hash
 from ..kernels.backward import BwdStats
 from ..kernels.bundles import BwdInputs, BwdOutputs, FwdInputs
@@ -390,8 +390,7 @@ def warm(kernel: str, dtype_name: str, dropout: bool = False, variants: bool = F
             extra.update(bias=np.zeros((640, 640), np.float32), alibi_slopes=np.ones(1, np.float32), softcap=5.0)
         options = AttentionOptions(sinks=sinks, **extra)   # the Python API's call, without its front door
         if kernel == "backward" and backward_only:
-            acc = np.float64 if dtype.char == "d" else np.float32
-            o, lse = np.zeros_like(q), np.zeros(q.shape[:2] + q.shape[3:], acc)   # lse natural
+            o, lse = np.zeros_like(q), np.zeros(q.shape[:2] + q.shape[3:], accumulator_dtype(dtype))   # lse natural
         else:
             o, lse = attention_fwd(q, k, v, options, KERNEL_CALLER, "natural")
         if kernel == "backward":
