@@ -131,7 +131,9 @@ def _score_tile_spreads(tiles, d_spread, setup):
     sides' values are within :func:`_order_spread` of each other. That moves
     ``t = fl(S + (-LSE))`` (another float32 rounding each side), ``P = exp(t)`` by the factor
     ``e^|dt|`` and by both exps' last-bit errors, and ``dS = fl(fl(dP - D) * P)`` by the spreads
-    of dP, D (``d_spread``) and the (rounded) P. Masked entries are exactly 0 on both sides.
+    of dP, D (``d_spread``) and the (rounded) P. Masked entries are exactly 0 on both sides: the
+    spreads are computed on the allowed entries alone (as one flat array each; a causal or
+    windowed tile holds a fraction of them) and are 0 elsewhere.
     With dropout (``tiles.mult``: the multipliers M; ``tiles.dp``: the golden's ``fl(dP * M)``),
     dP's spread is scaled by M, plus one float32 rounding of the product on each side.
     Returns ``(dev_p, dev_ds)``: float64 bounds on ``|P' - P|`` and ``|dS' - dS|`` after the
@@ -139,44 +141,59 @@ def _score_tile_spreads(tiles, d_spread, setup):
     a bf16 rounding boundary.
     """
     u32 = 2.0 ** -23   # float32 ulp relative to the value (at most)
-    qs, kt, dyt, vt, m = tiles.qs, tiles.kt, tiles.dyt, tiles.vt, tiles.m
+    qs, kt, dyt, vt = tiles.qs, tiles.kt, tiles.dyt, tiles.vt
     allowed, rounds = setup.allowed, setup.rounding.rounds
+
+    def on(x):
+        """The allowed entries of a tile, flat (row by row)."""
+        return x[allowed]
+
+    def tile(flat):
+        """A tile of 0 with ``flat`` at the allowed entries."""
+        out = np.zeros(allowed.shape)
+        out[allowed] = flat
+        return out
+
     d = qs.shape[1]
-    r_s = _order_spread(_abs_matmul(qs, kt.T), d - 1, 1.0 + _max_abs(qs, kt))
-    r_s, r_tanh = _variant_spreads(r_s, tiles, setup)
+    r_s = on(_order_spread(_abs_matmul(qs, kt.T), d - 1, 1.0 + _max_abs(qs, kt)))
+    r_s, r_tanh = _variant_spreads(r_s, tiles, setup, on)
     r_s = np.where(np.isfinite(r_s), r_s, 0.0)   # a -inf bias: exactly -inf, P = 0, on both sides
     # t = -inf (a -inf bias): exactly that on both sides, P = 0
-    visible = allowed & np.isfinite(tiles.t)
-    r_t = np.where(visible, (1.0 + _U) * r_s + 2.0 * _U * np.abs(np.where(visible, tiles.t, 0.0).astype(np.float64)),
-                   0.0)
-    p64 = tiles.p_pre.astype(np.float64)
+    t = on(tiles.t)
+    visible = np.isfinite(t)
+    r_t = np.where(visible, (1.0 + _U) * r_s + 2.0 * _U * np.abs(np.where(visible, t, 0.0).astype(np.float64)), 0.0)
+    p_pre = on(tiles.p_pre)
+    p64 = p_pre.astype(np.float64)
     r_p = p64 * (np.expm1(r_t) * (1.0 + _EXP_ULPS_KERNEL * u32) + _EXP_ULPS * u32) \
         / (1.0 - _EXP_ULPS_NUMPY * u32) + _EXP_ULPS * 2.0 ** -149
     rnd = setup.rounding.round
-    dev_p = _rounding_spread(tiles.p_pre, np.where(allowed, r_p, 0.0), rounds("p"), rnd)
-    r_dp = _order_spread(_abs_matmul(dyt, vt.T), dyt.shape[1] - 1, 1.0 + _max_abs(dyt, vt))   # over d_head_v
-    m64 = m.astype(np.float64)
+    dev_p = _rounding_spread(p_pre, r_p, rounds("p"), rnd)
+    r_dp = on(_order_spread(_abs_matmul(dyt, vt.T), dyt.shape[1] - 1, 1.0 + _max_abs(dyt, vt)))   # over d_head_v
+    m64 = on(tiles.m).astype(np.float64)
     if tiles.mult is not None:
-        r_dp = (1.0 + _U) * r_dp * tiles.mult.astype(np.float64) + 2.0 * _U * np.abs(tiles.dp.astype(np.float64))
-    r_m = (1.0 + _U) * (r_dp + d_spread[:, None]) + 2.0 * _U * np.abs(m64)
-    r_ds = (1.0 + 2.0 * _U) * (r_m * (np.abs(tiles.p.astype(np.float64)) + dev_p) + np.abs(m64) * dev_p) \
-        + 2.0 * _U * np.abs(tiles.ds_pre.astype(np.float64))
-    dev_ds = _rounding_spread(tiles.ds_pre, np.where(allowed, r_ds, 0.0), rounds("ds"), rnd)
+        r_dp = (1.0 + _U) * r_dp * on(tiles.mult).astype(np.float64) + 2.0 * _U * np.abs(on(tiles.dp).astype(np.float64))
+    r_m = (1.0 + _U) * (r_dp + d_spread[np.nonzero(allowed)[0]]) + 2.0 * _U * np.abs(m64)
+    ds_pre = on(tiles.ds_pre)
+    r_ds = (1.0 + 2.0 * _U) * (r_m * (np.abs(on(tiles.p).astype(np.float64)) + dev_p) + np.abs(m64) * dev_p) \
+        + 2.0 * _U * np.abs(ds_pre.astype(np.float64))
+    dev_ds = _rounding_spread(ds_pre, r_ds, rounds("ds"), rnd)
     dev_ds_mod = dev_ds
     if tiles.tanh is not None:   # dS = fl(dS' * fl(1 - fl(t * t))), rounded again
-        tau = np.abs(tiles.tanh.astype(np.float64))
+        tanh, ds_mod = on(tiles.tanh), on(tiles.ds_mod)
+        tau = np.abs(tanh.astype(np.float64))
         factor = 1.0 - tau * tau
         r_f = (1.0 + _U) * (2.0 * tau + r_tanh) * r_tanh + 2.0 * _U * (tau * tau + factor)
-        pre = tiles.ds_mod * (np.float32(1.0) - tiles.tanh * tiles.tanh)
-        r_x = (1.0 + _U) * (dev_ds * (factor + r_f) + np.abs(tiles.ds_mod.astype(np.float64)) * r_f) \
+        pre = ds_mod * (np.float32(1.0) - tanh * tanh)
+        r_x = (1.0 + _U) * (dev_ds * (factor + r_f) + np.abs(ds_mod.astype(np.float64)) * r_f) \
             + 2.0 * _U * np.abs(pre.astype(np.float64))
-        dev_ds = _rounding_spread(pre, np.where(allowed, r_x, 0.0), rounds("ds"), rnd)
-    return dev_p, dev_ds, dev_ds_mod
+        dev_ds = _rounding_spread(pre, r_x, rounds("ds"), rnd)
+    return tile(dev_p), tile(dev_ds), tile(dev_ds_mod)
 
 
-def _variant_spreads(r_s, tiles, setup):
+def _variant_spreads(r_s, tiles, setup, on):
     """How far the score variants (docs/numerics.md) carry the spread ``r_s`` of ``S``: ``(r, r_tanh)``,
-    the spread of the modified scores and of the soft cap's tanh (0 without one).
+    the spread of the modified scores and of the soft cap's tanh (0 without one); ``on`` takes a
+    tile's entries that ``r_s`` holds.
 
     The soft cap: ``y = fl(S * inv)`` moves by ``inv * r_s`` and both sides' rounding, tanh
     (Lipschitz 1) by that plus both sides' tanh errors (:data:`_TANH_ULPS`), ``fl(cap * tanh)``
@@ -189,13 +206,13 @@ def _variant_spreads(r_s, tiles, setup):
     if tiles.tanh is not None:
         cap = float(setup.softcap)
         inv = float(np.float32(1.0 / cap))
-        y = np.abs(tiles.s.astype(np.float64)) * inv
+        y = np.abs(on(tiles.s).astype(np.float64)) * inv
         r_y = (1.0 + _U) * inv * r_s + 2.0 * _U * y
-        tau = np.abs(tiles.tanh.astype(np.float64))
+        tau = np.abs(on(tiles.tanh).astype(np.float64))
         r_tanh = r_y + _TANH_ULPS * u32 * tau + 2.0 ** -148
-        r_s = (1.0 + _U) * cap * r_tanh + 2.0 * _U * np.abs(steps.pop(0).astype(np.float64))
+        r_s = (1.0 + _U) * cap * r_tanh + 2.0 * _U * np.abs(on(steps.pop(0)).astype(np.float64))
     for x in steps:
-        r_s = (1.0 + _U) * r_s + 2.0 * _U * np.abs(x.astype(np.float64))
+        r_s = (1.0 + _U) * r_s + 2.0 * _U * np.abs(on(x).astype(np.float64))
     return r_s, r_tanh
 
 
