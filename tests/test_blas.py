@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 
 import numba
@@ -40,6 +42,31 @@ def test_controller_sees_the_blas_numba_calls():
     # Numba's np.dot goes through SciPy's BLAS; the controller must hold it.
     paths = [lib.filepath for lib in blas_controller().lib_controllers]
     assert any("scipy" in p for p in paths), paths
+
+
+_LAZY = """
+import sys
+import numpy as np
+import numbafa
+from numbafa.platform.blas import blas_controller, single_threaded_blas
+from threadpoolctl import threadpool_info
+assert "scipy.linalg" not in sys.modules, "importing numbafa loaded SciPy's linalg"
+with single_threaded_blas():
+    assert "scipy.linalg.cython_blas" in sys.modules
+    pinned = {lib.filepath for lib in blas_controller().lib_controllers}
+    assert any("scipy" in path for path in pinned), pinned
+    threads = {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["filepath"] in pinned}
+    assert set(threads.values()) == {1}, threads
+q = np.ones((1, 1, 8, 64), np.float32)
+numbafa.attention_bwd(q, q, q, q, q, np.zeros((1, 1, 64), np.float32))
+"""
+
+
+def test_scipys_blas_is_loaded_by_the_first_pin_not_by_the_import():
+    """``import numbafa`` leaves SciPy's linalg (a fifth of the import) unloaded; the pin every
+    kernel call runs in loads it first, so it finds and pins the BLAS the kernels call."""
+    done = subprocess.run([sys.executable, "-c", _LAZY], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_numpys_own_blas_is_left_alone():

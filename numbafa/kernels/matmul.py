@@ -31,7 +31,9 @@ the kernels accumulate into an existing tile (``beta = 1``), scale the product
 of P are one matrix-vector product, :func:`row_sums`: ``np.dot``.)
 
 The GEMMs call Numba's C helper ``numba_xxgemm``, which forwards to SciPy's
-``cython_blas`` (OpenBLAS in SciPy's wheels) -- the BLAS ``np.dot`` uses -- and
+``cython_blas`` (OpenBLAS in SciPy's wheels) -- the BLAS ``np.dot`` uses; loaded by
+the BLAS pin every kernel call runs in (:func:`numbafa.platform.blas.blas_controller`),
+and looked up by Numba's helper at its first call -- and
 oneDNN's functions by symbol name. Both are bound when a kernel is linked, so
 the kernels stay cacheable (a ctypes function pointer would not be): the
 symbols must exist then, which :func:`numbafa.platform.onednn.ensure_symbols` makes sure
@@ -46,7 +48,6 @@ from __future__ import annotations
 from collections import namedtuple
 
 import numpy as np
-import scipy.linalg.cython_blas  # noqa: F401  -- the BLAS behind numba_xxgemm must be importable
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic

@@ -26,7 +26,9 @@ numbafa runs in workers, say) is left alone: the user's explicit setting
 wins, at the price of oversubscription.
 
 ``threadpoolctl`` only sees libraries that are already loaded, so SciPy's
-BLAS is imported first. Scanning the process for libraries costs about a
+BLAS is imported first: when the controller is built, at the first pin (before
+any kernel runs), not when numbafa is imported (SciPy's linalg is a fifth of
+the import). Scanning the process for libraries costs about a
 millisecond, so the controller is built once (on first use) and reused; it
 holds no setting of its own, only the list of BLAS libraries found.
 
@@ -50,8 +52,6 @@ import pathlib
 import threading
 from typing import Optional
 
-import scipy
-import scipy.linalg  # noqa: F401  -- loads the BLAS Numba's np.dot calls, so it can be pinned
 import threadpoolctl
 from threadpoolctl import ThreadpoolController
 
@@ -62,7 +62,10 @@ __all__ = ["single_threaded_blas", "blas_controller", "pin", "unpin"]
 def blas_controller() -> ThreadpoolController:
     """The BLAS thread pools the kernels call, found once: SciPy's BLAS (Numba's GEMM helper and
     its ``np.dot`` call SciPy's ``cython_blas``), or every loaded BLAS where SciPy's cannot be
-    told apart (one shared by NumPy and SciPy, say)."""
+    told apart (one shared by NumPy and SciPy, say). Imports SciPy's BLAS first (module docstring)."""
+    import scipy
+    import scipy.linalg.cython_blas  # noqa: F401  -- loads the BLAS the kernels call, so it can be pinned
+
     blas = ThreadpoolController().select(user_api="blas")
     scipy_dir = pathlib.Path(scipy.__file__).resolve().parent
     own = [str(scipy_dir), str(scipy_dir.parent / (scipy_dir.name + ".libs"))]
