@@ -16,6 +16,10 @@ layout
     cu_seqlens -> packing bounds, CTE checkpoint -> lse.
 backend_info
     Which BLAS, thread count and arithmetic the kernels use on this machine.
+compile_ahead
+    Compile a pass's kernels in a second process while this one goes on (a cold first
+    backward loads them instead of compiling): ``ahead = compile_ahead("float32")``, then
+    ``ahead.wait()`` before the first backward.
 forced_gemm_path
     ``with numbafa.forced_gemm_path("blas"):`` runs the calls in the block on one GEMM path.
 golden
@@ -31,10 +35,11 @@ _IMPORTED_NS = _time.time_ns()
 from . import golden, layout
 from .api import attention_bwd, attention_fwd, dropout_mask
 from .info import backend_info
+from .pipeline.ahead import CompileAhead, compile_ahead
 from .platform.onednn import forced_gemm_path
 from .functional import AttentionContext, attention
 from .version import __version__
 
-__all__ = ["attention", "AttentionContext", "attention_fwd", "attention_bwd", "backend_info", "dropout_mask",
-           "forced_gemm_path",
+__all__ = ["attention", "AttentionContext", "attention_fwd", "attention_bwd", "backend_info", "compile_ahead",
+           "CompileAhead", "dropout_mask", "forced_gemm_path",
            "golden", "layout", "__version__"]

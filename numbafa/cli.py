@@ -40,6 +40,7 @@ from .conventions.dtypes import bf16_dtype
 from .layout import MAX_BOUND, cu_seqlens_to_bounds
 from .platform.onednn import gemm_path
 from .checks.validation import SOFTCAP_MAX, SOFTCAP_MIN
+from .pipeline import ahead
 from .version import __version__
 
 #: Acceptance rule: max|a - e| <= atol + rtol * max|e|, atol per dtype, rtol per (dtype, output);
@@ -283,15 +284,7 @@ class Progress:
         print(text, file=sys.stderr, flush=True)
 
 
-#: The second process of the first calls (:func:`_compile_announced`): compiles the backward into
-#: the disk cache, on stand-ins for the forward's outputs (:func:`numbafa.pipeline.shards.warm`).
-_PREFETCH = """
-import json, sys
-from numbafa.pipeline.shards import warm
-warm("backward", *json.loads(sys.argv[1]), backward_only=True)
-"""
-
-#: The dtype names of :func:`numbafa.pipeline.shards.warm`, by the CLI's.
+#: The dtype names of :func:`numbafa.pipeline.ahead.compile_ahead`, by the CLI's.
 _WARM_NAMES = {"float32": "float32", "bf16": "bfloat16", "float16": "float16", "float64": "float64"}
 
 
@@ -310,15 +303,16 @@ class _CompileNotice(event.Listener):
 
     Numba's ``"numba:compile"`` event fires for a compilation, not for a load
     from the on-disk cache: with the kernels in the cache nothing is printed.
-    With ``prefetch`` (the warm-up spec of the backward, :data:`_PREFETCH`), that first
+    With ``prefetch`` (``[dtype name, dropout, score variants]`` of the backward), that first
     compilation also starts a second process that compiles the backward into the disk cache
-    while this one compiles the forward (where the cache is on and there are two cores or
-    more); :meth:`wait` waits for it before the backward's first call, which then loads it.
+    while this one compiles the forward (:func:`numbafa.pipeline.ahead.start`, where the cache
+    is on and there are two cores or more); :meth:`wait` waits for it before the backward's
+    first call, which then loads it.
     """
 
     def __init__(self, progress: "Progress", name: str, prefetch=None):
         self.progress, self.name, self.shown = progress, name, False
-        self.prefetch, self.process = prefetch, None
+        self.prefetch, self.ahead = prefetch, None
 
     def on_start(self, ev):
         if not self.shown:
@@ -327,8 +321,7 @@ class _CompileNotice(event.Listener):
             cache = cache_info()
             if self.prefetch is not None and cache["enabled"] and not cache["save_error"] and _cores() >= 2:
                 try:
-                    self.process = subprocess.Popen([sys.executable, "-c", _PREFETCH, json.dumps(self.prefetch)],
-                                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    self.ahead = ahead.start([["backward", *self.prefetch]], stderr=subprocess.DEVNULL)
                 except OSError:   # no process to be had: the backward compiles here, as without the cache
                     return
                 self.progress.note(f"first {self.name} calls: the backward's kernels compile meanwhile in a "
@@ -343,17 +336,16 @@ class _CompileNotice(event.Listener):
     def wait(self) -> None:
         """Wait for the second process, if one runs, at most :data:`_PREFETCH_WAIT` seconds (if it
         failed or was ended, the backward compiles here)."""
-        if self.process is not None:
+        if self.ahead is not None:
             try:
-                self.process.wait(timeout=_PREFETCH_WAIT)
-            except subprocess.TimeoutExpired:
+                self.ahead.wait(timeout=_PREFETCH_WAIT)
+            except TimeoutError:
                 self.stop()
 
     def stop(self) -> None:
         """End the second process if it still runs (the first calls failed or were interrupted)."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+        if self.ahead is not None:
+            self.ahead.cancel()
 
 
 @contextlib.contextmanager

@@ -6,7 +6,6 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 
@@ -16,6 +15,9 @@ from numba.core import event
 
 from numbafa import cli, golden
 from numbafa.layout import cu_seqlens_to_bounds
+from numbafa.pipeline import ahead
+
+from _caches import cache_without
 
 SMALL = ["--heads", "4", "--kv-heads", "2", "--seqlen", "256", "--head-dim", "32", "--repeats", "1"]
 
@@ -241,30 +243,10 @@ def test_no_notice_when_kernels_are_loaded(capsys):
     assert "compiling" not in capsys.readouterr().err
 
 
-def _cache_without_the_forward_entry(root: pathlib.Path) -> pathlib.Path:
-    """A copy of this run's kernel cache (the one tests/conftest.py warmed; empty if it holds
-    nothing) under ``root``, without the forward's entry: a process using it must compile that
-    entry, its first real compile, and loads the rest. (A wholly empty cache costs the test a cold
-    float32 compile, 20-31 s of CPU, for the same two lines: tests/test_float16.py keeps a
-    deliberately cold compile of the kernels.)"""
-    from numbafa.compiler.jit import cache_info
-
-    run = cache_info()["dir"]
-    if run is None:
-        return root
-    copy = root / pathlib.Path(run).name
-    if pathlib.Path(run).is_dir():
-        shutil.copytree(run, copy)
-    removed = list(copy.glob("kernels/entry.forward_entry-*"))
-    for path in removed:
-        path.unlink()
-    return root
-
-
 def test_compile_line_only_when_the_disk_cache_is_cold(tmp_path):
-    """A first process that must compile says so (and starts the backward's second process); the
-    next loads the cache silently."""
-    cache = _cache_without_the_forward_entry(tmp_path / "cache")
+    """A first process that must compile (the forward's entry, removed from a copy of the run's
+    cache) says so and starts the backward's second process; the next loads the cache silently."""
+    cache = cache_without(tmp_path / "cache", "kernels.entry.forward_entry")
     env = {**os.environ, "NUMBAFA_CACHE_DIR": str(cache)}
     argv = [sys.executable, "-m", "numbafa", "--heads", "2", "--kv-heads", "1", "--seqlen", "256",
             "--head-dim", "16", "--repeats", "1", "--dtype", "float32", "--no-check"]
@@ -301,6 +283,8 @@ def test_the_second_process_starts_with_the_first_compile_where_it_can_help(monk
     started_with = []
 
     class FakeProcess:
+        pid, returncode = 1, 0
+
         def __init__(self, argv, **kwargs):
             if started is OSError:
                 raise OSError("no processes here")
@@ -312,7 +296,7 @@ def test_the_second_process_starts_with_the_first_compile_where_it_can_help(monk
         def poll(self):
             return 0
 
-    monkeypatch.setattr(cli.subprocess, "Popen", FakeProcess)
+    monkeypatch.setattr(ahead.subprocess, "Popen", FakeProcess)
     monkeypatch.setattr(cli, "cache_info", lambda: {"enabled": enabled, "save_error": None, "dir": "/c",
                                                      "reason": "off"})
     monkeypatch.setattr(cli, "_cores", lambda: cores)
@@ -323,10 +307,10 @@ def test_the_second_process_starts_with_the_first_compile_where_it_can_help(monk
     notice.wait()
     assert len(started_with) == (1 if started is True else 0)
     if started is True:
-        assert started_with[0][1:3] == ["-c", cli._PREFETCH]
-        assert json.loads(started_with[0][3]) == ["float32", False, True]
+        assert started_with[0][1:3] == ["-c", ahead.SCRIPT]
+        assert json.loads(started_with[0][3]) == ["backward", "float32", False, True]
     assert len(notes.lines) == (2 if started is True else 1)
-    assert (notice.process is None) == (started is not True)
+    assert (notice.ahead is None) == (started is not True)
 
 
 def test_a_second_process_that_does_not_finish_is_ended(monkeypatch):
@@ -334,9 +318,10 @@ def test_a_second_process_that_does_not_finish_is_ended(monkeypatch):
     then ends it and compiles the backward itself."""
     monkeypatch.setattr(cli, "_PREFETCH_WAIT", 0.2)
     notice = cli._CompileNotice(_Notes(), "float32")
-    notice.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    notice.ahead = ahead.CompileAhead([process], [])
     notice.wait()
-    assert notice.process.poll() is not None
+    assert process.poll() is not None
 
 
 def test_the_second_process_warms_the_backward_alone(monkeypatch):
