@@ -25,6 +25,11 @@ backward in the same process: ``numbafa.nb.plan`` (with sinks), then the first c
 ``@numba.njit`` function calling ``nb.attention_fwd`` and ``nb.attention_bwd``; then the same
 with the disk cache, in two processes sharing an empty one: the first compiles nb's checks for
 these argument types, the next loads them (the user's function is compiled in both).
+
+``--no-variants`` skips the per-variant processes above. ``--ahead`` adds a script's cold first float32 forward and backward (``B1 H4 S512 D64``, causal;
+empty ``NUMBAFA_CACHE_DIR``) in wall seconds, without and with ``numbafa.compile_ahead("float32")``
+(the backward compiled in a second process while the forward compiles), alternated; the CPU
+seconds are the script's and its second process's.
 """
 
 from __future__ import annotations
@@ -129,6 +134,38 @@ print(json.dumps(steps))
 """
 
 
+_AHEAD_CHILD = r"""
+import json, resource, sys, time
+t0 = time.perf_counter()
+import numpy as np
+import numbafa
+handle = numbafa.compile_ahead("float32") if sys.argv[1] == "ahead" else None
+rng = np.random.default_rng(0)
+q, k, v, dy = (rng.standard_normal((1, 4, 64, 512)).astype(np.float32) for _ in range(4))
+t1 = time.perf_counter()
+o, lse = numbafa.attention_fwd(q, k, v, use_causal_mask=True)
+t2 = time.perf_counter()
+if handle is not None:
+    assert handle.wait()
+numbafa.attention_bwd(q, k, v, o, dy, lse, use_causal_mask=True)
+t3 = time.perf_counter()
+cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+          for f in ("ru_utime", "ru_stime"))
+print(json.dumps(dict(forward=t2 - t1, backward=t3 - t2, script=t3 - t0, cpu=cpu)))
+"""
+
+
+def _ahead_child(how: str) -> dict:
+    """Wall seconds of :data:`_AHEAD_CHILD` (``how``: "ahead" or "plain") in a fresh process on an
+    empty cache, and the CPU seconds of it and its second process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = subprocess.run([sys.executable, "-c", _AHEAD_CHILD, how], capture_output=True, text=True,
+                             timeout=1800, env=dict(os.environ, NUMBAFA_CACHE_DIR=tmp, NUMBA_CACHE_DIR=tmp))
+    if out.returncode:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def _child(variant, env):
     dtype, dropout = variant
     out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(dict(dtype=dtype, dropout=dropout))],
@@ -154,12 +191,15 @@ def main(argv=None):
     p.add_argument("--after-float32", action="store_true",
                    help="also one cold process: float32, then what each variant adds in it")
     p.add_argument("--nb", action="store_true", help="also numbafa.nb's plan and a user's first njit call, cold")
+    p.add_argument("--no-variants", action="store_true", help="skip the per-variant cold and cached processes")
+    p.add_argument("--ahead", action="store_true",
+                   help="also a script's cold first forward + backward without and with numbafa.compile_ahead")
     args = p.parse_args(argv)
     import numbafa
     print(f"CPU: {numbafa.backend_info()['cpu_model']}; GEMM path {numbafa.backend_info()['gemm']['path']}; "
           f"numbafa {numbafa.__version__}")
     for round_ in range(args.rounds):
-        for variant in VARIANTS + [(dtype, False) for dtype in args.dtypes]:
+        for variant in [] if args.no_variants else VARIANTS + [(dtype, False) for dtype in args.dtypes]:
             name = variant[0] + (" + dropout" if variant[1] else "")
             with tempfile.TemporaryDirectory() as tmp:
                 cold = _child(variant, dict(os.environ, NUMBAFA_CACHE="0", NUMBA_CACHE_DIR=tmp))
@@ -191,6 +231,12 @@ def main(argv=None):
             print(f"round {round_ + 1}, numbafa.nb, a user's first njit forward + backward with the disk cache: "
                   f"first process {first['step']:.2f} s CPU, the next {later['step']:.2f} s (its plan "
                   f"{later['plan']:.2f} s)", flush=True)
+        if args.ahead:
+            for how in (("plain", "ahead") if round_ % 2 == 0 else ("ahead", "plain")):
+                r = _ahead_child(how)
+                print(f"round {round_ + 1}, a script's cold first calls, {how:5s}: forward {r['forward']:5.1f} s + "
+                      f"backward {r['backward']:5.1f} s, the script {r['script']:5.1f} s of wall time "
+                      f"({r['cpu']:.1f} s CPU with its second process)", flush=True)
 
 
 if __name__ == "__main__":
