@@ -71,10 +71,6 @@ def test_one_process_per_pass_with_its_spec(monkeypatch, dtype, name):
     assert handle.pids == [7, 7] and handle.done() and handle.wait()
 
 
-def _script(text):
-    return [sys.executable, "-c", text]
-
-
 def test_a_failed_process_waits_false(monkeypatch):
     monkeypatch.setattr(ahead, "SCRIPT", "import sys; sys.exit(3)")
     assert numbafa.compile_ahead().wait(timeout=60) is False
@@ -88,6 +84,29 @@ def test_a_process_still_running_times_out_and_can_be_cancelled(monkeypatch):
     assert not handle.done()
     handle.cancel()
     assert handle.done()
+
+
+def test_the_timeout_is_for_all_the_processes(monkeypatch):
+    """A process that ends after 0.4 s of a 0.5 s timeout leaves the next one 0.1 s."""
+    clock, given = [100.0], []
+
+    class Ends:
+        pid, returncode = 1, 0
+
+        def wait(self, timeout=None):
+            clock[0] += 0.4
+
+    class Runs:
+        pid, returncode = 2, None
+
+        def wait(self, timeout=None):
+            given.append(timeout)
+            raise subprocess.TimeoutExpired("python", timeout)
+
+    monkeypatch.setattr(ahead.time, "monotonic", lambda: clock[0])
+    with pytest.raises(TimeoutError, match="the second process 2 still compiles after 0.5 s"):
+        ahead.CompileAhead([Ends(), Runs()], []).wait(timeout=0.5)
+    assert given == [pytest.approx(0.1)]
 
 
 def test_as_a_context_it_waits_or_cancels(monkeypatch):
@@ -134,7 +153,7 @@ def test_the_backward_compiled_ahead_is_loaded_by_its_first_call(tmp_path, how):
     """With the backward's entry missing from the cache (a copy of the run's), the first backward
     compiles it in this process, unless compile_ahead compiled it meanwhile: then it loads it."""
     env = {**os.environ, "NUMBAFA_CACHE_DIR": str(cache_without(tmp_path, "kernels.entry.backward_entry"))}
-    done = subprocess.run(_script(_FIRST_CALLS) + [how], env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, "-c", _FIRST_CALLS, how], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
     if how == "ahead":

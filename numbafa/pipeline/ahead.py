@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -70,9 +71,10 @@ class CompileAhead:
         False if one failed (its traceback went to stderr; the pass then compiles in this
         process at its first call, as without :func:`compile_ahead`). Raises ``TimeoutError``
         if one still runs after ``timeout`` (it goes on: wait again, or :meth:`cancel`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for p in self._processes:
             try:
-                p.wait(timeout=timeout)
+                p.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 raise TimeoutError(f"numbafa.compile_ahead: the second process {p.pid} still compiles after "
                                    f"{timeout} s") from None
