@@ -44,6 +44,13 @@ def test_without_a_writable_cache_it_is_refused(monkeypatch, cache):
         numbafa.compile_ahead()
 
 
+@pytest.fixture
+def cache_on(monkeypatch):
+    """The on-disk cache as on (whatever ``NUMBAFA_CACHE`` says in this run): the processes below
+    are fakes or scripts of the tests' own, which hand nothing over."""
+    monkeypatch.setattr(ahead, "cache_info", lambda: dict(enabled=True, dir="/c", reason="default", save_error=None))
+
+
 class _Fake:
     started: list = []
     pid, returncode = 7, 0
@@ -60,7 +67,7 @@ class _Fake:
 
 @pytest.mark.parametrize("dtype,name", [("float32", "float32"), ("bf16", "bfloat16"), (ml_dtypes.bfloat16, "bfloat16"),
                                         (np.dtype("float16"), "float16"), (np.float64, "float64")])
-def test_one_process_per_pass_with_its_spec(monkeypatch, dtype, name):
+def test_one_process_per_pass_with_its_spec(monkeypatch, cache_on, dtype, name):
     monkeypatch.setattr(ahead.subprocess, "Popen", _Fake)
     monkeypatch.setattr(_Fake, "started", [])
     handle = numbafa.compile_ahead(dtype, passes=("backward", "forward"), dropout=True)
@@ -71,12 +78,12 @@ def test_one_process_per_pass_with_its_spec(monkeypatch, dtype, name):
     assert handle.pids == [7, 7] and handle.done() and handle.wait()
 
 
-def test_a_failed_process_waits_false(monkeypatch):
+def test_a_failed_process_waits_false(monkeypatch, cache_on):
     monkeypatch.setattr(ahead, "SCRIPT", "import sys; sys.exit(3)")
     assert numbafa.compile_ahead().wait(timeout=60) is False
 
 
-def test_a_process_still_running_times_out_and_can_be_cancelled(monkeypatch):
+def test_a_process_still_running_times_out_and_can_be_cancelled(monkeypatch, cache_on):
     monkeypatch.setattr(ahead, "SCRIPT", "import time; time.sleep(60)")
     handle = numbafa.compile_ahead()
     with pytest.raises(TimeoutError, match="still compiles after 0.2 s"):
@@ -109,7 +116,7 @@ def test_the_timeout_is_for_all_the_processes(monkeypatch):
     assert given == [pytest.approx(0.1)]
 
 
-def test_as_a_context_it_waits_or_cancels(monkeypatch):
+def test_as_a_context_it_waits_or_cancels(monkeypatch, cache_on):
     monkeypatch.setattr(ahead, "SCRIPT", "import time; time.sleep(0.3)")
     with numbafa.compile_ahead() as handle:
         pass
@@ -152,7 +159,8 @@ print(json.dumps(compiled))
 def test_the_backward_compiled_ahead_is_loaded_by_its_first_call(tmp_path, how):
     """With the backward's entry missing from the cache (a copy of the run's), the first backward
     compiles it in this process, unless compile_ahead compiled it meanwhile: then it loads it."""
-    env = {**os.environ, "NUMBAFA_CACHE_DIR": str(cache_without(tmp_path, "kernels.entry.backward_entry"))}
+    env = {key: value for key, value in os.environ.items() if key != "NUMBAFA_CACHE"}   # the cache on
+    env["NUMBAFA_CACHE_DIR"] = str(cache_without(tmp_path, "kernels.entry.backward_entry"))
     done = subprocess.run([sys.executable, "-c", _FIRST_CALLS, how], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
