@@ -284,10 +284,6 @@ class Progress:
         print(text, file=sys.stderr, flush=True)
 
 
-#: The dtype names of :func:`numbafa.pipeline.ahead.compile_ahead`, by the CLI's.
-_WARM_NAMES = {"float32": "float32", "bf16": "bfloat16", "float16": "float16", "float64": "float64"}
-
-
 #: The longest the backward's first call waits for the second process (a cold compile takes
 #: 20-30 s of CPU); then it is ended and the backward compiles in this process.
 _PREFETCH_WAIT = 600
@@ -318,8 +314,7 @@ class _CompileNotice(event.Listener):
         if not self.shown:
             self.shown = True
             self.progress.note(_compile_notice(self.name))
-            cache = cache_info()
-            if self.prefetch is not None and cache["enabled"] and not cache["save_error"] and _cores() >= 2:
+            if self.prefetch is not None and ahead.refusal() is None and _cores() >= 2:
                 try:
                     self.ahead = ahead.start([["backward", *self.prefetch]], stderr=subprocess.DEVNULL)
                 except OSError:   # no process to be had: the backward compiles here, as without the cache
@@ -432,7 +427,7 @@ def run(args, progress: Progress) -> list:
         lse_layout = "neuron" if s % 128 == 0 else "natural"
         # the run's first dtype compiles the kernels (if the cache lacks them): its backward in a
         # second process meanwhile; a later dtype adds little to compile (docs/performance.md)
-        prefetch = [_WARM_NAMES[name], bool(args.dropout), bool(args.softcap or args.alibi)] if name == dtypes[0] \
+        prefetch = [ahead.dtype_name(name), bool(args.dropout), bool(args.softcap or args.alibi)] if name == dtypes[0] \
             else None
         with _compile_announced(progress, name, prefetch) as notice:
             t0 = time.perf_counter()

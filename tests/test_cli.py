@@ -298,8 +298,9 @@ def test_the_second_process_starts_with_the_first_compile_where_it_can_help(monk
             return 0
 
     monkeypatch.setattr(ahead.subprocess, "Popen", FakeProcess)
-    monkeypatch.setattr(cli, "cache_info", lambda: {"enabled": enabled, "save_error": None, "dir": "/c",
-                                                     "reason": "off"})
+    cache = {"enabled": enabled, "save_error": None, "dir": "/c", "reason": "off"}
+    monkeypatch.setattr(cli, "cache_info", lambda: cache)     # the notice's words
+    monkeypatch.setattr(ahead, "cache_info", lambda: cache)   # whether a second process can hand code over
     monkeypatch.setattr(cli, "_cores", lambda: cores)
     notes = _Notes()
     notice = cli._CompileNotice(notes, "float32", ["float32", False, True])

@@ -30,7 +30,7 @@ import numpy as np
 from ..compiler.jit import cache_info
 from ..conventions.dtypes import is_bf16
 
-__all__ = ["compile_ahead", "CompileAhead", "start"]
+__all__ = ["compile_ahead", "CompileAhead", "start", "dtype_name", "refusal"]
 
 #: What each second process runs: :func:`numbafa.pipeline.shards.warm` of one pass.
 SCRIPT = """
@@ -97,7 +97,7 @@ class CompileAhead:
             self.cancel()
 
 
-def _dtype_name(dtype) -> str:
+def dtype_name(dtype) -> str:
     """The :data:`_DTYPES` name of ``dtype`` (a name, a NumPy dtype or ``ml_dtypes.bfloat16``)."""
     if isinstance(dtype, str):
         name = _DTYPES.get(dtype)
@@ -112,6 +112,15 @@ def _dtype_name(dtype) -> str:
         raise ValueError(f"numbafa.compile_ahead: dtype must be one of float32, bfloat16 (bf16), float16, "
                          f"float64 (a name or a NumPy dtype), got {dtype!r}")
     return name
+
+
+def refusal() -> str | None:
+    """Why a second process cannot hand compiled code over to this one (the on-disk cache is off,
+    or a save to it failed in this process), or None."""
+    cache = cache_info()
+    if not cache["enabled"] or cache["save_error"]:
+        return cache["save_error"] or cache["reason"]
+    return None
 
 
 def start(specs: list, stderr=None) -> CompileAhead:
@@ -161,7 +170,7 @@ def compile_ahead(dtype="float32", *, passes=("backward",), dropout=False, score
     compiled code reaches this process). Each process's own compile announcement goes to stderr
     when it starts compiling (none when the cache already holds the kernels).
     """
-    name = _dtype_name(dtype)
+    name = dtype_name(dtype)
     if isinstance(passes, str) or not all(isinstance(p, str) for p in passes) or not passes \
             or not set(passes) <= set(_PASSES) or len(set(passes)) != len(passes):
         raise ValueError(f"numbafa.compile_ahead: passes must be a tuple of distinct 'forward', 'backward', "
@@ -169,9 +178,8 @@ def compile_ahead(dtype="float32", *, passes=("backward",), dropout=False, score
     for flag, value in (("dropout", dropout), ("score_variants", score_variants)):
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"numbafa.compile_ahead: {flag} must be True or False, got {value!r}")
-    cache = cache_info()
-    if not cache["enabled"] or cache["save_error"]:
-        why = cache["save_error"] or cache["reason"]
+    why = refusal()
+    if why is not None:
         raise RuntimeError(f"numbafa.compile_ahead: the on-disk kernel cache is off or not writable ({why}); "
                            f"a second process hands its compiled code over through it only")
     return start([[p, name, bool(dropout), bool(score_variants)] for p in _PASSES if p in passes])
