@@ -92,7 +92,7 @@ from .compiler.runtime import PIN_KEY, UNPIN_KEY, announced_compile, register_pi
 from .checks.options import AttentionOptions, Caller
 from .compiler.records import replaced
 from .conventions.tiling import Q_TILE
-from .checks.validation import validate_fwd_inputs
+from .checks.validation import require_uint64, validate_fwd_inputs
 
 __all__ = ["NbPlan", "plan", "attention_fwd", "attention_bwd", "with_seed_offset", "single_threaded_blas",
            "to_bf16_bits", "from_bf16_bits", "NbValueError", "NbTypeError", "NbFloatingPointError"]
@@ -345,13 +345,6 @@ def _type_problem(arrays: dict, outputs: tuple) -> str | None:
 
 def _given(t) -> bool:
     return t is not None and not isinstance(t, (types.NoneType, types.Omitted))
-
-
-def _fail(message):
-    """An implementation that raises ``message`` (the typing-time verdict, raised when called)."""
-    def fail(*args):
-        raise TypeError(message)
-    return fail
 
 
 # --- conversions inside njit code ----------------------------------------------------------
@@ -1194,10 +1187,73 @@ def attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks=None, dsinks=None
     _bwd_stub(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks, bias, dbias, alibi_slopes)
 
 
-@jit(entry=True)
 def with_seed_offset(plan, seed_offset):
-    """The plan with the dropout mask of ``seed_offset`` (e.g. the training step), same seed;
-    callable in njit code. A plan without dropout is returned unchanged."""
+    """The plan with the dropout mask of ``seed_offset`` (e.g. the training step), same seed; a plan
+    without dropout is returned unchanged. Callable in njit code too.
+
+    Parameters
+    ----------
+    plan : NbPlan
+        From :func:`plan` in this process.
+    seed_offset : int
+        In ``[0, 2**64)``, as the Python API's ``seed_offset``.
+
+    Returns
+    -------
+    NbPlan
+        Of ``plan``'s type (called from Python, its float32 fields stay float32), so a user's
+        function compiled for ``plan`` runs it without compiling again.
+
+    Raises
+    ------
+    TypeError
+        ``plan`` not an :data:`NbPlan`; ``seed_offset`` not an int.
+    ValueError
+        ``seed_offset`` outside ``[0, 2**64)``.
+    """
+    if not isinstance(plan, NbPlan):
+        raise TypeError(f"numbafa.nb.with_seed_offset: plan must be a numbafa.nb.plan(...), got "
+                        f"{type(plan).__name__}")
+    offset = require_uint64("seed_offset", seed_offset, "the dropout mask's offset")
+    return _typed_like(_with_seed_offset(plan, np.uint64(offset)), plan)
+
+
+def _typed_like(value, like):
+    """``value`` (a plan, or a field of one, back from njit code) with the scalar types of ``like``
+    (the plan it was made from): Numba boxes float32 as a Python float, whose type is float64."""
+    if isinstance(like, tuple):
+        fields = [_typed_like(x, y) for x, y in zip(value, like)]
+        return type(like)(*fields) if hasattr(like, "_fields") else tuple(fields)
+    if isinstance(like, np.generic) and type(value) is not type(like):
+        return type(like)(value)
+    return value
+
+
+@overload(with_seed_offset)
+def _with_seed_offset_overload(plan, seed_offset):
+    problem = None
+    if not (isinstance(plan, types.BaseNamedTuple) and plan.instance_class is NbPlan):
+        problem = f"numbafa.nb.with_seed_offset: plan must be a numbafa.nb.plan(...), got {plan}"
+    elif not isinstance(seed_offset, types.Integer):
+        problem = (f"numbafa.nb.with_seed_offset: seed_offset must be an int (the dropout mask's offset), "
+                   f"got {seed_offset}")
+    if problem is not None:
+        def fail(plan, seed_offset):
+            raise TypeError(problem)
+        return fail
+    if seed_offset.signed:
+        def signed(plan, seed_offset):
+            if seed_offset < 0:
+                raise NbValueError("numbafa.nb.with_seed_offset: seed_offset must be in [0, 2**64) (the dropout "
+                                   "mask's offset), got {}", seed_offset)
+            return _with_seed_offset(plan, np.uint64(seed_offset))
+        return signed
+    return lambda plan, seed_offset: _with_seed_offset(plan, np.uint64(seed_offset))
+
+
+@jit(entry=True)
+def _with_seed_offset(plan, seed_offset):
+    """:func:`with_seed_offset` on a checked ``seed_offset`` (uint64)."""
     return replaced(replaced(plan, "fwd", _with_offset(plan.fwd, plan.seed, seed_offset)), "bwd",
                     _with_offset(plan.bwd, plan.seed, seed_offset))
 

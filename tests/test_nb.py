@@ -89,6 +89,34 @@ def test_seed_offset_in_njit_code_is_another_plans_mask():
     for a, e in zip(got, api_results(q, k, v, dy, sinks, dict(dropout_p=0.3, seed=11, seed_offset=5))):
         np.testing.assert_array_equal(a, e)
     assert not nb.with_seed_offset(nb.plan(q, k, v), 5).fwd.dropout.active
+    # from Python, the plan's own type: a function compiled for the plan runs the moved one as it is
+    assert numba.typeof(moved) == numba.typeof(plan)
+    assert moved._replace(fwd=plan.fwd, bwd=plan.bwd) == plan and moved.fwd.dropout.key0 != plan.fwd.dropout.key0
+
+
+@numba.njit
+def _moved(plan, seed_offset):
+    return nb.with_seed_offset(plan, seed_offset)
+
+
+def test_seed_offset_is_checked_as_the_python_apis():
+    q, k, v, dy, sinks = nb_inputs(1, 2, 1, 16, 128, np.float32)
+    plan = nb.plan(q, k, v, dropout_p=0.3, seed=11)
+    for bad, error, message in ((-1, ValueError, "seed_offset must be in \\[0, 2\\*\\*64\\) .*got -1"),
+                                (2 ** 64, ValueError, "got 18446744073709551616"),
+                                (1.5, TypeError, "seed_offset must be an int .*got float 1.5"),
+                                (True, TypeError, "got bool True")):
+        with pytest.raises(error, match=message):
+            nb.with_seed_offset(plan, bad)
+    with pytest.raises(TypeError, match="plan must be a numbafa.nb.plan\\(...\\), got tuple"):
+        nb.with_seed_offset(tuple(plan), 1)
+    # in njit code: the same checks, as the compiled calls raise them
+    largest = 2 ** 64 - 1
+    assert _moved(plan, np.uint64(largest)).fwd.dropout.key0 == nb.with_seed_offset(plan, largest).fwd.dropout.key0
+    with pytest.raises(ValueError, match="seed_offset must be in \\[0, 2\\*\\*64\\) .*got -1"):
+        _moved(plan, -1)
+    with pytest.raises(TypeError, match="seed_offset must be an int .*got float64"):
+        _moved(plan, 1.5)
 
 
 def test_strided_and_read_only_arrays_are_taken_too():

@@ -242,7 +242,8 @@ def _require_shape(name: str, shape: tuple, expected: tuple, why: str = "") -> N
         raise ValueError(f"{name} must have shape {tuple(expected)}{suffix}, got {tuple(shape)}")
 
 
-def _require_uint64(name: str, x, what: str) -> int:
+def require_uint64(name: str, x, what: str) -> int:
+    """``x`` as an int in ``[0, 2**64)``, else a ``TypeError`` (not an int) or ``ValueError`` naming ``name``."""
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
         raise TypeError(f"{name} must be an int ({what}), got {type(x).__name__} {_short_repr(x)}")
     value = int(x)
@@ -304,13 +305,13 @@ def validate_dropout(dropout_p, seed, seed_offset, caller: Caller = KERNEL_CALLE
     if not 0.0 <= p < 1.0:  # NaN fails both comparisons
         raise ValueError(f"{c('dropout_p')} must be in [0, 1), got {_short_repr(dropout_p)}")
     offset = seed_offset if type(seed_offset) is int and 0 <= seed_offset < 2 ** 64 else \
-        _require_uint64(c("seed_offset"), seed_offset, "the dropout mask's offset")
+        require_uint64(c("seed_offset"), seed_offset, "the dropout mask's offset")
     if seed is None:
         if p > 0.0:
             raise ValueError(f"{c('seed')} is required with {c('dropout_p')}={p!r} (the backward draws "
                              f"the forward's mask again from it), got None")
         return dict(dropout_p=p, seed=0, seed_offset=offset)
-    return dict(dropout_p=p, seed=_require_uint64(c("seed"), seed, "the dropout mask's seed"),
+    return dict(dropout_p=p, seed=require_uint64(c("seed"), seed, "the dropout mask's seed"),
                 seed_offset=offset)
 
 
