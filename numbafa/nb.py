@@ -717,6 +717,26 @@ def _apart_if_overload(a, name_a, b, name_b):
     return lambda a, name_a, b, name_b: _apart(_extent(a), name_a, _extent(b), name_b)
 
 
+#: The arrays whose byte extents a pass compares (outputs first) and the pairs that must not
+#: intersect, in the order they are checked: the forward's outputs against the inputs; the
+#: backward's gradients against every input (all are read until the end) and each other.
+_FWD_NAMES = ("o", "lse", "q", "k", "v")
+_FWD_PAIRS = ((0, 2), (0, 3), (0, 4), (0, 1), (1, 2), (1, 3), (1, 4))
+_BWD_NAMES = ("dq", "dk", "dv", "q", "k", "v", "o", "dy", "lse")
+_BWD_PAIRS = tuple((g, i) for g in (0, 1, 2) for i in (3, 6, 7, 8)) + tuple((g, i) for g in (0, 1, 2) for i in (4, 5)) \
+    + ((0, 1), (0, 2), (1, 2))
+
+
+@jit()
+def _check_apart(extents, names, pairs):
+    """Raise for the first pair ``(i, j)`` of ``pairs`` whose extents (:func:`_extent`) intersect,
+    naming ``names[i]`` and ``names[j]``. Its arguments' types are the same for every array type of
+    a call: compiled once, not with each pass body."""
+    for n in range(len(pairs)):
+        i, j = pairs[n]
+        _apart(extents[i], names[i], extents[j], names[j])
+
+
 # --- the outputs ---------------------------------------------------------------------------
 
 def _store_lse(natural, lse):  # pragma: no cover - replaced inside njit code
@@ -914,14 +934,7 @@ def _forward(plan, q, k, v, o, lse, sinks, bias, alibi_slopes):
     _expect_shape(v, "v", (bs, nheads_kv, d_v, seqlen_k))
     _expect_shape(o, "o", (bs, nheads, d_v, seqlen_q))
     _expect_lse(lse, plan)
-    for out, name in ((o, "o"),):
-        _apart(_extent(out), name, _extent(q), "q")
-        _apart(_extent(out), name, _extent(k), "k")
-        _apart(_extent(out), name, _extent(v), "v")
-    _apart(_extent(o), "o", _extent(lse), "lse")
-    _apart(_extent(lse), "lse", _extent(q), "q")
-    _apart(_extent(lse), "lse", _extent(k), "k")
-    _apart(_extent(lse), "lse", _extent(v), "v")
+    _check_apart((_extent(o), _extent(lse), _extent(q), _extent(k), _extent(v)), _FWD_NAMES, _FWD_PAIRS)
     kernel_plan = _canonical(plan.fwd)
     kernel_plan = replaced(kernel_plan, "scores", _call_scores(kernel_plan.scores, plan, bias, alibi_slopes, None, False))
     o_k = _output(o)
@@ -1117,7 +1130,8 @@ def _backward(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks, bias, dbias,
     _expect_lse(lse, plan)
     if (sinks is None) != (dsinks is None):
         raise ValueError("numbafa.nb: pass sinks and dsinks together")
-    _check_backward_memory(q, k, v, o, dy, lse, dq, dk, dv)
+    _check_apart((_extent(dq), _extent(dk), _extent(dv), _extent(q), _extent(k), _extent(v), _extent(o),
+                  _extent(dy), _extent(lse)), _BWD_NAMES, _BWD_PAIRS)
     _apart_if(dsinks, "dsinks", dq, "dq")
     _apart_if(dbias, "dbias", dq, "dq")
     _apart_if(dbias, "dbias", bias, "bias")
@@ -1144,22 +1158,6 @@ def _backward(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks, bias, dbias,
     _store(outs.dv, dv, plan.kind)
     _store_dsinks(outs.dsinks, dsinks)
     _store_dbias(kernel_plan.scores.dbias, dbias)
-
-
-@jit()
-def _check_backward_memory(q, k, v, o, dy, lse, dq, dk, dv):
-    """The gradients must not share memory with each other or with an input (all are read until the end)."""
-    for grad, name in ((dq, "dq"), (dk, "dk"), (dv, "dv")):
-        _apart(_extent(grad), name, _extent(q), "q")
-        _apart(_extent(grad), name, _extent(o), "o")
-        _apart(_extent(grad), name, _extent(dy), "dy")
-        _apart(_extent(grad), name, _extent(lse), "lse")
-    for grad, name in ((dq, "dq"), (dk, "dk"), (dv, "dv")):
-        _apart(_extent(grad), name, _extent(k), "k")
-        _apart(_extent(grad), name, _extent(v), "v")
-    _apart(_extent(dq), "dq", _extent(dk), "dk")
-    _apart(_extent(dq), "dq", _extent(dv), "dv")
-    _apart(_extent(dk), "dk", _extent(dv), "dv")
 
 
 def _bwd_stub(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks, bias, dbias,

@@ -341,6 +341,27 @@ def test_misuse_is_a_one_line_error_naming_the_argument():
             call()
 
 
+def test_every_pair_of_arrays_that_must_not_overlap_is_named():
+    """Each output against each input still read and against the other outputs, in both passes:
+    two arrays sharing memory (views of one buffer, the types of an ordinary call) raise naming
+    both, before anything runs."""
+    q, k, v, dy, plan = _small()
+    shapes = dict(q=q.shape, k=k.shape, v=v.shape, o=q.shape, dy=q.shape, lse=(1, 2, 128, 2), dq=q.shape,
+                  dk=k.shape, dv=v.shape)
+    passes = {nb.attention_fwd: (("q", "k", "v", "o", "lse"), ("o", "lse")),                 # (the call's order)
+              nb.attention_bwd: (("q", "k", "v", "o", "dy", "lse", "dq", "dk", "dv"), ("dq", "dk", "dv"))}
+    for call, (names, outputs) in passes.items():
+        pairs = [(a, b) for i, a in enumerate(outputs) for b in names if b not in outputs[:i + 1]]
+        assert len(pairs) == (7 if call is nb.attention_fwd else 21)
+        for a, b in pairs:
+            arrays = {x: np.zeros(shapes[x], np.float32) for x in names}
+            buffer = np.zeros(max(arrays[a].size, arrays[b].size), np.float32)
+            for x in (a, b):
+                arrays[x] = buffer[:arrays[x].size].reshape(shapes[x])
+            with pytest.raises(ValueError, match=f"^numbafa.nb: {a} shares memory with {b}: outputs must not "):
+                call(plan, *(arrays[x] for x in names))
+
+
 def test_a_changed_plan_is_refused():
     """Any field the calls trust, replaced (or taken from another plan), is a ValueError, never a
     jump or an out-of-bounds access."""
