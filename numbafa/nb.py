@@ -320,26 +320,44 @@ _NAMES = ("q", "k", "v", "o", "dy", "lse", "dq", "dk", "dv", "sinks", "dsinks", 
 _STORAGE = {types.float32: "float32", types.uint16: "uint16 (bf16 or float16 bits)", types.float64: "float64"}
 
 
-def _type_problem(arrays: dict, outputs: tuple) -> str | None:
+#: The 4-D arrays of the calls and their layouts; the largest rank of the optional ones.
+_LAYOUTS = {"q": "[bs, nheads, d_head, seqlen_q]", "dq": "[bs, nheads, d_head, seqlen_q]",
+            "k": "[bs, nheads_kv, d_head, seqlen_k]", "dk": "[bs, nheads_kv, d_head, seqlen_k]",
+            "v": "[bs, nheads_kv, d_head_v, seqlen_k]", "dv": "[bs, nheads_kv, d_head_v, seqlen_k]",
+            "o": "[bs, nheads, d_head_v, seqlen_q]", "dy": "[bs, nheads, d_head_v, seqlen_q]"}
+_MAX_DIMS = {"sinks": 3, "dsinks": 3, "bias": 4, "dbias": 4, "alibi_slopes": 2}
+
+
+def _type_problem(arrays: dict, outputs: tuple) -> tuple | None:
     """What is wrong with the Numba types of a call's arrays (``arrays``: name -> type, None for
     an argument not given), or None: the arrays are arrays, q's dtype is a storage dtype and every
-    other tensor's is q's, the optional ones are the accumulator dtype, ``outputs`` are writable."""
+    other tensor's is q's, the optional ones are the accumulator dtype, ``outputs`` are writable, and
+    the ranks are the calls' (the 4-D arrays; 3 or 4 for lse; at most the largest for the optional
+    ones). A problem is ``(TypeError or ValueError, message)``."""
     q = arrays["q"]
     if not isinstance(q, types.Array) or q.dtype not in _STORAGE:
         got = q.dtype if isinstance(q, types.Array) else q
-        return f"numbafa.nb: q must be a float32, float64 or uint16 (bf16 or float16 bits) array, got {got}"
+        return TypeError, f"numbafa.nb: q must be a float32, float64 or uint16 (bf16 or float16 bits) array, got {got}"
     acc = types.float64 if q.dtype == types.float64 else types.float32
     for name, t in arrays.items():
         if t is None or isinstance(t, (types.NoneType, types.Omitted)):
             continue
         if not isinstance(t, types.Array):
-            return f"numbafa.nb: {name} must be a NumPy array, got {t}"
+            return TypeError, f"numbafa.nb: {name} must be a NumPy array, got {t}"
         expected = q.dtype if name in ("q", "k", "v", "o", "dy", "dq", "dk", "dv") else acc
         allowed = (expected, types.uint16) if name == "sinks" and q.dtype == types.uint16 else (expected,)
         if t.dtype not in allowed:
-            return f"numbafa.nb: {name} must be {' or '.join(map(str, allowed))} (q is {q.dtype}), got {t.dtype}"
+            names = " or ".join(map(str, allowed))
+            return TypeError, f"numbafa.nb: {name} must be {names} (q is {q.dtype}), got {t.dtype}"
         if name in outputs and not t.mutable:
-            return f"numbafa.nb: {name} must be writable, got a read-only array"
+            return ValueError, f"numbafa.nb: {name} must be writable, got a read-only array"
+        if name in _LAYOUTS and t.ndim != 4:
+            return ValueError, f"numbafa.nb: {name} must be 4-D {_LAYOUTS[name]}, got a {t.ndim}-D array"
+        if name == "lse" and t.ndim not in (3, 4):
+            return ValueError, (f"numbafa.nb: lse must be 3-D [bs, nheads, seqlen_q] (lse_layout='natural') or 4-D "
+                                f"[bs, nheads, 128, seqlen_q // 128] (the Neuron layout), got a {t.ndim}-D array")
+        if name in _MAX_DIMS and not 1 <= t.ndim <= _MAX_DIMS[name]:
+            return ValueError, f"numbafa.nb: {name} must have 1 to {_MAX_DIMS[name]} dims as the plan's, got {t.ndim}"
     return None
 
 
@@ -454,20 +472,22 @@ def _extent(x):
 # (The checks that take an argument's name are overloads: Numba types a call's constant strings as
 # literals and compiles a jitted function once for each, an overload once for all.)
 
-def _expect_shape(x, name, expected):  # pragma: no cover - replaced inside njit code
-    """Raise unless ``x``'s shape is the tuple ``expected`` (its rank too)."""
+def _expect_shape(shape, name, expected):  # pragma: no cover - replaced inside njit code
+    """Raise unless an array's ``shape`` is the tuple ``expected`` (its rank too). (Shapes, not
+    arrays: one compile per rank, and a pass's arrays of different types, a read-only input and
+    its writable gradient, checked in one loop.)"""
     raise NotImplementedError
 
 
 @overload(_expect_shape)
-def _expect_shape_overload(x, name, expected):
-    def impl(x, name, expected):
-        same = x.ndim == len(expected)
+def _expect_shape_overload(shape, name, expected):
+    def impl(shape, name, expected):
+        same = len(shape) == len(expected)
         if same:
-            for axis in range(x.ndim):
-                same = same and x.shape[axis] == expected[axis]
+            for axis in range(len(shape)):
+                same = same and shape[axis] == expected[axis]
         if not same:
-            raise NbValueError("numbafa.nb: {} must have shape {} as the plan's, got {}", name, expected, x.shape)
+            raise NbValueError("numbafa.nb: {} must have shape {} as the plan's, got {}", name, expected, shape)
     return impl
 
 
@@ -569,7 +589,7 @@ def _expect_planned_overload(x, name, planned):
     def impl(x, name, planned):
         if planned[0] != ndim:
             raise NbValueError("numbafa.nb: {} must have {} dims as the plan's, got {}", name, planned[0], ndim)
-        _expect_shape(x, name, dims(planned))
+        _expect_shape(x.shape, name, dims(planned))
     return impl
 
 
@@ -684,11 +704,11 @@ def _expect_lse_overload(lse, plan):
         if plan.lse_natural:
             if ndim != 3:
                 raise ValueError(natural)
-            _expect_shape(lse, "lse", (bs, nheads, sq))
+            _expect_shape(lse.shape, "lse", (bs, nheads, sq))
         else:
             if ndim != 4:
                 raise ValueError(neuron)
-            _expect_shape(lse, "lse", (bs, nheads, Q_TILE, sq // Q_TILE))
+            _expect_shape(lse.shape, "lse", (bs, nheads, Q_TILE, sq // Q_TILE))
     return impl
 
 
@@ -929,10 +949,10 @@ def _run_forward_overload(plan, kernel_plan, q, k, v, sinks, outs, status):
 def _forward(plan, q, k, v, o, lse, sinks, bias, alibi_slopes):
     _storage_kind(q, plan)
     bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_v = plan.dims
-    _expect_shape(q, "q", (bs, nheads, d_head, seqlen_q))
-    _expect_shape(k, "k", (bs, nheads_kv, d_head, seqlen_k))
-    _expect_shape(v, "v", (bs, nheads_kv, d_v, seqlen_k))
-    _expect_shape(o, "o", (bs, nheads, d_v, seqlen_q))
+    _expect_shape(q.shape, "q", (bs, nheads, d_head, seqlen_q))
+    _expect_shape(k.shape, "k", (bs, nheads_kv, d_head, seqlen_k))
+    _expect_shape(v.shape, "v", (bs, nheads_kv, d_v, seqlen_k))
+    _expect_shape(o.shape, "o", (bs, nheads, d_v, seqlen_q))
     _expect_lse(lse, plan)
     _check_apart((_extent(o), _extent(lse), _extent(q), _extent(k), _extent(v)), _FWD_NAMES, _FWD_PAIRS)
     kernel_plan = _canonical(plan.fwd)
@@ -992,7 +1012,7 @@ def _checked(stub, public, outputs, names):
             arrays = {name: t for name, t in zip(names, args[1:])}
             plan_t = args[0]
             if not (isinstance(plan_t, types.BaseNamedTuple) and plan_t.instance_class is NbPlan):
-                problem = f"numbafa.nb: plan must be a numbafa.nb.plan(...), got {plan_t}"
+                problem = TypeError, f"numbafa.nb: plan must be a numbafa.nb.plan(...), got {plan_t}"
             else:
                 problem = _type_problem(arrays, outputs)
             if problem is None:
@@ -1001,9 +1021,10 @@ def _checked(stub, public, outputs, names):
                                                        f"once per argument types (several seconds of CPU)"):
                     key = register_function(body, args)
                 return caller(key)
+            error, message = problem
             source = (f"def fail({params}):\n"
-                      f"    raise {'ValueError' if 'writable' in problem else 'TypeError'}(message)\n")
-            namespace = {"message": problem}
+                      f"    raise {error.__name__}(message)\n")
+            namespace = {"message": message}
             exec(source, namespace)
             return namespace["fail"]
         overload(stub, strict=False)(typer)
@@ -1122,11 +1143,14 @@ def _natural_lse_overload(lse):
 def _backward(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks, bias, dbias, alibi_slopes):
     _storage_kind(q, plan)
     bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_v = plan.dims
-    for x, name, shape in ((q, "q", (bs, nheads, d_head, seqlen_q)), (dq, "dq", (bs, nheads, d_head, seqlen_q)),
-                           (k, "k", (bs, nheads_kv, d_head, seqlen_k)), (dk, "dk", (bs, nheads_kv, d_head, seqlen_k)),
-                           (v, "v", (bs, nheads_kv, d_v, seqlen_k)), (dv, "dv", (bs, nheads_kv, d_v, seqlen_k)),
-                           (o, "o", (bs, nheads, d_v, seqlen_q)), (dy, "dy", (bs, nheads, d_v, seqlen_q))):
-        _expect_shape(x, name, shape)
+    _expect_shape(q.shape, "q", (bs, nheads, d_head, seqlen_q))   # (one by one: their ranks may differ)
+    _expect_shape(dq.shape, "dq", (bs, nheads, d_head, seqlen_q))
+    _expect_shape(k.shape, "k", (bs, nheads_kv, d_head, seqlen_k))
+    _expect_shape(dk.shape, "dk", (bs, nheads_kv, d_head, seqlen_k))
+    _expect_shape(v.shape, "v", (bs, nheads_kv, d_v, seqlen_k))
+    _expect_shape(dv.shape, "dv", (bs, nheads_kv, d_v, seqlen_k))
+    _expect_shape(o.shape, "o", (bs, nheads, d_v, seqlen_q))
+    _expect_shape(dy.shape, "dy", (bs, nheads, d_v, seqlen_q))
     _expect_lse(lse, plan)
     if (sinks is None) != (dsinks is None):
         raise ValueError("numbafa.nb: pass sinks and dsinks together")

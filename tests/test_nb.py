@@ -132,6 +132,13 @@ def test_strided_and_read_only_arrays_are_taken_too():
     o_ref, lse_ref = numbafa.attention_fwd(q, k, v)
     np.testing.assert_array_equal(o, o_ref)
     np.testing.assert_array_equal(lse, lse_ref)
+    # the backward too: inputs of other types than their gradients (read-only, strided, Fortran order)
+    expected = numbafa.attention_bwd(q, k, v, o_ref, dy, lse_ref)
+    for q_in, k_in in ((wide[..., ::2], frozen), (np.asfortranarray(q), k)):
+        grads = (np.empty_like(q), np.empty_like(k), np.empty_like(v))
+        nb.attention_bwd(plan, q_in, k_in, v, o, dy, lse, *grads)
+        for a, e in zip(grads, expected):
+            np.testing.assert_array_equal(a, e)
 
 
 def _filled(shape, dtype=np.float32):

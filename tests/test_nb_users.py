@@ -341,6 +341,28 @@ def test_misuse_is_a_one_line_error_naming_the_argument():
             call()
 
 
+def test_an_array_of_another_rank_is_a_value_error_naming_it():
+    """Ranks are known when a call is typed: a one-line ValueError naming the array and its layout,
+    not a Numba typing error."""
+    q, k, v, dy, sinks = nb_inputs(1, 2, 1, 16, 256, np.float32)
+    plan = nb.plan(q, k, v, with_sinks=True)
+    o, lse = np.empty_like(q), np.empty((1, 2, 128, 2), np.float32)
+    grads = (np.empty_like(q), np.empty_like(k), np.empty_like(v))
+    cases = [
+        (r"q must be 4-D \[bs, nheads, d_head, seqlen_q\], got a 3-D array",
+         lambda: nb.attention_fwd(plan, q[0], k, v, o, lse, sinks)),
+        (r"dv must be 4-D \[bs, nheads_kv, d_head_v, seqlen_k\], got a 5-D array",
+         lambda: nb.attention_bwd(plan, q, k, v, o, dy, lse, grads[0], grads[1], grads[2][None], sinks,
+                                  np.empty_like(sinks))),
+        (r"lse must be 3-D .* or 4-D .*, got a 5-D array", lambda: nb.attention_fwd(plan, q, k, v, o, lse[None], sinks)),
+        (r"sinks must have 1 to 3 dims as the plan's, got 4",
+         lambda: nb.attention_fwd(plan, q, k, v, o, lse, sinks[None, None])),
+    ]
+    for match, call in cases:
+        with pytest.raises(ValueError, match="^numbafa.nb: " + match):
+            call()
+
+
 def test_every_pair_of_arrays_that_must_not_overlap_is_named():
     """Each output against each input still read and against the other outputs, in both passes:
     two arrays sharing memory (views of one buffer, the types of an ordinary call) raise naming
