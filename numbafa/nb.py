@@ -190,7 +190,7 @@ def plan(q, k, v, *, sinks=None, bound_min=None, bound_max=None, use_causal_mask
         raise TypeError(f"with_sinks must be a bool, got {type(with_sinks).__name__}")
     q, k, v = (_as_numpy_dtype(x) for x in (q, k, v))
     if with_sinks and sinks is None:
-        sinks = np.zeros(q.shape[:2], np.float32)
+        sinks = np.zeros(np.shape(q)[:2], np.float32)   # (q is checked below)
     options = AttentionOptions(sinks=_as_numpy_dtype(sinks), bound_min=bound_min, bound_max=bound_max,
                                use_causal_mask=use_causal_mask, mixed_precision=mixed_precision,
                                softmax_scale=softmax_scale, sliding_window=sliding_window, dropout_p=dropout_p,
@@ -341,6 +341,8 @@ def _type_problem(arrays: dict, outputs: tuple) -> tuple | None:
     acc = types.float64 if q.dtype == types.float64 else types.float32
     for name, t in arrays.items():
         if t is None or isinstance(t, (types.NoneType, types.Omitted)):
+            if name in _LAYOUTS or name == "lse":
+                return TypeError, f"numbafa.nb: {name} must be a NumPy array, got {t if t is not None else 'nothing'}"
             continue
         if not isinstance(t, types.Array):
             return TypeError, f"numbafa.nb: {name} must be a NumPy array, got {t}"

@@ -23,6 +23,8 @@ from _caches import cache_without
     (dict(dtype=object()), ValueError, "dtype must be"),
     (dict(passes="backward"), ValueError, "passes must be a tuple of distinct 'forward', 'backward', got 'backward'"),
     (dict(passes=()), ValueError, "passes must be"),
+    (dict(passes=None), ValueError, "passes must be a tuple of distinct 'forward', 'backward', got None"),
+    (dict(dtype=None), ValueError, "(a name or a NumPy dtype), got None"),   # (np.dtype(None) is float64)
     (dict(passes=("backward", "backward")), ValueError, "passes must be"),
     (dict(passes=("sideways",)), ValueError, "got ('sideways',)"),
     (dict(dropout=1), TypeError, "dropout must be True or False, got 1"),

@@ -354,13 +354,26 @@ def test_an_array_of_another_rank_is_a_value_error_naming_it():
         (r"dv must be 4-D \[bs, nheads_kv, d_head_v, seqlen_k\], got a 5-D array",
          lambda: nb.attention_bwd(plan, q, k, v, o, dy, lse, grads[0], grads[1], grads[2][None], sinks,
                                   np.empty_like(sinks))),
-        (r"lse must be 3-D .* or 4-D .*, got a 5-D array", lambda: nb.attention_fwd(plan, q, k, v, o, lse[None], sinks)),
+        (r"lse must be 3-D .* or 4-D .*, got a 5-D array",
+         lambda: nb.attention_fwd(plan, q, k, v, o, lse[None], sinks)),
         (r"sinks must have 1 to 3 dims as the plan's, got 4",
          lambda: nb.attention_fwd(plan, q, k, v, o, lse, sinks[None, None])),
     ]
     for match, call in cases:
         with pytest.raises(ValueError, match="^numbafa.nb: " + match):
             call()
+    # a required array not given (None) is a TypeError naming it, in both passes
+    for name, call in (("o", lambda: nb.attention_fwd(plan, q, k, v, None, lse, sinks)),
+                       ("k", lambda: nb.attention_fwd(plan, q, None, v, o, lse, sinks)),
+                       ("lse", lambda: nb.attention_fwd(plan, q, k, v, o, None, sinks)),
+                       ("dy", lambda: nb.attention_bwd(plan, q, k, v, o, None, lse, *grads, sinks,
+                                                       np.empty_like(sinks))),
+                       ("dq", lambda: nb.attention_bwd(plan, q, k, v, o, dy, lse, None, grads[1], grads[2], sinks,
+                                                       np.empty_like(sinks)))):
+        with pytest.raises(TypeError, match=f"^numbafa.nb: {name} must be a NumPy array, got none"):
+            call()
+    with pytest.raises(TypeError, match="q"):
+        nb.plan([1.0], k, v, with_sinks=True)
 
 
 def test_every_pair_of_arrays_that_must_not_overlap_is_named():

@@ -101,6 +101,8 @@ def dtype_name(dtype) -> str:
     """The :data:`_DTYPES` name of ``dtype`` (a name, a NumPy dtype or ``ml_dtypes.bfloat16``)."""
     if isinstance(dtype, str):
         name = _DTYPES.get(dtype)
+    elif dtype is None:   # (np.dtype(None) is float64)
+        name = None
     elif is_bf16(dtype):
         name = "bfloat16"
     else:
@@ -171,7 +173,7 @@ def compile_ahead(dtype="float32", *, passes=("backward",), dropout=False, score
     when it starts compiling (none when the cache already holds the kernels).
     """
     name = dtype_name(dtype)
-    if isinstance(passes, str) or not all(isinstance(p, str) for p in passes) or not passes \
+    if not isinstance(passes, (tuple, list)) or not all(isinstance(p, str) for p in passes) or not passes \
             or not set(passes) <= set(_PASSES) or len(set(passes)) != len(passes):
         raise ValueError(f"numbafa.compile_ahead: passes must be a tuple of distinct 'forward', 'backward', "
                          f"got {passes!r}")
