@@ -73,6 +73,7 @@ from collections import namedtuple
 import numba
 import numpy as np
 from numba import types
+from numba.core.registry import CPUDispatcher
 
 from .pipeline import core
 from .platform.blas import single_threaded_blas
@@ -1296,11 +1297,49 @@ def _with_offset(kernel_plan, seed, seed_offset):
 
 # --- bf16 storage from njit code ------------------------------------------------------------
 
+def _expect_storage(x, function, name, dtype):  # pragma: no cover - replaced inside njit code
+    raise NotImplementedError
+
+
+@overload(_expect_storage, prefer_literal=True)
+def _expect_storage_overload(x, function, name, dtype):
+    """Nothing for an array of the dtype (a string constant) ``dtype``, else a ``TypeError`` (the
+    conversions below called from njit code with another type)."""
+    want = getattr(dtype, "literal_value", None)
+    if isinstance(x, types.Array) and str(x.dtype) == want:
+        return lambda x, function, name, dtype: None
+    message = (f"numbafa.nb.{getattr(function, 'literal_value', '?')}: {getattr(name, 'literal_value', '?')} must "
+               f"be a {want} array, got {x}")
+
+    def fail(x, function, name, dtype):
+        raise TypeError(message)
+    return fail
+
+
+class _StorageDispatcher(CPUDispatcher):
+    """The dispatcher of :func:`to_bf16_bits` and :func:`from_bf16_bits`: called from Python, its
+    argument is checked first (a ``TypeError`` naming it, not a typing error; no other dtype is
+    converted silently); in njit code :func:`_expect_storage` checks it."""
+
+    def __call__(self, *args, **kwargs):
+        name, dtype = _STORAGE_ARGUMENT[self.py_func.__name__]
+        x = args[0] if args else kwargs.get(name)
+        if len(args) + len(kwargs) != 1 or not isinstance(x, np.ndarray) or x.dtype != dtype:
+            got = f"{type(x).__name__} of {x.dtype}" if isinstance(x, np.ndarray) else type(x).__name__
+            raise TypeError(f"numbafa.nb.{self.py_func.__name__} takes one {np.dtype(dtype)} array {name}, got {got}")
+        return super().__call__(*args, **kwargs)
+
+
+_STORAGE_ARGUMENT = {"to_bf16_bits": ("x", np.float32), "from_bf16_bits": ("bits", np.uint16)}
+
+
 @jit(entry=True)
 def to_bf16_bits(x):
     """A float32 array (any layout) as the uint16 bits of bf16, rounded to nearest, ties to even
     (the rounding of ``ml_dtypes.bfloat16``): a new C-contiguous array of ``x``'s shape, the
-    storage of a bf16 plan's arrays."""
+    storage of a bf16 plan's arrays. Another dtype (float64 would be rounded twice) is a
+    ``TypeError``."""
+    _expect_storage(x, "to_bf16_bits", "x", "float32")
     flat = np.ascontiguousarray(x).ravel()
     out = np.empty(flat.size, dtype=np.uint16)
     for i in range(flat.size):
@@ -1311,9 +1350,13 @@ def to_bf16_bits(x):
 @jit(entry=True)
 def from_bf16_bits(bits):
     """The float32 values (exact) of a uint16 array of bf16 bits: a new C-contiguous array of the
-    same shape."""
+    same shape. Another dtype is a ``TypeError``."""
+    _expect_storage(bits, "from_bf16_bits", "bits", "uint16")
     flat = np.ascontiguousarray(bits).ravel()
     out = np.empty(flat.size, dtype=np.float32)
     for i in range(flat.size):
         out[i] = widen(np.uint16(flat[i]))
     return out.reshape(bits.shape)
+
+
+to_bf16_bits.__class__ = from_bf16_bits.__class__ = _StorageDispatcher

@@ -268,3 +268,27 @@ def test_every_feature_and_dtype_gives_the_python_apis_bits(name):
     assert len(got) == len(expected)
     for a, e in zip(got, expected):
         np.testing.assert_array_equal(a, _storage(np.asarray(e)))
+
+
+@numba.njit
+def _narrowed(x):
+    return nb.to_bf16_bits(x)
+
+
+def test_the_bf16_conversions_take_their_dtype_only():
+    """``to_bf16_bits`` takes float32 (a float64 array would be rounded twice), ``from_bf16_bits``
+    uint16: anything else is a TypeError naming the argument, from Python and from njit code;
+    the conversions are ml_dtypes' and exact back."""
+    x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 3e38], np.float32)
+    bits = nb.to_bf16_bits(x)
+    np.testing.assert_array_equal(bits, x.astype(ml_dtypes.bfloat16).view(np.uint16))
+    np.testing.assert_array_equal(nb.from_bf16_bits(bits), x.astype(ml_dtypes.bfloat16).astype(np.float32))
+    np.testing.assert_array_equal(_narrowed(x), bits)
+    for bad in (np.array([1.0039062500001]), np.array([1], np.int32), [1.0], None, x.astype(ml_dtypes.bfloat16)):
+        with pytest.raises(TypeError, match="numbafa.nb.to_bf16_bits takes one float32 array x, got "):
+            nb.to_bf16_bits(bad)
+    for bad in (x, np.array([-1], np.int16)):
+        with pytest.raises(TypeError, match="numbafa.nb.from_bf16_bits takes one uint16 array bits, got "):
+            nb.from_bf16_bits(bad)
+    with pytest.raises(TypeError, match=r"numbafa.nb.to_bf16_bits: x must be a float32 array, got array\(float64"):
+        _narrowed(np.array([1.0]))
