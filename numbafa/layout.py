@@ -95,12 +95,24 @@ def from_neuron(x: np.ndarray, layout: str, name: str = "x") -> np.ndarray:
     return _check_4d(name, x, "neuron").transpose(from_neuron_perm(layout))
 
 
+def _floats(name: str, x, kinds: str = "f") -> np.ndarray:
+    """``x`` as an array whose dtype kind is in ``kinds`` (``"f"``: floating; ``"fiu"``: any real
+    number), else a ``TypeError`` naming it (None, strings, bools, complex numbers: no lse)."""
+    a = np.asarray(x)
+    if a.dtype.kind not in kinds:
+        what = "a floating-point" if kinds == "f" else "a real (float or int)"
+        got = type(x).__name__ if a.dtype.kind == "O" else f"dtype {a.dtype}"
+        raise TypeError(f"{name} must be {what} array, got {got}")
+    return a
+
+
 def lse_to_natural(lse: np.ndarray) -> np.ndarray:
     """Neuron-packed ``[bs, heads, 128, seq // 128]`` -> natural ``[bs, heads, seq]`` (a copy).
 
-    ``lse[b, h, p, t]`` is the LSE of query row ``t * 128 + p``.
+    ``lse[b, h, p, t]`` is the LSE of query row ``t * 128 + p``; a ``TypeError`` unless it is
+    floating-point.
     """
-    lse = np.asarray(lse)
+    lse = _floats("lse", lse)
     if lse.ndim != 4 or lse.shape[2] != Q_TILE:
         raise ValueError(f"lse must be [bs, heads, {Q_TILE}, seq // {Q_TILE}], got shape {lse.shape}")
     bs, h, _, n_tiles = lse.shape
@@ -111,9 +123,10 @@ def lse_to_neuron(lse: np.ndarray) -> np.ndarray:
     """Natural ``[bs, heads, seq]`` -> Neuron-packed ``[bs, heads, 128, seq // 128]`` (a copy).
 
     Raises ``ValueError`` unless ``seq`` is a multiple of 128 (keep the
-    natural layout then: every numbafa function accepts it).
+    natural layout then: every numbafa function accepts it), ``TypeError`` unless ``lse`` is
+    floating-point.
     """
-    lse = np.asarray(lse)
+    lse = _floats("lse", lse)
     if lse.ndim != 3:
         raise ValueError(f"lse must be [bs, heads, seq], got shape {lse.shape}")
     bs, h, seq = lse.shape
@@ -200,13 +213,15 @@ def lse_from_cte(neg_max, sum_recip):
 
     Raises
     ------
+    TypeError
+        Either not an array of real numbers (None, strings, bools, complex).
     ValueError
         Different shapes, NaN in either input, a negative ``sum_recip``
         (no real log), or ``neg_max = +inf`` with ``sum_recip = 0``
         (``inf - inf``): pairs that have no lse.
     """
-    neg_max = np.asarray(neg_max, dtype=np.float64)
-    sum_recip = np.asarray(sum_recip, dtype=np.float64)
+    neg_max = _floats("neg_max", neg_max, "fiu").astype(np.float64)
+    sum_recip = _floats("sum_recip", sum_recip, "fiu").astype(np.float64)
     if neg_max.shape != sum_recip.shape:
         raise ValueError(f"neg_max and sum_recip must have the same shape, got {neg_max.shape} and "
                          f"{sum_recip.shape}")

@@ -220,3 +220,21 @@ def test_the_neuron_api_takes_transposed_views_without_a_copy():
     o2, lse2 = numbafa.attention_fwd(*strided, use_causal_mask=True)
     np.testing.assert_array_equal(o, o2)
     np.testing.assert_array_equal(lse, lse2)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: layout.lse_from_cte(None, None), "neg_max must be a real (float or int) array, got NoneType"),
+    (lambda: layout.lse_from_cte(np.zeros(2), np.ones(2, np.complex64)),
+     "sum_recip must be a real (float or int) array, got dtype complex64"),
+    (lambda: layout.lse_from_cte(np.array(["a", "b"]), np.ones(2)),
+     "neg_max must be a real (float or int) array, got dtype <U1"),
+    (lambda: layout.lse_to_neuron(np.zeros((1, 1, 128), np.int32)),
+     "lse must be a floating-point array, got dtype int32"),
+    (lambda: layout.lse_to_natural(np.zeros((1, 1, 128, 1), bool)),
+     "lse must be a floating-point array, got dtype bool"),
+])
+def test_lse_helpers_take_real_numbers_only(call, message):
+    """None (NaN before), complex (imaginary part dropped with a NumPy warning), strings and an
+    integer or bool lse are a TypeError naming the argument."""
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        call()
