@@ -82,7 +82,7 @@ from .compiler.jit import cached_signatures, jit, overload
 from .kernels.backward import BwdStats
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, Plan, make_plan
 from .kernels.dropout import Dropout, dropout_plugins, philox_words
-from .kernels.entry import (EXACT_SCORES, LSE_VALUES, NONFINITE, OUTPUT, OUTPUTS, SCALED_Q, SCORES, SCORES_WITH_BIAS,
+from .kernels.entry import (EXACT_SCORES, GRADIENTS, LSE_VALUES, NONFINITE, OUTPUT, OUTPUTS, SCALED_Q, SCORES, SCORES_WITH_BIAS,
                             STATUS_WORDS, SUMS, backward_entry, exact_scores_plugin, forward_entry)
 from .kernels.launch import prepare_backward, prepare_forward
 from .kernels.stored import stored_bwd, stored_fwd
@@ -857,6 +857,11 @@ def _raise_status(status):
         raise NbValueError("numbafa.nb: {} must be finite, got {} NaN/inf element(s)", _INPUT_NAMES[which], count)
     if code == LSE_VALUES:
         raise NbValueError("numbafa.nb: lse must not contain NaN or -inf, got {} such element(s)", count)
+    if code == GRADIENTS:
+        raise NbValueError("numbafa.nb: lse must be the log-sum-exp of these inputs' scores: the gradient {} came out "
+                           "with {} NaN/inf element(s), as exp(scores - lse) overflows where a score exceeds its "
+                           "row's lse by about 89 (float32) or 710 (float64) or more; pass the lse the forward "
+                           "returned for these inputs", OUTPUTS[which], count)
     if code == SCALED_Q:
         raise FloatingPointError("numbafa.nb: the attention scores overflow the kernel dtype: the kernels scale the "
                                  "queries at load and softmax_scale * q does not fit; scale q down, or make the plan "

@@ -359,6 +359,17 @@ def test_a_merged_gradient_beyond_float32_is_the_single_process_error(client):
     assert str(cluster.value) == str(single.value)
 
 
+def test_an_lse_far_below_the_scores_is_the_single_process_error(client, small):
+    """The shares leave their gradients unchecked; the client's scan of the merged ones raises
+    the single-process call's error."""
+    bad = dict(small, lse_ref=small["lse_ref"] - np.float32(200))
+    with pytest.raises(ValueError, match=r"^lse_ref must be the log-sum-exp") as single:
+        numbafa.attention_bwd(**bad)
+    with pytest.raises(ValueError, match=r"^lse_ref must be the log-sum-exp") as cluster:
+        nd.attention_bwd(client, **bad)
+    assert str(cluster.value) == str(single.value)
+
+
 # --- the shares without a cluster: blocks of units, any forward row split, the backward merge ----
 
 def test_tasks_get_contiguous_blocks_of_units_in_unit_order():

@@ -141,6 +141,16 @@ def test_strided_and_read_only_arrays_are_taken_too():
             np.testing.assert_array_equal(a, e)
 
 
+def test_an_lse_far_below_the_scores_is_an_error_not_nan_gradients():
+    q, k, v, dy, sinks = nb_inputs(1, 2, 2, 16, 128, np.float32)
+    plan = nb.plan(q, k, v)
+    o, lse = numbafa.attention_fwd(q, k, v)
+    grads = (np.empty_like(q), np.empty_like(k), np.empty_like(v))
+    with pytest.raises(ValueError, match="^numbafa.nb: lse must be the log-sum-exp of these inputs' scores: the "
+                                         "gradient dq came out with 4096 NaN/inf element"):
+        nb.attention_bwd(plan, q, k, v, o, dy, lse - np.float32(200), *grads)
+
+
 def _filled(shape, dtype=np.float32):
     return np.full(shape, 7, dtype)
 

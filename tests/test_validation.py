@@ -269,6 +269,26 @@ def test_a_remembered_shape_still_has_its_values_checked():
         numbafa.attention_bwd(**dict(f, lse_ref=with_nan(f["lse_ref"])), **bounds, sinks_ref=sinks)
 
 
+@pytest.mark.parametrize("dtype, below, fine", [(np.float32, 100.0, 50.0), (ml_dtypes.bfloat16, 100.0, 50.0),
+                                                 (np.float64, 800.0, 100.0)], ids=["float32", "bf16", "float64"])
+def test_an_lse_far_below_the_scores_is_named_instead_of_nan_gradients(dtype, below, fine):
+    """``exp(s - lse)`` overflows the arithmetic where the lse lies ~89 (float64: ~710) below a
+    row's score, and the gradients would come out NaN/inf: the error names lse_ref and the first
+    such gradient. An lse merely too small for its scores, within the range, gives finite ones."""
+    f = good_inputs(dtype)
+    qkv = (f["q_ref"], f["k_ref"], f["v_ref"])
+    o, lse = numbafa.attention_fwd(*qkv)
+    arith = "float64" if dtype == np.float64 else "float32"
+    bound = 710 if dtype == np.float64 else 89
+    with pytest.raises(ValueError, match=rf"^lse_ref must be the log-sum-exp of these inputs' scores: the gradient "
+                                         rf"dq came out with \d+ NaN/inf element\(s\), as exp\(scores - lse_ref\) "
+                                         rf"overflows {arith} where a score exceeds its row's lse_ref by about "
+                                         rf"{bound} or more"):
+        numbafa.attention_bwd(*qkv, o, f["dy_ref"], lse - lse.dtype.type(below))
+    grads = numbafa.attention_bwd(*qkv, o, f["dy_ref"], lse - lse.dtype.type(fine))
+    assert all(np.isfinite(np.asarray(g, np.float64)).all() for g in grads)
+
+
 def test_a_remembered_call_does_not_let_other_types_through():
     # True passed; 1 has the same hash and value but is not a bool.
     f = good_inputs()

@@ -17,7 +17,9 @@ JAX host calls and the Dask shares all call them. In compiled code, once per cal
 3. **launch** -- the work items (:func:`numbafa.kernels.launch.forward_items`,
    :func:`~numbafa.kernels.launch.backward_items`, which also finishes the units);
 4. **outputs** -- the rescale undone, each output finite (float16's range ends at 65504: a tile
-   rounded to fp16 beyond it is inf, as on the hardware).
+   rounded to fp16 beyond it is inf, as on the hardware); without fp16 the backward's gradients
+   are scanned for NaN and inf before (:func:`_finite_gradient`): with inputs in range only an
+   lse far below the log-sum-exp of the scores makes them so (``exp(s - lse)`` overflows).
 
 A failure writes the ``status`` array (``code, which, count, value``: :data:`STATUS_WORDS`)
 and returns before anything is launched where it can; the caller turns it into the exception,
@@ -52,13 +54,15 @@ from .table import call_plugin, kernel_address
 from .values import bits_value, count_nonfinite, largest_of_bits, magnitude_bits, scaled, scaled_bits
 
 __all__ = ["forward_entry", "backward_entry", "unscale_output", "exact_scores", "exact_scores_plugin", "STATUS_WORDS",
-           "OK", "NONFINITE", "LSE_VALUES", "SCALED_Q", "SCORES", "SCORES_WITH_BIAS", "SUMS", "OUTPUT", "EXACT_SCORES", "INPUTS", "OUTPUTS"]
+           "OK", "NONFINITE", "LSE_VALUES", "SCALED_Q", "SCORES", "SCORES_WITH_BIAS", "SUMS", "OUTPUT", "EXACT_SCORES",
+           "GRADIENTS", "INPUTS", "OUTPUTS"]
 
 #: Words of a status array (int64): ``code, which, count, value`` (``value``: a float64's bits).
 STATUS_WORDS = 4
 #: Status codes (:data:`EXACT_SCORES`: the exact score check is needed and not compiled in this
-#: process; the caller compiles it, :func:`exact_scores_plugin`, and calls again).
-OK, NONFINITE, LSE_VALUES, SCALED_Q, SCORES, SCORES_WITH_BIAS, SUMS, OUTPUT, EXACT_SCORES = range(9)
+#: process; the caller compiles it, :func:`exact_scores_plugin`, and calls again;
+#: :data:`GRADIENTS`: a gradient holds NaN or inf, ``which`` of :data:`OUTPUTS`, how many).
+OK, NONFINITE, LSE_VALUES, SCALED_Q, SCORES, SCORES_WITH_BIAS, SUMS, OUTPUT, EXACT_SCORES, GRADIENTS = range(10)
 #: ``which`` of an input (:data:`NONFINITE`), as the kernel's argument names.
 INPUTS = ("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref", "sinks_ref", "bias", "alibi_slopes", "lse_ref")
 # (NumPy ints, not Python ones: Numba would compile a helper once per literal value)
@@ -309,10 +313,22 @@ def _unscale(x, e, which, status):
             return
 
 
+@jit()
+def _finite_gradient(x, which, status):
+    """The status :data:`GRADIENTS` (``which``, how many) if the 1-D gradient ``x`` holds a NaN or
+    an inf (one integer max reduction; counted only then)."""
+    if status[0] != OK or bits_value(magnitude_bits(x), x)[0]:
+        return
+    status[0], status[1], status[2] = GRADIENTS, which, count_nonfinite(x)
+
+
 @jit(entry=True)
 def unscale_output(x, e, which, status):
     """:func:`_unscale` called from Python: the rescale of an output merged from the shares of a
-    call (:func:`numbafa.pipeline.ranges.unscaled_output`), the one a whole call's entry runs."""
+    call (:func:`numbafa.pipeline.ranges.unscaled_output`), the one a whole call's entry runs, and
+    for a gradient (``which > 0``) first its scan, :func:`_finite_gradient`."""
+    if which > 0:
+        _finite_gradient(x, which, status)
     _unscale(x, e, which, status)
 
 
@@ -398,6 +414,12 @@ def backward_entry(ins, outs, stats, plan, items, units, exponent, status):
     if exponent >= 0:
         return e
     fmt = plan.precision.round_kernel
+    if fmt != ROUND_FP16:   # (fp16: an inf is the overflow of a rounding point, below)
+        _finite_gradient(flat(outs.dq), np.int64(1), status)
+        _finite_gradient(flat(outs.dk), np.int64(2), status)
+        _finite_gradient(flat(outs.dv), np.int64(3), status)
+        _finite_gradient(flat(outs.dsinks), np.int64(4), status)
+        _finite_gradient(flat(plan.scores.dbias), np.int64(5), status)
     _unscale(flat(outs.dq), e, np.int64(1), status)
     _unscale(flat(outs.dk), e, np.int64(2), status)
     _unscale(flat(outs.dv), e, np.int64(3), status)

@@ -14,6 +14,7 @@ exception, in the caller's words.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numba
 import numpy as np
@@ -21,7 +22,7 @@ import numpy as np
 from ..conventions.dtypes import ROUND_FP16, to_bf16_array, to_fp16_array
 from ..kernels.backward import BwdStats
 from ..kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, shared_plan
-from ..kernels.entry import (EXACT_SCORES, INPUTS, LSE_VALUES, NONFINITE, OUTPUT, OUTPUTS, SCALED_Q, SCORES,
+from ..kernels.entry import (EXACT_SCORES, GRADIENTS, INPUTS, LSE_VALUES, NONFINITE, OUTPUT, OUTPUTS, SCALED_Q, SCORES,
                              SCORES_WITH_BIAS, STATUS_WORDS, SUMS, backward_entry, exact_scores_plugin, forward_entry)
 from ..kernels.table import ensure_plugins
 from ..kernels.launch import call_entry, call_prepared, needs_finish, prepare_backward, prepare_forward
@@ -235,6 +236,12 @@ def raise_status(status, prob, caller: Caller, plan=None, acc=None) -> None:
         raise ValueError(f"{caller(key)} must be finite, got {count} NaN/inf element(s) of {sizes[key].size}")
     if code == LSE_VALUES:
         raise ValueError(f"{caller('lse_ref')} must not contain NaN or -inf, got {count} such element(s)")
+    if code == GRADIENTS:
+        lse = caller("lse_ref")
+        raise ValueError(f"{lse} must be the log-sum-exp of these inputs' scores: the gradient {OUTPUTS[which]} "
+                         f"came out with {count} NaN/inf element(s), as exp(scores - {lse}) overflows {arith} where "
+                         f"a score exceeds its row's {lse} by about {math.log(limit):.0f} or more; pass the lse the "
+                         f"forward returned for these inputs")
     q, k, scale = caller("q_ref"), caller("k_ref"), caller("softmax_scale")
     if code == SCALED_Q:
         kind, largest = {ROUND_FP16: ("float16", 65504.0), 1: ("bfloat16", 3.3895314e38)}.get(

@@ -41,16 +41,18 @@ def unscaled_output(x: np.ndarray, e: int, name: str) -> np.ndarray:
     """An output (float32, float64 or bf16) of a pass run on inputs scaled by ``2**-e``, times
     ``2**e`` (exact), by the compiled entry's rescale; raise its ``FloatingPointError`` if it
     leaves the range of float32 (float64 for a float64 output: the exact output is not
-    representable)."""
+    representable). A gradient is scanned first, as a whole call's entry scans it: NaN or inf in
+    it is the ``ValueError`` of an lse that is not the scores' log-sum-exp."""
     from .core import raise_status
     from ..kernels.entry import OUTPUTS, STATUS_WORDS, unscale_output
 
-    if e == 0:
+    if e == 0 and name == "o":
         return x
     acc = np.dtype(np.float64 if x.dtype.char == "d" else np.float32)
-    out = np.array(x, dtype=acc, order="C")   # (a copy: the merged output may be a worker's buffer)
+    # (with e > 0 a copy: the merged output may be a worker's buffer; with e == 0 only scanned)
+    out = np.array(x, dtype=acc, order="C") if e else np.ascontiguousarray(x, dtype=acc)
     status = np.zeros(STATUS_WORDS, dtype=np.int64)
     unscale_output(out.reshape(-1), np.int64(e), np.int64(OUTPUTS.index(name)), status)
     if status[0]:
         raise_status(status, None, KERNEL_CALLER, acc=acc)
-    return out.astype(x.dtype, copy=False)
+    return out.astype(x.dtype, copy=False) if e else x
