@@ -12,7 +12,8 @@ from numba.core.errors import TypingError
 from numbafa.platform import onednn
 from numbafa.compiler.jit import jit
 from numbafa.kernels.bundles import Gemm
-from numbafa.kernels.matmul import bits_operand, gemm as seam, row_sums, values_operand
+from numbafa.kernels.loops import tile_operand
+from numbafa.kernels.matmul import any_layout, bits_operand, gemm as seam, row_of, row_sums, values_operand
 
 #: dnnl_sgemm runs on any x86-64 CPU where the library loads (the oneDNN path can be forced there).
 needs_onednn = pytest.mark.skipif(not onednn.load_library(), reason="oneDNN is not installed here")
@@ -149,3 +150,21 @@ def test_bf16_operands_need_the_bf16_path():
     bits = np.ones((2, 2), np.uint16)
     with pytest.raises(ValueError, match="shapes"):
         gemm_bits(bits, bits, np.zeros((2, 2), np.float32), False, False, np.float32(1.0), np.float32(0.0), False)
+
+
+@jit(entry=True)
+def _bits_of_rows(t, out):
+    """loops.tile_operand's bits of a tile typed as any layout (its rows through matmul.row_of)."""
+    rows, cols = t.shape
+    op = tile_operand(any_layout(t), out, np.empty((0, 0), np.float32), np.empty((0, 0), np.uint16), True)
+    return op.bits.copy(), row_of(any_layout(t), rows - 1).copy()
+
+
+def test_a_tiles_rows_of_any_layout_are_read_as_its_rows():
+    """``row_of`` views row ``i`` of a strided tile (unit inner stride) as a contiguous array;
+    tile_operand writes each row's bf16 bits through it: a row, or a stride, out of place fails."""
+    wide = (np.arange(6 * 40, dtype=np.float32).reshape(6, 40) - 100.0) * np.float32(0.5)   # bf16-exact values
+    t = wide[1:5, 3:35]                      # rows 40 apart, 32 wide
+    bits, last = _bits_of_rows(t, np.zeros(4 * 32 + 8, np.uint16))
+    np.testing.assert_array_equal(bits, t.astype(ml_dtypes.bfloat16).view(np.uint16))
+    np.testing.assert_array_equal(last, t[3])

@@ -50,8 +50,8 @@ def store_transposed(src, count, dst, start, round_out):
     out = dst[:, start:start + count]
     gather_head((src, 0, d_head), 0, count, out, True)
     if round_out != ROUND_NONE:
-        for j in range(d_head):
-            round_inplace(out[j], round_out)
+        for j in range(d_head):   # (dst's row slices: contiguous arrays, a loop that vectorises)
+            round_inplace(dst[j, start:start + count], round_out)
 
 
 @jit(apart=True, refcount=False)

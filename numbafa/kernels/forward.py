@@ -47,7 +47,7 @@ from collections import namedtuple
 import numpy as np
 from numba import types
 
-from ..conventions.dtypes import round_inplace, rounded
+from ..conventions.dtypes import ROUND_BF16, round_inplace, rounded
 from ..compiler.jit import jit, overload
 from ..compiler.linking import unpack
 from .common import store_transposed
@@ -129,6 +129,14 @@ def _exp_shifted(x, shift):
         x[j] = exp_of(x[j] - shift)
 
 
+@jit()
+def _exp_shifted_bf16(x, shift):
+    """:func:`_exp_shifted` rounded to bf16 in the same loop (P written in kernel_dtype): a pass
+    over the row less than a rounding of its own."""
+    for j in range(x.size):
+        x[j] = rounded(exp_of(x[j] - shift), ROUND_BF16)
+
+
 @jit(apart=True, refcount=False)
 def online_softmax_update(s, at, stats, plan, bits_out):
     """Masked exp of one K tile of the online softmax, in place on ``[queries, keys]`` (queries
@@ -158,8 +166,11 @@ def online_softmax_update(s, at, stats, plan, bits_out):
             seen[:] = _ZERO
         else:
             stats.alpha[i] = exp_of(m_old - m_new)
-            _exp_shifted(seen, m_new)
-            round_inplace(seen, plan.precision.round_kernel)
+            if plan.precision.round_kernel == ROUND_BF16:
+                _exp_shifted_bf16(seen, m_new)
+            else:
+                _exp_shifted(seen, m_new)
+                round_inplace(seen, plan.precision.round_kernel)
             stats.row_max[i] = m_new
         if fused:
             bits_of_row(row, bits_out[i])

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..compiler.jit import jit
 from .heads import gather_head
-from .matmul import Operand, bits_operand, values_operand
+from .matmul import Operand, bits_operand, row_of, values_operand
 
 __all__ = ["decode_item", "n_q_groups", "owns_group", "group_rows", "tile_operand", "rows_operand", "width",
            "columns", "row_slice"]
@@ -67,7 +67,7 @@ def tile_operand(t, bits_buf, no_values, no_bits, bits):
     rows, cols = t.shape
     out = bits_buf[:rows * cols].reshape(rows, cols)
     for i in range(rows):
-        bits_of_row(t[i], out[i])
+        bits_of_row(row_of(t, i), out[i])   # (a typed-contiguous row: the loop vectorises)
     return bits_operand(out, no_values)
 
 

@@ -57,7 +57,7 @@ from ..compiler.jit import jit, overload
 from ..compiler.linking import pack
 from ..platform.onednn import ensure_symbols
 
-__all__ = ["Operand", "values_operand", "bits_operand", "gemm", "row_sums", "any_layout", "flat"]
+__all__ = ["Operand", "values_operand", "bits_operand", "gemm", "row_sums", "any_layout", "flat", "row_of"]
 
 #: A GEMM operand (module docstring): ``f`` (values, 2-D, accumulator dtype) and ``bits`` (2-D
 #: uint16 bf16 bits); the member the path does not read is empty.
@@ -135,6 +135,34 @@ def flat(typingctx, x):
         return value
 
     return retty(x), codegen
+
+
+@intrinsic
+def row_of(typingctx, x, i):
+    """``row_of(x, i)``: row ``i`` of a 2-D array whose rows are contiguous (unit inner stride, as
+    every GEMM operand's: :func:`_check_operands`) as a C-contiguous 1-D view, so that a loop
+    over it vectorises whatever ``x``'s layout type (``any_layout``'s rows have runtime strides).
+    No bounds check."""
+    if not (isinstance(x, types.Array) and x.ndim == 2 and isinstance(i, types.Integer)):
+        return None
+    retty = x.copy(ndim=1, layout="C")
+
+    def codegen(context, builder, sig, args):
+        src = make_array(sig.args[0])(context, builder, value=args[0])
+        row = context.cast(builder, args[1], sig.args[1], types.intp)
+        shape = cgutils.unpack_tuple(builder, src.shape)
+        strides = cgutils.unpack_tuple(builder, src.strides)
+        start = builder.gep(builder.bitcast(src.data, cgutils.voidptr_t), [builder.mul(row, strides[0])])
+        dst = make_array(retty)(context, builder)
+        populate_array(dst, data=builder.bitcast(start, src.data.type), shape=cgutils.pack_array(builder, [shape[1]]),
+                       strides=cgutils.pack_array(builder, [src.itemsize]), itemsize=src.itemsize,
+                       meminfo=src.meminfo, parent=src.parent)
+        value = dst._getvalue()
+        if context.enable_nrt:
+            context.nrt.incref(builder, retty, value)
+        return value
+
+    return retty(x, i), codegen
 
 
 @jit(inline=True)
