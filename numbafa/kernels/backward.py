@@ -86,7 +86,7 @@ from .heads import (NEURON, dims4, gather_head, head_rows, head_slice, reduce_pa
                     store_rows)
 from .loops import (bits_of_row, columns, group_rows, n_q_groups, owns_group, row_slice, rows_operand, tile_operand)
 from .mask import cut_by_mask, queries_seeing_key, required_q_rows, tile_pos
-from .matmul import any_layout, bits_operand, gemm
+from .matmul import any_layout, bits_operand, gemm, row_of
 from .scores import item_units, modify_scores_t, score_gradients
 from .stored import gather_input, input_operand, input_rows_operand, load_q, stored_dims
 from .table import call_plugin
@@ -269,9 +269,9 @@ def accumulate(acc, psum, scale, round_acc):
     Both are 2-D of the same shape, rows with unit inner stride (column
     slices of a wider tile too, as dQ's ``[d, rows]`` slices are).
     """
-    for r in range(acc.shape[0]):
-        a = acc[r]
-        p = psum[r]
+    for r in range(acc.shape[0]):   # (rows as contiguous views: dQ's slices are typed any layout)
+        a = row_of(acc, r)
+        p = row_of(psum, r)
         if scale == _ONE:
             for i in range(a.size):
                 a[i] = a[i] + p[i]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from ..conventions.dtypes import ROUND_NONE, round_inplace, widen
 from ..compiler.jit import jit
 from .heads import gather_head
+from .matmul import row_of
 
 __all__ = ["load_scaled", "store", "store_transposed"]
 
@@ -58,9 +59,9 @@ def store_transposed(src, count, dst, start, round_out):
 def store(src, count, dst, start, round_out):
     """Store ``src[:, :count]`` into ``dst[:, start:start+count]`` (both ``[d, seq]``), rounded to
     the format ``round_out`` names."""
-    for j in range(dst.shape[0]):
-        s_row = src[j]
-        d_row = dst[j, start:start + count]
+    for j in range(dst.shape[0]):   # (rows as contiguous views, so that the loops vectorise)
+        s_row = row_of(src, j)
+        d_row = row_of(dst, j)[start:start + count]
         for i in range(count):
             d_row[i] = s_row[i]
         round_inplace(d_row, round_out)

@@ -31,7 +31,7 @@ from ..conventions.dtypes import widen
 from .bundles import BwdInputs, FwdInputs
 from .common import load_scaled
 from .heads import NEURON, gather_head, head_rows, load_scaled_rows, shape_dims
-from .matmul import any_layout, bits_operand, values_operand
+from .matmul import any_layout, bits_operand, row_of, values_operand
 from .loops import rows_operand
 from .table import call_plugin
 
@@ -158,7 +158,7 @@ def widen_bits(args, _):
     """``out = `` the float32 values of the 2-D bf16 bits ``src`` (any layout), ``(src, out)``."""
     src, out = unpack(args)
     for i in range(src.shape[0]):
-        s = src[i]
+        s = row_of(src, i)   # (a contiguous view of the any-layout operand's row: the loop vectorises)
         o = out[i]
         for j in range(src.shape[1]):
             o[j] = widen(s[j])
