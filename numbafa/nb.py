@@ -872,7 +872,7 @@ def _raise_status(status):
                                  "make the plan with a smaller softmax_scale")
     if code == SCORES_WITH_BIAS:
         raise FloatingPointError("numbafa.nb: the attention scores plus bias and the ALiBi terms overflow the "
-                                 "arithmetic's range; scale bias down")
+                                 "arithmetic's range; scale the bias or the ALiBi slopes down")
     if code == SUMS:
         raise FloatingPointError("numbafa.nb: the sums of the pass overflow float64 beyond an exact rescale: scale the "
                                  "inputs down")

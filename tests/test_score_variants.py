@@ -263,7 +263,12 @@ def _small():
                                                                r"score\), got 128 such element\(s\) of 128"),
     (dict(bias=np.full(128, np.inf, np.float32)), ValueError, r"bias must not contain NaN or \+inf"),
     (dict(bias=np.full(128, 3.3e38, np.float32), softmax_scale=1e35), FloatingPointError,
-     r"the attention scores plus bias and the ALiBi terms overflow float32: they reach 3.\d+e\+38 > 3.403e\+38"),
+     r"^the attention scores plus bias overflow float32: they reach 3.\d+e\+38 > 3.403e\+38 .*; scale bias down$"),
+    (dict(alibi_slopes=np.full(4, 3e36, np.float32)), FloatingPointError,
+     r"^the attention scores plus the ALiBi terms \(alibi_slopes times the key distance\) overflow float32: they "
+     r"reach 3.\d+e\+38 > 3.403e\+38 .*; scale alibi_slopes down$"),
+    (dict(bias=np.full(128, 2e38, np.float32), alibi_slopes=np.full(4, 2e36, np.float32)), FloatingPointError,
+     r"^the attention scores plus bias and the ALiBi terms \(alibi_slopes .*; scale bias or alibi_slopes down$"),
     (dict(softcap=float("nan")), ValueError, r"softcap must be in \[1.1754944e-38, 8.5070592e\+37\] .* got nan"),
     (dict(softcap=-1.0), ValueError, r"softcap must be in \[1.1754944e-38, 8.5070592e\+37\] .* got -1.0"),
     # 0 in float32 (silently no cap), a subnormal float32 (1 / softcap = inf: NaN from zero scores),

@@ -256,9 +256,12 @@ def raise_status(status, prob, caller: Caller, plan=None, acc=None) -> None:
             f"{limit:.4g} ({arith}'s largest value), and the log-sum-exp is at least the largest score; scale {q} "
             f"or {k} down, or pass a smaller {scale}")
     if code == SCORES_WITH_BIAS:
+        names = [name for name, x in (("bias", prob.bias), ("alibi_slopes", prob.alibi)) if x is not None and x.size]
+        terms = " and ".join(caller("bias") if name == "bias" else f"the ALiBi terms ({caller(name)} times the key "
+                             "distance)" for name in names)
         raise FloatingPointError(
-            f"the attention scores plus {caller('bias')} and the ALiBi terms overflow {arith}: they reach "
-            f"{value:.4g} > {limit:.4g} ({arith}'s largest value); scale {caller('bias')} down")
+            f"the attention scores plus {terms} overflow {arith}: they reach {value:.4g} > {limit:.4g} ({arith}'s "
+            f"largest value); scale {' or '.join(caller(name) for name in names)} down")
     if code == SUMS:
         what = "dy" if which else "v"
         raise FloatingPointError(f"the sums of the {'backward' if which else 'forward'} overflow {arith} beyond an "
