@@ -115,6 +115,19 @@ def any_layout(typingctx, x):
     return x.copy(layout="A")(x), codegen
 
 
+def _vector_view(context, builder, src, retty, data, n):
+    """The contiguous 1-D array ``retty`` of ``n`` elements from ``data``, a view of the array
+    ``src`` (its memory, counted where reference counting is on)."""
+    dst = make_array(retty)(context, builder)
+    populate_array(dst, data=data, shape=cgutils.pack_array(builder, [n]),
+                   strides=cgutils.pack_array(builder, [src.itemsize]), itemsize=src.itemsize,
+                   meminfo=src.meminfo, parent=src.parent)
+    value = dst._getvalue()
+    if context.enable_nrt:
+        context.nrt.incref(builder, retty, value)
+    return value
+
+
 @intrinsic
 def flat(typingctx, x):
     """``flat(x)``: a C-contiguous array as a 1-D view of all its elements (no copy, and no
@@ -125,14 +138,7 @@ def flat(typingctx, x):
 
     def codegen(context, builder, sig, args):
         src = make_array(sig.args[0])(context, builder, value=args[0])
-        dst = make_array(retty)(context, builder)
-        populate_array(dst, data=src.data, shape=cgutils.pack_array(builder, [src.nitems]),
-                       strides=cgutils.pack_array(builder, [src.itemsize]), itemsize=src.itemsize,
-                       meminfo=src.meminfo, parent=src.parent)
-        value = dst._getvalue()
-        if context.enable_nrt:
-            context.nrt.incref(builder, retty, value)
-        return value
+        return _vector_view(context, builder, src, retty, src.data, src.nitems)
 
     return retty(x), codegen
 
@@ -153,14 +159,7 @@ def row_of(typingctx, x, i):
         shape = cgutils.unpack_tuple(builder, src.shape)
         strides = cgutils.unpack_tuple(builder, src.strides)
         start = builder.gep(builder.bitcast(src.data, cgutils.voidptr_t), [builder.mul(row, strides[0])])
-        dst = make_array(retty)(context, builder)
-        populate_array(dst, data=builder.bitcast(start, src.data.type), shape=cgutils.pack_array(builder, [shape[1]]),
-                       strides=cgutils.pack_array(builder, [src.itemsize]), itemsize=src.itemsize,
-                       meminfo=src.meminfo, parent=src.parent)
-        value = dst._getvalue()
-        if context.enable_nrt:
-            context.nrt.incref(builder, retty, value)
-        return value
+        return _vector_view(context, builder, src, retty, builder.bitcast(start, src.data.type), shape[1])
 
     return retty(x, i), codegen
 
