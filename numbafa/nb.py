@@ -82,8 +82,8 @@ from .compiler.jit import cached_signatures, jit, overload
 from .kernels.backward import BwdStats
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, Plan, make_plan
 from .kernels.dropout import Dropout, dropout_plugins, philox_words
-from .kernels.entry import (EXACT_SCORES, GRADIENTS, LSE_VALUES, NONFINITE, OUTPUT, OUTPUTS, SCALED_Q, SCORES, SCORES_WITH_BIAS,
-                            STATUS_WORDS, SUMS, backward_entry, exact_scores_plugin, forward_entry)
+from .kernels.entry import (EXACT_SCORES, GRADIENTS, LSE_VALUES, NONFINITE, OUTPUT, OUTPUTS, SCALED_Q, SCORES,
+                            SCORES_WITH_BIAS, STATUS_WORDS, SUMS, backward_entry, exact_scores_plugin, forward_entry)
 from .kernels.launch import prepare_backward, prepare_forward
 from .kernels.stored import stored_bwd, stored_fwd
 from .kernels.scores import ScoreMods, score_plugins
