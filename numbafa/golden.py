@@ -32,7 +32,11 @@ How far another faithful implementation may stray from it (the tolerance of
 the bf16 tests) is the tests' business: ``tests/_budget.py`` computes it from
 the tiles an ``Observer`` is shown.
 
-It shares no code with :mod:`numbafa.kernels`.
+It shares no code with :mod:`numbafa.kernels`, nor with the API's input checks
+(``numbafa.checks``): it checks its inputs itself, as strictly (floating arrays of
+consistent shapes, integer windows and seeds, options in range), with a ``TypeError`` or
+``ValueError`` naming the argument as the function spells it (``q`` in the forward,
+``q_ref`` in the backwards).
 """
 
 from __future__ import annotations
@@ -48,6 +52,109 @@ __all__ = ["attention_fwd", "attention_bwd", "attention_bwd_rounded", "allowed_m
 
 def _f64(x):
     return None if x is None else np.asarray(x).astype(np.float64)
+
+
+# -- input checks: the golden's own, sharing nothing with numbafa.checks ------------------------
+
+def _float_array(x, name):
+    """``x`` as an array of a floating dtype (float16, bfloat16, float32, float64), else TypeError."""
+    a = np.asarray(x)
+    if not (a.dtype.kind == "f" or a.dtype.name == "bfloat16"):
+        raise TypeError(f"{name} must be a float16, bfloat16, float32 or float64 array, got dtype {a.dtype}")
+    return a
+
+
+def _shape_is(a, name, expected, what):
+    """ValueError naming ``name`` unless ``a.shape == expected`` (``what`` spells the dims)."""
+    if tuple(a.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {what} = {tuple(expected)}, got {tuple(a.shape)}")
+
+
+def _checked(names, q, k, v, dy, sinks, options):
+    """Check a golden call's arrays (``names``: the names of q, k, v, dy, sinks as the caller
+    passed them) and its ``options`` (a dict: bound_min, bound_max, softmax_scale, sliding_window,
+    dropout_p, seed, keep, bias, alibi_slopes, softcap); return ``(bs, nheads, d_head, seqlen_q)``.
+    TypeError for a wrong type or dtype, ValueError for a wrong shape or value."""
+    qn, kn, vn, dyn, sn = names
+    q, k, v = (_float_array(a, n) for a, n in ((q, qn), (k, kn), (v, vn)))
+    if q.ndim != 4:
+        raise ValueError(f"{qn} must be 4-D [bs, nheads, d_head, seqlen_q], got shape {q.shape}")
+    bs, nheads, d_head, seqlen_q = q.shape
+    if k.ndim != 4 or k.shape[0] != bs or k.shape[2] != d_head:
+        raise ValueError(f"{kn} must be 4-D [bs, nheads_kv, d_head, seqlen_k] with bs = {bs} and d_head = {d_head} "
+                         f"(from {qn}), got shape {k.shape}")
+    nheads_kv, seqlen_k = k.shape[1], k.shape[3]
+    if nheads_kv == 0 or nheads % nheads_kv:
+        raise ValueError(f"nheads ({nheads}, {qn}.shape[1]) must be a multiple of nheads_kv ({nheads_kv}, "
+                         f"{kn}.shape[1])")
+    if v.ndim != 4 or (v.shape[0], v.shape[1], v.shape[3]) != (bs, nheads_kv, seqlen_k):
+        raise ValueError(f"{vn} must be 4-D [bs, nheads_kv, d_head_v, seqlen_k] = [{bs}, {nheads_kv}, *, {seqlen_k}] "
+                         f"(from {qn} and {kn}), got shape {v.shape}")
+    d_head_v = v.shape[2]
+    if dy is not None:
+        _shape_is(_float_array(dy, dyn), dyn, (bs, nheads, d_head_v, seqlen_q), "[bs, nheads, d_head_v, seqlen_q]")
+    if sinks is not None:
+        s = _float_array(sinks, sn)
+        if s.shape != (nheads,) and (s.ndim not in (2, 3) or s.shape[:2] != (bs, nheads)):
+            raise ValueError(f"{sn} must have shape [nheads], [bs, nheads] or [bs, nheads, num_sinks] with "
+                             f"[bs, nheads] = [{bs}, {nheads}], got {s.shape}")
+    _check_options(options, (bs, nheads, seqlen_q, seqlen_k))
+    return bs, nheads, d_head, seqlen_q
+
+
+#: The backwards' names of q, k, v, dy and sinks (the kernels' signature).
+_BWD_NAMES = ("q_ref", "k_ref", "v_ref", "dy_ref", "sinks_ref")
+
+
+def _is_int(x):
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x):
+    return _is_int(x) or isinstance(x, (float, np.floating))
+
+
+def _check_options(options, scores):
+    """:func:`_checked`'s ``options``, for scores ``[bs, nheads, seqlen_q, seqlen_k]``."""
+    opt = {**dict.fromkeys(("bound_min", "bound_max", "softmax_scale", "sliding_window", "seed", "keep", "bias",
+                            "alibi_slopes", "softcap")), "dropout_p": 0.0, **options}
+    if (opt["bound_min"] is None) != (opt["bound_max"] is None):
+        raise ValueError("bound_min and bound_max must be given together")
+    for name in ("bound_min", "bound_max"):
+        if opt[name] is not None:
+            b = np.asarray(opt[name])
+            if b.dtype.kind not in "iuf":
+                raise TypeError(f"{name} must be a real array (the kernels take float32), got dtype {b.dtype}")
+            _shape_is(b, name, scores[2:3], "[seqlen_q]")
+    for name in ("softmax_scale", "softcap"):
+        if opt[name] is not None and not _is_real(opt[name]):
+            raise TypeError(f"{name} must be a real number or None, got {type(opt[name]).__name__} {opt[name]!r}")
+    if opt["softcap"] is not None and opt["softcap"] < 0:
+        raise ValueError(f"softcap must be >= 0 (0 or None: none), got {opt['softcap']}")
+    window = opt["sliding_window"]
+    if window is not None and not _is_int(window):
+        raise TypeError(f"sliding_window must be an int or None (< 1, e.g. -1: no window), got "
+                        f"{type(window).__name__} {window!r}")
+    dropout_p = opt["dropout_p"]
+    if not _is_real(dropout_p):
+        raise TypeError(f"dropout_p must be a real number in [0, 1), got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p and opt["keep"] is not None:
+        _shape_is(np.asarray(opt["keep"]), "keep", scores, "[bs, nheads, seqlen_q, seqlen_k]")
+    elif dropout_p and not (_is_int(opt["seed"]) and opt["seed"] >= 0):
+        raise TypeError(f"seed must be an int >= 0 with dropout_p > 0 (or pass keep), got {opt['seed']!r}")
+    for name, shape, what in (("bias", scores, "[bs, nheads, seqlen_q, seqlen_k]"),
+                              ("alibi_slopes", scores[:2], "[bs, nheads]")):
+        if opt[name] is None:
+            continue
+        a = _float_array(opt[name], name)
+        try:
+            ok = a.ndim <= len(shape) and np.broadcast_shapes(a.shape, shape) == shape
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name} must broadcast to {what} = {shape}, got shape {a.shape}")
 
 
 def allowed_mask(seqlen_q, seqlen_k, use_causal_mask=False, sliding_window=None,
@@ -172,12 +279,23 @@ def _sum_to_shape(full, shape):
     return full.sum(axis=axes, keepdims=True).reshape(shape)
 
 
-def _sinks3(sinks, bs, nheads):
-    """Sinks as float64 ``[bs, nheads, num_sinks]`` (num_sinks may be 0)."""
+def _sinks3(sinks, bs, nheads, dtype=np.float64):
+    """Sinks as ``dtype`` ``[bs, nheads, num_sinks]`` (num_sinks may be 0; ``[nheads]`` sinks are
+    shared by the batch)."""
     if sinks is None:
-        return np.zeros((bs, nheads, 0))
-    s = _f64(sinks)
-    return s[..., None] if s.ndim == 2 else s
+        return np.zeros((bs, nheads, 0), dtype)
+    s = np.asarray(sinks).astype(dtype)
+    if s.ndim == 1:
+        s = np.broadcast_to(s, (bs, nheads))
+    return s.reshape(bs, nheads, -1)
+
+
+def _dsinks_shaped(dsinks, sinks):
+    """dsinks ``[bs, nheads, num_sinks]`` in the shape of ``sinks``: summed over the batch (in
+    dsinks' dtype) for ``[nheads]`` sinks, which the batch shares."""
+    if np.ndim(sinks) == 1:
+        dsinks = dsinks.sum(axis=0)
+    return dsinks.reshape(np.shape(sinks))
 
 
 def _probabilities(scores, sink_logits):
@@ -230,7 +348,7 @@ def attention_fwd(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causa
     q : array ``[bs, nheads, d_head, seqlen_q]``
     k : array ``[bs, nheads_kv, d_head, seqlen_k]``
     v : array ``[bs, nheads_kv, d_head_v, seqlen_k]`` (``d_head_v`` may differ from ``d_head``)
-    sinks : array ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``, optional
+    sinks : array ``[nheads]`` (shared by the batch), ``[bs, nheads]`` or ``[bs, nheads, num_sinks]``, optional
         Sink logits: extra softmax columns with no value.
     bound_min, bound_max : arrays ``[seqlen_q]``, optional
         Packing bounds: query i attends keys ``bound_min[i] <= j < bound_max[i]``.
@@ -251,6 +369,13 @@ def attention_fwd(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causa
     o : float64 ``[bs, nheads, d_head_v, seqlen_q]``
     lse : float64, in ``lse_layout``
     """
+    seqlen_q = _checked(("q", "k", "v", None, "sinks"), q, k, v, None, sinks, dict(
+        bound_min=bound_min, bound_max=bound_max, softmax_scale=softmax_scale, sliding_window=sliding_window,
+        dropout_p=dropout_p, seed=seed, keep=keep, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap))[3]
+    if lse_layout not in ("natural", "neuron"):
+        raise ValueError(f"lse_layout must be 'natural' or 'neuron', got {lse_layout!r}")
+    if lse_layout == "neuron" and seqlen_q % 128:
+        raise ValueError(f"lse_layout='neuron' needs seqlen_q (q.shape[3]) to be a multiple of 128, got {seqlen_q}")
     q64, k64, scale, allowed, sink3, n_rep = _setup(
         q, k, sinks, bound_min, bound_max, use_causal_mask, softmax_scale, sliding_window)
     v64 = _f64(v)
@@ -267,8 +392,6 @@ def attention_fwd(q, k, v, sinks=None, bound_min=None, bound_max=None, use_causa
             o[b, h] = v64[b, h // n_rep] @ (p if mult is None else p * mult[b, h]).T
     if lse_layout == "neuron":
         lse = lse.reshape(bs, nheads, seqlen_q // 128, 128).transpose(0, 1, 3, 2)
-    elif lse_layout != "natural":
-        raise ValueError(f"lse_layout must be 'natural' or 'neuron', got {lse_layout!r}")
     return o, lse
 
 
@@ -292,10 +415,16 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
     dq : float64 ``[bs, nheads, d_head, seqlen_q]``
     dk, dv : float64 ``[bs, nheads_kv, d_head, seqlen_k]``, ``[bs, nheads_kv, d_head_v, seqlen_k]``
         (summed over the q-heads sharing each KV head)
-    dsinks : float64, shape of ``sinks_ref`` (only when sinks are given)
+    dsinks : float64, shape of ``sinks_ref`` (only when sinks are given; ``[nheads]`` sinks: summed
+        over the batch)
     dbias : float64, shape of ``bias`` (only with ``return_dbias``)
     """
     del o_ref, lse_ref, mixed_precision
+    _checked(_BWD_NAMES, q_ref, k_ref, v_ref, dy_ref, sinks_ref, dict(
+        bound_min=bound_min, bound_max=bound_max, softmax_scale=softmax_scale, sliding_window=sliding_window,
+        dropout_p=dropout_p, seed=seed, keep=keep, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap))
+    if return_dbias and bias is None:
+        raise ValueError("return_dbias=True needs a bias")
     q64, k64, scale, allowed, sink3, n_rep = _setup(
         q_ref, k_ref, sinks_ref, bound_min, bound_max, use_causal_mask, softmax_scale, sliding_window)
     v64, dy64 = _f64(v_ref), _f64(dy_ref)
@@ -332,10 +461,8 @@ def attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, b
             dsinks[b, h] = ds_sink.sum(axis=0)
     out = (dq, dk, dv)
     if sinks_ref is not None:
-        out += (dsinks.reshape(np.shape(sinks_ref)),)
+        out += (_dsinks_shaped(dsinks, sinks_ref),)
     if return_dbias:
-        if bias is None:
-            raise ValueError("return_dbias=True needs a bias")
         out += (_sum_to_shape(dbias, np.shape(bias)),)
     return out
 
@@ -626,6 +753,16 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     unknown = set(disable) - set(ROUNDING_POINTS)
     if unknown:
         raise ValueError(f"disable must name rounding points from {ROUNDING_POINTS}, got {sorted(unknown)}")
+    bs, nheads, _, seqlen_q = _checked(_BWD_NAMES, q_ref, k_ref, v_ref, dy_ref, sinks_ref, dict(
+        bound_min=bound_min, bound_max=bound_max, softmax_scale=softmax_scale, sliding_window=sliding_window,
+        dropout_p=dropout_p, seed=seed, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap))
+    _shape_is(_float_array(o_ref, "o_ref"), "o_ref", np.shape(dy_ref), "dy_ref's shape")
+    lse_shape = np.shape(lse_ref)
+    if lse_shape != (bs, nheads, seqlen_q) and (seqlen_q % 128 or lse_shape != (bs, nheads, 128, seqlen_q // 128)):
+        raise ValueError(f"lse_ref must have shape [bs, nheads, seqlen_q] = {(bs, nheads, seqlen_q)} or, for seqlen_q "
+                         f"a multiple of 128, the Neuron layout [bs, nheads, 128, seqlen_q // 128], got {lse_shape}")
+    if return_dbias and bias is None:
+        raise ValueError("return_dbias=True needs a bias")
     is_bf16 = np.asarray(q_ref).dtype == ml_dtypes.bfloat16
     is_fp16 = np.asarray(q_ref).dtype == np.float16
     f32 = np.float32
@@ -636,8 +773,7 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
     lse = np.asarray(lse_ref, dtype=f32)
     if lse.ndim == 4:
         lse = lse.transpose(0, 1, 3, 2).reshape(bs, nheads, seqlen_q)
-    sink3 = np.zeros((bs, nheads, 0), f32) if sinks_ref is None else \
-        np.asarray(sinks_ref).astype(f32).reshape(bs, nheads, -1)
+    sink3 = _sinks3(sinks_ref, bs, nheads, f32)
     mult = _dropout_multipliers((bs, nheads, seqlen_q, seqlen_k), dropout_p, seed, seed_offset, None, f32)
     bias32 = None if bias is None else np.asarray(bias).astype(f32).reshape((1,) * (4 - np.ndim(bias))
                                                                          + np.shape(bias))
@@ -678,7 +814,7 @@ def attention_bwd_rounded(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref
         dq, dk, dv = (setup.rounding.round(x) for x in (dq, dk, dv))
     out = (dq, dk, dv)
     if sinks_ref is not None:
-        out += (_in_dtype_of(dsinks, sinks_ref).reshape(np.shape(sinks_ref)),)
+        out += (_in_dtype_of(_dsinks_shaped(dsinks, sinks_ref), sinks_ref),)
     if dbias is not None:
         out += (_in_dtype_of(dbias, bias).reshape(np.shape(bias)),)
     return out

@@ -121,3 +121,89 @@ def test_lse_layouts():
     assert neuron[0, 3, 7, 1] == natural[0, 3, 128 + 7]
     with pytest.raises(ValueError, match="lse_layout"):
         golden.attention_fwd(q, k, v, lse_layout="nki")
+
+
+def _valid(seqlen=8):
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 4, 3, seqlen))
+    k = rng.standard_normal((2, 2, 3, seqlen))
+    v = rng.standard_normal((2, 2, 5, seqlen))
+    dy = rng.standard_normal((2, 4, 5, seqlen))
+    return q, k, v, dy
+
+
+# (keyword changes of a valid call, exception, the argument its message must name)
+BAD_INPUTS = [
+    (dict(q=np.ones((2, 4, 3, 8), np.int32)), TypeError, "q"),
+    (dict(q=np.ones((4, 3, 8))), ValueError, "q"),
+    (dict(k=np.ones((2, 2, 4, 8))), ValueError, "k"),
+    (dict(k=np.ones((2, 3, 3, 8))), ValueError, "nheads_kv"),
+    (dict(v=np.ones((2, 2, 5, 9))), ValueError, "v"),
+    (dict(v=np.ones((2, 2, 5, 8), complex)), TypeError, "v"),
+    (dict(sinks=np.ones((2, 3))), ValueError, "sinks"),
+    (dict(bound_min=np.zeros(8, np.float32)), ValueError, "bound_max"),
+    (dict(bound_min=np.zeros(7, np.float32), bound_max=np.ones(7, np.float32)), ValueError, "bound_min"),
+    (dict(sliding_window=2.5), TypeError, "sliding_window"),
+    (dict(softmax_scale="0.5"), TypeError, "softmax_scale"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(dropout_p=1.0, seed=0), ValueError, "dropout_p"),
+    (dict(dropout_p=0.1), TypeError, "seed"),
+    (dict(bias=np.ones((2, 4, 8, 7))), ValueError, "bias"),
+    (dict(alibi_slopes=np.ones(3)), ValueError, "alibi_slopes"),
+]
+
+_BWD_NAMES = {"q": "q_ref", "k": "k_ref", "v": "v_ref", "sinks": "sinks_ref"}
+
+
+@pytest.mark.parametrize("change, error, name", BAD_INPUTS, ids=[f"{e.__name__}-{n}" for _, e, n in BAD_INPUTS])
+@pytest.mark.parametrize("which", ["attention_fwd", "attention_bwd", "attention_bwd_rounded"])
+def test_bad_inputs_name_the_argument(which, change, error, name):
+    """The golden checks its inputs as the kernels' API does: the error names the argument as the
+    caller spelled it (``q`` for the forward, ``q_ref`` for the backwards)."""
+    q, k, v, dy = _valid()
+    if which == "attention_fwd":
+        kw = {**dict(q=q, k=k, v=v), **change}
+    else:
+        o = np.zeros_like(dy)
+        lse = np.zeros((2, 4, 8))
+        kw = dict(q_ref=q, k_ref=k, v_ref=v, o_ref=o, dy_ref=dy, lse_ref=lse)
+        kw.update({_BWD_NAMES.get(key, key): value for key, value in change.items()})
+        name = _BWD_NAMES.get(name, name)
+    with pytest.raises(error, match=rf"\b{name}\b"):
+        getattr(golden, which)(**kw)
+
+
+def test_backward_checks_its_own_arrays():
+    q, k, v, dy = _valid()
+    lse = np.zeros((2, 4, 8))
+    with pytest.raises(ValueError, match="dy_ref"):
+        golden.attention_bwd(q, k, v, None, dy[:, :, :4], None)
+    with pytest.raises(ValueError, match="o_ref"):
+        golden.attention_bwd_rounded(q, k, v, dy[:, :, :4], dy, lse)
+    with pytest.raises(ValueError, match="lse_ref"):
+        golden.attention_bwd_rounded(q, k, v, dy, dy, lse[..., :7])
+    with pytest.raises(ValueError, match="lse_layout"):
+        golden.attention_fwd(q, k, v, lse_layout="neuron")   # seqlen_q = 8: no Neuron lse layout
+    with pytest.raises(ValueError, match="keep"):
+        golden.attention_fwd(q, k, v, dropout_p=0.5, keep=np.ones((2, 4, 8, 8 + 1), bool))
+
+
+@pytest.mark.parametrize("which", ["attention_bwd", "attention_bwd_rounded"])
+def test_sinks_shared_by_the_batch(which):
+    """``[nheads]`` sinks (as the kernels take them) are ``[bs, nheads]`` sinks equal across the batch,
+    and their gradient is the batch's sum."""
+    q, k, v, dy = _valid()
+    sinks = np.array([0.5, -1.0, 0.25, 2.0])
+    wide = np.broadcast_to(sinks, (2, 4)).copy()
+    o, lse = golden.attention_fwd(q, k, v, sinks=sinks)
+    o_wide, lse_wide = golden.attention_fwd(q, k, v, sinks=wide)
+    np.testing.assert_array_equal(o, o_wide)
+    np.testing.assert_array_equal(lse, lse_wide)
+    args = (q, k, v, o, dy, lse) if which == "attention_bwd" else \
+        tuple(x.astype(np.float32) for x in (q, k, v, o, dy, lse))
+    shared = getattr(golden, which)(*args, sinks_ref=sinks)
+    apart = getattr(golden, which)(*args, sinks_ref=wide)
+    assert shared[3].shape == (4,)
+    np.testing.assert_array_equal(shared[3], apart[3].sum(axis=0, dtype=apart[3].dtype))
+    for g, g_wide in zip(shared[:3], apart[:3]):
+        np.testing.assert_array_equal(g, g_wide)
