@@ -78,6 +78,7 @@ from numba.core.registry import CPUDispatcher
 from .pipeline import core
 from .platform.blas import single_threaded_blas
 from .conventions.dtypes import bf16_dtype, f32_to_bf16_bits, f32_to_fp16_bits, fp16_bits_to_f32, widen
+from .compiler.arrays import bitcast, empty, zeros
 from .compiler.jit import cached_signatures, jit, overload
 from .kernels.backward import BwdStats
 from .kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, Plan, make_plan
@@ -282,13 +283,14 @@ def _plan_words(h, p):
     for i in range(m.key_lo.size):
         h = _mix(_mix(h, m.key_lo[i]), m.key_hi[i])
     h = _mix(_mix(h, p.precision.round_kernel), p.precision.round_acc)
-    h = _mix(h, np.float64(p.softmax_scale).view(np.int64))
+    h = _mix(h, bitcast(np.float64(p.softmax_scale), np.int64))
     h = _mix(_mix(h, p.gemm.onednn), p.gemm.bits)
     d = p.dropout
-    h = _mix(_mix(_mix(h, d.active), d.threshold), np.float64(d.scale).view(np.int64))
+    h = _mix(_mix(_mix(h, d.active), d.threshold), bitcast(np.float64(d.scale), np.int64))
     h = _mix(_mix(h, d.batch0), d.head0)
     s = p.scores
-    h = _mix(_mix(_mix(h, s.active), np.float64(s.softcap).view(np.int64)), np.float64(s.inv_softcap).view(np.int64))
+    h = _mix(_mix(h, s.active), bitcast(np.float64(s.softcap), np.int64))
+    h = _mix(h, bitcast(np.float64(s.inv_softcap), np.int64))
     h = _mix(_mix(_mix(h, s.offset), s.serial_batch), s.serial_heads)
     return _mix(_mix(h, s.bias.size + s.alibi.size + s.dbias.size), p.layout)
 
@@ -406,7 +408,7 @@ def _as_mutable(typingctx, x):
 @jit()
 def _widen_fp16(x):
     """fp16 bits (uint16) as a new C-contiguous float32 array of their exact values."""
-    out = np.empty(x.shape, dtype=np.float32)
+    out = empty(x.shape, np.float32)
     src = np.ascontiguousarray(x).reshape(-1)
     dst = out.reshape(-1)
     for i in range(src.size):
@@ -426,13 +428,13 @@ def _store_overload(y, x, kind):
     if x.dtype == types.uint16:
         def bits(y, x, kind):
             src = y.reshape(-1)
-            out = np.empty(y.size, dtype=np.uint16)
+            out = empty(y.size, np.uint16)
             if kind == FP16:
                 for i in range(src.size):
                     out[i] = f32_to_fp16_bits(src[i])
             else:   # bf16 values: their upper half (exact)
                 for i in range(src.size):
-                    out[i] = np.uint16(np.float32(src[i]).view(np.uint32) >> np.uint32(16))
+                    out[i] = np.uint16(bitcast(np.float32(src[i]), np.uint32) >> np.uint32(16))
             _assign(x, out.reshape(x.shape))
         return bits
 
@@ -453,7 +455,7 @@ def _output_overload(x):
     if x.dtype in (types.float32, types.float64) and x.layout == "C":
         return lambda x: x
     acc = np.float64 if x.dtype == types.float64 else np.float32
-    return lambda x: np.empty(x.shape, dtype=acc)
+    return lambda x: empty(x.shape, acc)
 
 
 @jit()
@@ -539,7 +541,7 @@ def _kernel_sinks_overload(plan, sinks):
         def none(plan, sinks):
             if plan.sinks_shape[0] != 0:
                 raise ValueError("numbafa.nb: the plan was made with sinks: pass sinks")
-            return np.zeros((plan.dims[0], plan.dims[1], 0), dtype=acc)
+            return zeros((plan.dims[0], plan.dims[1], 0), acc)
         return none
     ndim = sinks.ndim
 
@@ -552,7 +554,7 @@ def _kernel_sinks_overload(plan, sinks):
         _expect_planned(sinks, "sinks", plan.sinks_shape)
         bs, nheads = plan.dims[0], plan.dims[1]
         n = sinks.shape[2] if ndim == 3 else 1
-        out = np.empty((bs, nheads, n), dtype=acc)
+        out = empty((bs, nheads, n), acc)
         for b in range(bs):
             for h in range(nheads):
                 for i in range(n):
@@ -623,7 +625,7 @@ def _call_scores_overload(scores, plan, bias, alibi, dbias, backward):
             out = replaced(out, "alibi", _padded2(alibi))
         if has_dbias:
             _expect_planned(dbias, "dbias", plan.bias_shape)
-            kernel_dbias = np.zeros(out.bias.shape, dtype=out.bias.dtype)
+            kernel_dbias = zeros(out.bias.shape, out.bias.dtype)
             out = replaced(out, "dbias", kernel_dbias)
         elif backward and plan.return_dbias:
             raise ValueError("numbafa.nb: the plan was made with return_dbias=True: pass dbias")
@@ -1138,7 +1140,7 @@ def _natural_lse_overload(lse):
 
     def neuron(lse):
         bs, nheads, tile, n_tiles = lse.shape
-        out = np.empty((bs, nheads, tile * n_tiles), dtype=lse.dtype)
+        out = empty((bs, nheads, tile * n_tiles), lse.dtype)
         for b in range(bs):
             for h in range(nheads):
                 for t in range(n_tiles):
@@ -1346,7 +1348,7 @@ def to_bf16_bits(x):
     ``TypeError``."""
     _expect_storage(x, "to_bf16_bits", "x", "float32")
     flat = np.ascontiguousarray(x).ravel()
-    out = np.empty(flat.size, dtype=np.uint16)
+    out = empty(flat.size, np.uint16)
     for i in range(flat.size):
         out[i] = f32_to_bf16_bits(np.float32(flat[i]))
     return out.reshape(x.shape)
@@ -1358,7 +1360,7 @@ def from_bf16_bits(bits):
     same shape. Another dtype is a ``TypeError``."""
     _expect_storage(bits, "from_bf16_bits", "bits", "uint16")
     flat = np.ascontiguousarray(bits).ravel()
-    out = np.empty(flat.size, dtype=np.float32)
+    out = empty(flat.size, np.float32)
     for i in range(flat.size):
         out[i] = widen(np.uint16(flat[i]))
     return out.reshape(bits.shape)

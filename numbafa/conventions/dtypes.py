@@ -32,6 +32,7 @@ from numba import types
 from numba.core import config
 from numba.extending import intrinsic
 
+from ..compiler.arrays import bitcast
 from ..compiler.jit import jit, overload
 
 __all__ = [
@@ -225,7 +226,7 @@ def bf16_bits_to_f32(bits):
 @jit()
 def f32_to_bf16_bits(x):
     """Round one float32 to bf16 (nearest, ties to even); return the uint16 bits."""
-    return np.uint16(np.float32(rounded(np.float32(x), ROUND_BF16)).view(np.uint32) >> np.uint32(16))
+    return np.uint16(bitcast(rounded(np.float32(x), ROUND_BF16), np.uint32) >> np.uint32(16))
 
 
 @jit()

@@ -76,6 +76,7 @@ import numpy as np
 from numba import types
 
 from ..conventions.dtypes import ROUND_NONE, round_inplace, rounded, widen
+from ..compiler.arrays import empty, zeros
 from ..compiler.jit import jit
 from ..compiler.linking import unpack
 from ..conventions.tiling import FLOAT32_MIN
@@ -138,9 +139,9 @@ def compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum, precision):
     d_head = o_h.shape[0]
     round_kernel = precision.round_kernel
     round_acc = precision.round_acc
-    total = np.zeros(count, dtype=d_sum.dtype)
-    partial = np.empty(count, dtype=d_sum.dtype)
-    prod = np.empty(count, dtype=d_sum.dtype)
+    total = zeros(count, d_sum.dtype)
+    partial = empty(count, d_sum.dtype)
+    prod = empty(count, d_sum.dtype)
     for d0 in range(0, d_head, d_tile):
         partial[:] = _ZERO
         for i_d in range(d0, min(d0 + d_tile, d_head)):
@@ -563,13 +564,13 @@ def make_copies(is_bits, plan, d_head, d_v, scratch):
         return InCopies(k=no_f, v=no_f, dy=no_f, o=no_f, k_bits=no_b, v_bits=no_b, dy_bits=no_b, o_bits=no_b)
     sec_cap, q_rows = scratch.dk_acc.shape[0], scratch.q_s.shape[1]
     if is_bits:
-        return InCopies(k=no_f, v=no_f, dy=no_f, o=no_f, k_bits=np.empty((d_head, sec_cap), dtype=np.uint16),
-                        v_bits=np.empty((d_v, sec_cap), dtype=np.uint16),
-                        dy_bits=np.empty((d_v, q_rows), dtype=np.uint16),
-                        o_bits=np.empty((d_v, q_rows), dtype=np.uint16))
+        return InCopies(k=no_f, v=no_f, dy=no_f, o=no_f, k_bits=empty((d_head, sec_cap), np.uint16),
+                        v_bits=empty((d_v, sec_cap), np.uint16),
+                        dy_bits=empty((d_v, q_rows), np.uint16),
+                        o_bits=empty((d_v, q_rows), np.uint16))
     acc = plan.acc.dtype
-    return InCopies(k=np.empty((d_head, sec_cap), dtype=acc), v=np.empty((d_v, sec_cap), dtype=acc),
-                    dy=np.empty((d_v, q_rows), dtype=acc), o=np.empty((d_v, q_rows), dtype=acc), k_bits=no_b,
+    return InCopies(k=empty((d_head, sec_cap), acc), v=empty((d_v, sec_cap), acc),
+                    dy=empty((d_v, q_rows), acc), o=empty((d_v, q_rows), acc), k_bits=no_b,
                     v_bits=no_b, dy_bits=no_b, o_bits=no_b)
 
 
@@ -588,23 +589,23 @@ def make_scratch(d_head, d_v, seqlen_q, seqlen_k, plan):
     drop = tile if plan.dropout.active else 0
     cap = tile if plan.scores.active and plan.scores.softcap > 0 else 0
     acc = plan.acc.dtype
-    q_s = np.empty((d_head, q_rows), dtype=acc)
-    dq = np.empty((d_head, q_rows), dtype=acc)
-    s_t = np.empty(tile, dtype=acc)
-    dp_t = np.empty(tile, dtype=acc)
-    kd_psum = np.empty(tiling.k_tile * max(d_head, d_v), dtype=acc)
-    dq_psum = np.empty(q_rows * d_head, dtype=acc)
-    dk_acc = np.empty((sec_cap, d_head), dtype=acc)
-    dv_acc = np.empty((sec_cap, d_v), dtype=acc)
-    q_bits = np.empty(on_bits * d_head * q_rows, dtype=np.uint16)
-    p_bits = np.empty(bits, dtype=np.uint16)
-    ds_bits = np.empty(bits, dtype=np.uint16)
-    q_t = np.empty((1 - on_bits) * q_rows * d_head, dtype=acc)
-    dy_t = np.empty((1 - on_bits) * q_rows * d_v, dtype=acc)
-    mult = np.empty(drop, dtype=acc)
-    tanh = np.empty(cap, dtype=acc)
-    no_values = np.empty((0, 0), dtype=acc)
-    no_bits = np.empty((0, 0), dtype=np.uint16)
+    q_s = empty((d_head, q_rows), acc)
+    dq = empty((d_head, q_rows), acc)
+    s_t = empty(tile, acc)
+    dp_t = empty(tile, acc)
+    kd_psum = empty(tiling.k_tile * max(d_head, d_v), acc)
+    dq_psum = empty(q_rows * d_head, acc)
+    dk_acc = empty((sec_cap, d_head), acc)
+    dv_acc = empty((sec_cap, d_v), acc)
+    q_bits = empty(on_bits * d_head * q_rows, np.uint16)
+    p_bits = empty(bits, np.uint16)
+    ds_bits = empty(bits, np.uint16)
+    q_t = empty((1 - on_bits) * q_rows * d_head, acc)
+    dy_t = empty((1 - on_bits) * q_rows * d_v, acc)
+    mult = empty(drop, acc)
+    tanh = empty(cap, acc)
+    no_values = empty((0, 0), acc)
+    no_bits = empty((0, 0), np.uint16)
     # (the arrays made first: Numba cannot compile control flow inside a call of this many keywords)
     return Scratch(q_s=q_s, dq=dq, s_t=s_t, dp_t=dp_t, kd_psum=kd_psum, dq_psum=dq_psum, dk_acc=dk_acc,
                    dv_acc=dv_acc, q_bits=q_bits, p_bits=p_bits, ds_bits=ds_bits, q_t=q_t, dy_t=dy_t, mult=mult,
@@ -680,8 +681,8 @@ def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, round_acc):
     mixed_dtype tile (``tensor_partition_reduce``, upstream 1397-1398).
     """
     seqlen_q = neg_lse.size
-    out = np.zeros(sinks_h.size, dtype=neg_lse.dtype)
-    acc = np.empty(q_tile, dtype=neg_lse.dtype)
+    out = zeros(sinks_h.size, neg_lse.dtype)
+    acc = empty(q_tile, neg_lse.dtype)
     for i_sink in range(sinks_h.size):
         sink = rounded(sinks_h[i_sink], round_acc)
         acc[:] = _ZERO

@@ -43,6 +43,7 @@ import numpy as np
 from numba import types
 
 from ..conventions.dtypes import ROUND_BF16, ROUND_FP16, widen
+from ..compiler.arrays import bitcast, empty, empty_like, zeros
 from ..compiler.jit import jit, overload
 from ..compiler.linking import _plugin_key, call_or_raise, pack, unpack
 from .bundles import BwdInputs, FwdInputs
@@ -102,7 +103,7 @@ def _largest_input(x, which, status):
     :func:`~numbafa.kernels.values.largest_of_bits`)."""
     if not x.is_bits:
         return _largest(flat(x.f), which, status)
-    out = np.zeros(2)
+    out = zeros(2, np.float64)
     call_plugin(largest_of_bits, (flat(x.bits), out))
     if out[1] == 0.0:
         return out[0]
@@ -177,8 +178,8 @@ def exact_scores(args, _):
     _, nheads_kv, _, seqlen_k = dims4(k, layout)
     n_rep = nheads // nheads_kv
     largest = 0.0
-    kk = np.empty((d, seqlen_k), dtype=np.float64)
-    qq = np.empty((min(_ROWS, seqlen_q), d), dtype=np.float64)
+    kk = empty((d, seqlen_k), np.float64)
+    qq = empty((min(_ROWS, seqlen_q), d), np.float64)
     for b in range(bs):
         for h in range(nheads):
             for x in range(d):
@@ -231,14 +232,14 @@ def _check_range(plan, q, k, m_q, m_k, m_bias, status):
     if not _is_float64(plan.acc):   # Q is rounded to the kernel dtype at load
         rounds_to_inf = _FP16_INF if fmt == ROUND_FP16 else _BF16_INF if fmt == ROUND_BF16 else _F32_INF
         if scale * m_q >= rounds_to_inf:
-            status[0], status[1], status[3] = SCALED_Q, fmt, np.float64(scale * m_q).view(np.int64)
+            status[0], status[1], status[3] = SCALED_Q, fmt, bitcast(np.float64(scale * m_q), np.int64)
             return
     limit = _limit(plan.acc)
     d_head = stored_dims(q, plan.layout)[2]
     margin = (1.0 + 2.0 ** -7) * (1.0 + d_head * 2.0 ** -23)    # q * scale rounded (bf16), the sums
     largest = scale * m_q * m_k * d_head * margin               # inf past float64: no error
     if largest >= limit:
-        exact = np.zeros(1)
+        exact = zeros(1, np.float64)
         if q.is_bits:
             ran = _exact_scores((q.bits, k.bits, plan.softmax_scale, plan.layout, exact))
         else:
@@ -248,13 +249,13 @@ def _check_range(plan, q, k, m_q, m_k, m_bias, status):
             return
         largest = exact[0] * margin
     if largest >= limit:
-        status[0], status[3] = SCORES, np.float64(largest).view(np.int64)
+        status[0], status[3] = SCORES, bitcast(np.float64(largest), np.int64)
         return
     if m_bias > 0.0:
         cap = np.float64(plan.scores.softcap)
         total = (min(largest, cap) if cap > 0.0 else largest) + m_bias * (1.0 + 2.0 ** -23)
         if total >= limit:
-            status[0], status[3] = SCORES_WITH_BIAS, np.float64(total).view(np.int64)
+            status[0], status[3] = SCORES_WITH_BIAS, bitcast(np.float64(total), np.int64)
 
 
 @jit()
@@ -295,7 +296,7 @@ def _scaled_input(x, e):
     :func:`~numbafa.kernels.values.scaled_bits`)."""
     if not x.is_bits:
         return Stored(scaled(x.f, e), x.bits, False)
-    out = np.empty_like(x.bits)
+    out = empty_like(x.bits)
     call_plugin(scaled_bits, (flat(x.bits), flat(out), np.int64(e)))
     return Stored(x.f, out, True)
 

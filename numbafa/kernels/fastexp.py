@@ -30,6 +30,7 @@ import numpy as np
 from numba import types
 
 from ..compiler.jit import jit, overload
+from ..compiler.arrays import bitcast
 
 __all__ = ["expf", "exp_of", "log_of", "tanhf", "tanh_of"]
 
@@ -58,8 +59,8 @@ def expf(x):
     p = p * (r * r) + r + _ONE
     k = np.int32(n)
     k1 = np.int32(k >> 1)              # 2^n = 2^k1 * 2^(n - k1), each factor normal
-    s1 = np.int32((k1 + 127) << 23).view(np.float32)
-    s2 = np.int32((k - k1 + 127) << 23).view(np.float32)
+    s1 = bitcast(np.int32((k1 + 127) << 23), np.float32)
+    s2 = bitcast(np.int32((k - k1 + 127) << 23), np.float32)
     return _ZERO if underflow else (p * s1) * s2
 
 

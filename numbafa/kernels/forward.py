@@ -48,6 +48,7 @@ import numpy as np
 from numba import types
 
 from ..conventions.dtypes import ROUND_BF16, round_inplace, rounded
+from ..compiler.arrays import bitcast, empty, ones
 from ..compiler.jit import jit, overload
 from ..compiler.linking import unpack
 from .common import store_transposed
@@ -113,13 +114,13 @@ def _row_max_f32(x):
     their floats for every non-NaN value, -0.0 just below +0.0; the map is
     its own inverse. Inputs are validated finite, so scores hold no NaN.
     """
-    u = x.view(np.int32)
+    u = bitcast(x, np.int32)
     m = _NEG_INF_KEY
     for j in range(u.size):
         b = u[j]
         key = np.int32(b ^ ((b >> 31) & 0x7FFFFFFF))  # np.int32: keep the compare 32-bit wide
         m = key if key > m else m
-    return np.int32(m ^ ((m >> 31) & 0x7FFFFFFF)).view(np.float32)
+    return bitcast(np.int32(m ^ ((m >> 31) & 0x7FFFFFFF)), np.float32)
 
 
 @jit()
@@ -328,19 +329,19 @@ def make_fwd_scratch(d_head, d_v, seqlen_q, plan):
     k_cap = max(tiling.k_tile, 1)
     bits = 1 if plan.gemm.bits else 0
     acc = plan.acc.dtype
-    return FwdScratch(q_s=np.empty((d_head, q_rows), dtype=acc),
-                      o_acc=np.empty((q_rows, d_v), dtype=acc),
-                      row_max=np.empty(q_rows, dtype=acc),
-                      row_sum=np.empty(q_rows, dtype=acc),
-                      alpha=np.empty(q_rows, dtype=acc),
-                      s=np.empty(q_rows * k_cap, dtype=acc),
-                      pv=np.empty(q_rows * d_v, dtype=acc),
-                      tile_sum=np.empty(q_rows, dtype=acc),
-                      ones=np.ones(k_cap, dtype=acc),
-                      q_bits=np.empty(bits * d_head * q_rows, dtype=np.uint16),
-                      p_bits=np.empty(bits * q_rows * k_cap, dtype=np.uint16),
-                      no_values=np.empty((0, 0), dtype=acc),
-                      no_bits=np.empty((0, 0), dtype=np.uint16))
+    return FwdScratch(q_s=empty((d_head, q_rows), acc),
+                      o_acc=empty((q_rows, d_v), acc),
+                      row_max=empty(q_rows, acc),
+                      row_sum=empty(q_rows, acc),
+                      alpha=empty(q_rows, acc),
+                      s=empty(q_rows * k_cap, acc),
+                      pv=empty(q_rows * d_v, acc),
+                      tile_sum=empty(q_rows, acc),
+                      ones=ones(k_cap, acc),
+                      q_bits=empty(bits * d_head * q_rows, np.uint16),
+                      p_bits=empty(bits * q_rows * k_cap, np.uint16),
+                      no_values=empty((0, 0), acc),
+                      no_bits=empty((0, 0), np.uint16))
 
 
 @jit()
@@ -368,18 +369,18 @@ def fwd_work_item(args, item):
     if layout == NEURON:
         k_f, k_bits = k.f[batch, kv_head], k.bits[batch, kv_head]
         if is_bits:
-            v_f, v_bits = no_f, np.empty((seqlen_k, d_v), dtype=np.uint16)
+            v_f, v_bits = no_f, empty((seqlen_k, d_v), np.uint16)
             call_plugin(gather_bits, (v.bits[batch, kv_head], np.int64(0), np.int64(seqlen_k), np.int64(0),
                                       np.int64(d_v), v_bits))
         else:
-            v_f, v_bits = np.empty((seqlen_k, d_v), dtype=plan.acc.dtype), no_b
+            v_f, v_bits = empty((seqlen_k, d_v), plan.acc.dtype), no_b
             gather_head((v.f[batch, kv_head], 0, seqlen_k), 0, d_v, v_f, False)
         v_op = input_operand(v_f, v_bits, is_bits, plan, no_f, no_b)
     else:
         if is_bits:
-            k_f, k_bits = no_f, np.empty((d_head, seqlen_k), dtype=np.uint16)
+            k_f, k_bits = no_f, empty((d_head, seqlen_k), np.uint16)
         else:
-            k_f, k_bits = np.empty((d_head, seqlen_k), dtype=plan.acc.dtype), no_b
+            k_f, k_bits = empty((d_head, seqlen_k), plan.acc.dtype), no_b
         gather_input(k, layout, batch, kv_head, 0, seqlen_k, k_f, k_bits)
         v_op = input_operand(head_slice(head_rows(v.f, layout, batch, kv_head), 0, seqlen_k),
                              head_slice(head_rows(v.bits, layout, batch, kv_head), 0, seqlen_k), is_bits, plan,

@@ -38,6 +38,7 @@ import numba
 import numpy as np
 from numba import prange
 
+from ..compiler.arrays import empty, zeros
 from ..compiler.jit import jit
 from numba import types
 
@@ -112,10 +113,10 @@ def _launch(address, word, items):
     launcher = kernel_address(LAUNCHER_KEY)
     if launcher == 0:
         raise ValueError("numbafa: the launcher was not compiled or loaded in this process")
-    work = np.empty(items.size, dtype=np.int64)
+    work = empty(items.size, np.int64)
     for i in range(items.size):   # (not work[:] = items: Numba compiles a shape-formatting error path for that)
         work[i] = items[i]
-    status = np.zeros(items.size, dtype=np.int32)
+    status = zeros(items.size, np.int32)
     call_or_raise(launcher, (address, word, work, status))
     _raise_failed(address, word, work, status)
 

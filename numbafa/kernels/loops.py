@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..compiler.jit import jit
+from ..compiler.arrays import bitcast
 from .heads import gather_head
 from .matmul import Operand, bits_operand, row_of, values_operand
 
@@ -75,7 +76,7 @@ def tile_operand(t, bits_buf, no_values, no_bits, bits):
 def bits_of_row(src, dst):
     """``dst[j]`` = the bf16 bits of ``src[j]``, a float32 holding a bf16 value (exact)."""
     for j in range(src.size):
-        dst[j] = np.uint16(np.float32(src[j]).view(np.uint32) >> np.uint32(16))
+        dst[j] = np.uint16(bitcast(np.float32(src[j]), np.uint32) >> np.uint32(16))
 
 
 @jit(apart=True, refcount=False)

@@ -25,6 +25,7 @@ import numpy as np
 from numba import types
 from numpy.lib.stride_tricks import as_strided
 
+from ..compiler.arrays import empty
 from ..compiler.jit import jit, overload
 from ..compiler.linking import unpack
 from ..conventions.dtypes import widen
@@ -70,11 +71,11 @@ def _stored_overload(x, acc):
         return None
     if x.dtype == types.uint16:
         def bits(x, acc):
-            return Stored(np.empty((x.shape[0], x.shape[1], 0, 0), dtype=acc.dtype), x, True)
+            return Stored(empty((x.shape[0], x.shape[1], 0, 0), acc.dtype), x, True)
         return bits
 
     def values(x, acc):
-        return Stored(x, np.empty((x.shape[0], x.shape[1], 0, 0), dtype=np.uint16), False)
+        return Stored(x, empty((x.shape[0], x.shape[1], 0, 0), np.uint16), False)
     return values
 
 
@@ -229,7 +230,7 @@ def input_operand(f, bits, is_bits, plan, no_values, no_bits):
 def _widened_operand(bits, no_values, no_bits):
     """The float32 operand of bf16 ``bits`` (any layout): a new tile, filled by the plugin
     :func:`widen_bits`."""
-    wide = np.empty(bits.shape, dtype=no_values.dtype)
+    wide = empty(bits.shape, no_values.dtype)
     call_plugin(widen_bits, (bits, wide))
     return values_operand(wide, no_bits)
 

@@ -15,6 +15,7 @@ import math
 import numpy as np
 from numba import types
 
+from ..compiler.arrays import bitcast, empty_like
 from ..compiler.jit import jit, overload
 from ..compiler.linking import unpack
 from ..conventions.dtypes import f32_to_bf16_bits, widen
@@ -42,7 +43,7 @@ def _magnitude_bits_overload(flat):
     signed, mask = widths[flat.dtype]
 
     def impl(flat):
-        u = flat.view(signed)
+        u = bitcast(flat, signed)
         largest = signed(0)
         for i in range(u.size):
             x = signed(u[i] & signed(mask))
@@ -59,11 +60,11 @@ def bits_value(bits, flat):  # pragma: no cover - replaced inside njit code
 @overload(bits_value)
 def _bits_value_overload(bits, flat):
     if flat.dtype == types.float32:
-        return lambda bits, flat: (bits < 0x7F800000, np.float64(np.uint32(bits).view(np.float32)))
+        return lambda bits, flat: (bits < 0x7F800000, np.float64(bitcast(np.uint32(bits), np.float32)))
     if flat.dtype == types.uint16:
         return lambda bits, flat: (bits < 0x7F80, np.float64(widen(np.uint16(bits))))
     if flat.dtype == types.float64:
-        return lambda bits, flat: (bits < np.uint64(0x7FF0000000000000), np.uint64(bits).view(np.float64))
+        return lambda bits, flat: (bits < np.uint64(0x7FF0000000000000), bitcast(np.uint64(bits), np.float64))
     return None
 
 
@@ -81,7 +82,7 @@ def scaled(x, e):
     """A new array: the float kernel input ``x`` (float32, float64) times ``2**-e``, exact (a power
     of two keeps every mantissa; a value scaled below the normal range is rounded once, as ``ldexp``
     rounds it)."""
-    out = np.empty_like(x)
+    out = empty_like(x)
     src, dst = x.reshape(-1), out.reshape(-1)
     for i in range(src.size):
         dst[i] = math.ldexp(np.float64(src[i]), -e)
