@@ -15,7 +15,7 @@ The kernel cache
 ----------------
 A cold first call compiles the kernels of its dtype (:data:`COMPILE_TIME`;
 docs/performance.md, "Compile time"); with the on-disk cache, a later process
-loads them in 0.3-0.6 s.
+loads them in 0.3-0.7 s.
 Compiled code is kept in::
 
     <cache root>/<source hash>-numba<numba version>-py<python version>/
