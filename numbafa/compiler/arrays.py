@@ -30,7 +30,7 @@ from numba.extending import intrinsic
 from numba.np.arrayobj import (_empty_nd_impl, _parse_shape, make_array, populate_array, ty_parse_dtype,
                                ty_parse_shape)
 
-__all__ = ["bitcast", "empty", "zeros", "ones", "empty_like"]
+__all__ = ["bitcast", "empty", "zeros", "ones", "empty_like", "vector_view"]
 
 
 @intrinsic
@@ -50,16 +50,24 @@ def bitcast(typingctx, x, to):
 
     def view(context, builder, sig, args):
         src = make_array(sig.args[0])(context, builder, value=args[0])
-        dst = make_array(retty)(context, builder)
         data = builder.bitcast(src.data, context.get_data_type(target).as_pointer())
-        populate_array(dst, data=data, shape=src.shape, strides=src.strides, itemsize=src.itemsize,
-                       meminfo=src.meminfo, parent=src.parent)
-        value = dst._getvalue()
-        if context.enable_nrt:
-            context.nrt.incref(builder, retty, value)
-        return value
+        return vector_view(context, builder, src, retty, data, src.nitems)
 
     return retty(x, to), view
+
+
+def vector_view(context, builder, src, retty, data, n):
+    """Codegen: the contiguous 1-D array ``retty`` of ``n`` elements from ``data``, a view of the
+    array ``src`` (its memory, counted where reference counting is on; elements of ``src``'s
+    size). For intrinsics that return views (``bitcast`` here, ``numbafa.kernels.matmul``'s)."""
+    dst = make_array(retty)(context, builder)
+    populate_array(dst, data=data, shape=cgutils.pack_array(builder, [n]),
+                   strides=cgutils.pack_array(builder, [src.itemsize]), itemsize=src.itemsize,
+                   meminfo=src.meminfo, parent=src.parent)
+    value = dst._getvalue()
+    if context.enable_nrt:
+        context.nrt.incref(builder, retty, value)
+    return value
 
 
 def _allocation(shape, dtype, fill):

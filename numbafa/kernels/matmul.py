@@ -51,8 +51,9 @@ import numpy as np
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
-from numba.np.arrayobj import make_array, populate_array
+from numba.np.arrayobj import make_array
 
+from ..compiler.arrays import vector_view
 from ..compiler.jit import jit, overload
 from ..compiler.linking import pack
 from ..platform.onednn import ensure_symbols
@@ -115,19 +116,6 @@ def any_layout(typingctx, x):
     return x.copy(layout="A")(x), codegen
 
 
-def _vector_view(context, builder, src, retty, data, n):
-    """The contiguous 1-D array ``retty`` of ``n`` elements from ``data``, a view of the array
-    ``src`` (its memory, counted where reference counting is on)."""
-    dst = make_array(retty)(context, builder)
-    populate_array(dst, data=data, shape=cgutils.pack_array(builder, [n]),
-                   strides=cgutils.pack_array(builder, [src.itemsize]), itemsize=src.itemsize,
-                   meminfo=src.meminfo, parent=src.parent)
-    value = dst._getvalue()
-    if context.enable_nrt:
-        context.nrt.incref(builder, retty, value)
-    return value
-
-
 @intrinsic
 def flat(typingctx, x):
     """``flat(x)``: a C-contiguous array as a 1-D view of all its elements (no copy, and no
@@ -138,7 +126,7 @@ def flat(typingctx, x):
 
     def codegen(context, builder, sig, args):
         src = make_array(sig.args[0])(context, builder, value=args[0])
-        return _vector_view(context, builder, src, retty, src.data, src.nitems)
+        return vector_view(context, builder, src, retty, src.data, src.nitems)
 
     return retty(x), codegen
 
@@ -159,7 +147,7 @@ def row_of(typingctx, x, i):
         shape = cgutils.unpack_tuple(builder, src.shape)
         strides = cgutils.unpack_tuple(builder, src.strides)
         start = builder.gep(builder.bitcast(src.data, cgutils.voidptr_t), [builder.mul(row, strides[0])])
-        return _vector_view(context, builder, src, retty, builder.bitcast(start, src.data.type), shape[1])
+        return vector_view(context, builder, src, retty, builder.bitcast(start, src.data.type), shape[1])
 
     return retty(x, i), codegen
 
