@@ -345,7 +345,17 @@ def _boom(*args, **kwargs):
     raise AssertionError("the full path ran")
 
 
-def test_a_remembered_call_skips_the_python_checks_with_the_same_bits(monkeypatch):
+@pytest.fixture
+def no_remembered_calls(monkeypatch):
+    """An empty memo of remembered calls for the test: a call this process made before (another
+    test's, the same shapes and options) would otherwise be found where the test expects the
+    full path (the memo clears itself only when full, so it depends on the tests run before)."""
+    from numbafa.compiler.memo import Memo
+    from numbafa.pipeline import core
+    monkeypatch.setattr(core, "_RECIPES", Memo())
+
+
+def test_a_remembered_call_skips_the_python_checks_with_the_same_bits(monkeypatch, no_remembered_calls):
     """A call without option arrays or dropout whose metadata and scalar options a successful
     call had runs the compiled entry straight away (the checks and the plan remembered)."""
     from numbafa.pipeline import core
@@ -366,7 +376,8 @@ def test_a_remembered_call_skips_the_python_checks_with_the_same_bits(monkeypatc
         numbafa.attention_fwd(np.asfortranarray(f["q_ref"]), *qkv[1:], use_causal_mask=True)
 
 
-def test_the_public_functions_find_a_remembered_call_before_building_their_options(monkeypatch):
+def test_the_public_functions_find_a_remembered_call_before_building_their_options(monkeypatch,
+                                                                                   no_remembered_calls):
     """numbafa.attention_fwd / attention_bwd look a call up from their arguments as given
     (core.remembered_fwd / remembered_bwd): a remembered call builds no AttentionOptions; a call
     with an option array, dropout or other scalars does, and takes the full path."""
