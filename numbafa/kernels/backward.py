@@ -79,6 +79,7 @@ from ..conventions.dtypes import ROUND_NONE, round_inplace, rounded, widen
 from ..compiler.arrays import empty, zeros
 from ..compiler.jit import jit
 from ..compiler.linking import unpack
+from ..compiler.scalars import max_, min_
 from ..conventions.tiling import FLOAT32_MIN
 from .common import store, store_transposed
 from .dropout import drop_probabilities, drop_scores
@@ -144,7 +145,7 @@ def compute_rowsum(o_h, dy_h, start, count, d_tile, d_sum, precision):
     prod = empty(count, d_sum.dtype)
     for d0 in range(0, d_head, d_tile):
         partial[:] = _ZERO
-        for i_d in range(d0, min(d0 + d_tile, d_head)):
+        for i_d in range(d0, min_(d0 + d_tile, d_head)):
             o_row = o_h[i_d, start:start + count]
             dy_row = dy_h[i_d, start:start + count]
             if round_kernel == ROUND_NONE:   # float32: the product and the sum may fuse (FMA)
@@ -398,20 +399,20 @@ def _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch):
     """
     tiling = plan.tiling
     mask = plan.mask
-    n_k = min(tiling.k_tile, sec.length - k_tile0)
+    n_k = min_(tiling.k_tile, sec.length - k_tile0)
     k_abs0 = sec.start + k_tile0
     t0, t1 = required_q_rows(mask, qg.start, qg.rows, tiling.q_tile, k_abs0, k_abs0 + n_k - 1)
     if t0 >= t1:
         return
     cut = cut_by_mask(mask, q_first=qg.start + t0, k_last=k_abs0 + n_k - 1)
-    sub = min(tiling.k_sub_tile, n_k) if cut else n_k
+    sub = min_(tiling.k_sub_tile, n_k) if cut else n_k
     d_head = qg.dq.shape[0]
     dq_psum = scratch.dq_psum[:d_head * (t1 - t0)].reshape(d_head, t1 - t0)
     rounded_tiles = plan.precision.round_kernel != ROUND_NONE
     if rounded_tiles and cut:  # rounded tiles keep dQ's PSUM apart
         dq_psum[:] = _ZERO
     for kb0 in range(k_tile0, k_tile0 + n_k, sub):
-        n_kb = min(sub, k_tile0 + n_k - kb0)
+        n_kb = min_(sub, k_tile0 + n_k - kb0)
         r0, r1 = t0, t1
         if sub < n_k:
             kb_abs = sec.start + kb0
@@ -497,7 +498,7 @@ def load_kv_section(k_in, v_in, plan, batch, kv_head, i_section, scratch, copies
     seqlen_k = stored_dims(k_in, plan.layout)[3]
     section_len = plan.tiling.section_len
     start = i_section * section_len
-    length = max(0, min(section_len, seqlen_k - start))
+    length = max_(0, min_(section_len, seqlen_k - start))
     keys = slice(start, start + length)
     if plan.layout == NEURON:
         k_op = input_operand(k_in.f[batch, kv_head][:, keys], k_in.bits[batch, kv_head][:, keys], k_in.is_bits, plan,
@@ -581,8 +582,8 @@ def make_scratch(d_head, d_v, seqlen_q, seqlen_k, plan):
     copies (``q_bits``, ``p_bits``, ``ds_bits``) only on the bf16 path, the dropout multipliers
     (``mult``) only with dropout, the soft cap's tanh tile (``tanh``) only with a soft cap."""
     tiling = plan.tiling
-    q_rows = max(1, min(tiling.group_rows, seqlen_q))
-    sec_cap = min(tiling.section_len, seqlen_k)
+    q_rows = max_(1, min_(tiling.group_rows, seqlen_q))
+    sec_cap = min_(tiling.section_len, seqlen_k)
     tile = tiling.k_tile * q_rows
     on_bits = 1 if plan.gemm.bits else 0
     bits = tile * on_bits
@@ -593,7 +594,7 @@ def make_scratch(d_head, d_v, seqlen_q, seqlen_k, plan):
     dq = empty((d_head, q_rows), acc)
     s_t = empty(tile, acc)
     dp_t = empty(tile, acc)
-    kd_psum = empty(tiling.k_tile * max(d_head, d_v), acc)
+    kd_psum = empty(tiling.k_tile * max_(d_head, d_v), acc)
     dq_psum = empty(q_rows * d_head, acc)
     dk_acc = empty((sec_cap, d_head), acc)
     dv_acc = empty((sec_cap, d_v), acc)
@@ -633,7 +634,7 @@ def bwd_work_item(args, item):
     n_groups = n_q_groups(seqlen_q, tiling)
     # A zero-length key sequence still runs one (empty) section, so that D,
     # dQ = 0 and dsinks come from the same code path.
-    n_sections = max(1, (seqlen_k + tiling.section_len - 1) // tiling.section_len)
+    n_sections = max_(1, (seqlen_k + tiling.section_len - 1) // tiling.section_len)
     for batch in range(b0, b1):
         for kv_head in range(h0, h1):
             unit = batch * nheads_kv + kv_head
@@ -687,7 +688,7 @@ def compute_dsinks(sinks_h, neg_lse, d_sum, q_tile, round_acc):
         sink = rounded(sinks_h[i_sink], round_acc)
         acc[:] = _ZERO
         for q0 in range(0, seqlen_q, q_tile):
-            for p in range(min(q_tile, seqlen_q - q0)):
+            for p in range(min_(q_tile, seqlen_q - q0)):
                 p_sink = _sink_probability(sink, neg_lse[q0 + p], round_acc)
                 acc[p] = rounded(acc[p] - p_sink * d_sum[q0 + p], round_acc)
         total = _ZERO

@@ -46,6 +46,7 @@ from ..conventions.dtypes import ROUND_BF16, ROUND_FP16, widen
 from ..compiler.arrays import bitcast, empty, empty_like, zeros
 from ..compiler.jit import jit, overload
 from ..compiler.linking import _plugin_key, call_or_raise, pack, unpack
+from ..compiler.scalars import max_, min_
 from .bundles import BwdInputs, FwdInputs
 from .heads import BHSD, BSHD, dims4
 from .launch import backward_items, forward_items
@@ -123,7 +124,7 @@ def _largest_bias(scores, longest, status):
         b = np.float64(bias[i])
         bad += not (b < math.inf)        # NaN or +inf
         a = abs(b)
-        largest = max(largest, a if a < math.inf else 0.0)
+        largest = max_(largest, a if a < math.inf else 0.0)
     if bad:
         status[0], status[1], status[2] = NONFINITE, _BIAS, bad
         return -1.0
@@ -179,21 +180,21 @@ def exact_scores(args, _):
     n_rep = nheads // nheads_kv
     largest = 0.0
     kk = empty((d, seqlen_k), np.float64)
-    qq = empty((min(_ROWS, seqlen_q), d), np.float64)
+    qq = empty((min_(_ROWS, seqlen_q), d), np.float64)
     for b in range(bs):
         for h in range(nheads):
             for x in range(d):
                 for j in range(seqlen_k):
                     kk[x, j] = abs(np.float64(widen(_element(k, layout, b, h // n_rep, x, j))))
             for r in range(0, seqlen_q, _ROWS):
-                rows = min(_ROWS, seqlen_q - r)
+                rows = min_(_ROWS, seqlen_q - r)
                 for i in range(rows):
                     for x in range(d):
                         qq[i, x] = abs(np.float64(widen(_element(q, layout, b, h, x, r + i))))
                 prod = np.dot(qq[:rows], kk)
                 for i in range(rows):
                     for j in range(seqlen_k):
-                        largest = max(largest, prod[i, j])
+                        largest = max_(largest, prod[i, j])
     out[0] = largest * abs(np.float64(scale))
 
 
@@ -253,7 +254,7 @@ def _check_range(plan, q, k, m_q, m_k, m_bias, status):
         return
     if m_bias > 0.0:
         cap = np.float64(plan.scores.softcap)
-        total = (min(largest, cap) if cap > 0.0 else largest) + m_bias * (1.0 + 2.0 ** -23)
+        total = (min_(largest, cap) if cap > 0.0 else largest) + m_bias * (1.0 + 2.0 ** -23)
         if total >= limit:
             status[0], status[3] = SCORES_WITH_BIAS, bitcast(np.float64(total), np.int64)
 
@@ -270,7 +271,7 @@ def _exponent(bound, plan, backward, status):
     if not bound < math.inf:   # float64 inputs near float64's largest value
         status[0], status[1] = SUMS, backward
         return -1
-    return int(math.ceil(math.log2(bound / limit))) + 1
+    return math.ceil(math.log2(bound / limit)) + 1   # an int64 in njit code
 
 
 @jit()
@@ -285,7 +286,7 @@ def _backward_bound(plan, q_dims, v_dims, m_q, m_k, m_v, m_o, m_dy):
     d_sum = d_v * m_o * m_dy
     d_s = d_v * m_dy * (m_v * keep + m_o)
     dbias = bs * nheads * seqlen_q * d_s if plan.scores.dbias.size > 0 else 0.0
-    return max(d_v * m_dy * m_v * keep, d_sum, d_s, n_rep * seqlen_q * m_dy * keep,
+    return max_(d_v * m_dy * m_v * keep, d_sum, d_s, n_rep * seqlen_q * m_dy * keep,
                n_rep * seqlen_q * d_s * m_q * scale, scale * seqlen_k * d_s * m_k, seqlen_q * d_sum, dbias)
 
 
@@ -358,7 +359,7 @@ def forward_entry(ins, outs, plan, items, exponent, status):
         m_k = _largest_input(ins.k, _K, status) if m_q >= 0.0 else -1.0
         m_v = _largest_input(ins.v, _V, status) if m_k >= 0.0 else -1.0
         m_s = _largest(flat(ins.sinks), _SINKS, status) if m_v >= 0.0 else -1.0
-        longest = max(stored_dims(ins.q, plan.layout)[3], stored_dims(ins.k, plan.layout)[3])
+        longest = max_(stored_dims(ins.q, plan.layout)[3], stored_dims(ins.k, plan.layout)[3])
         m_bias = _largest_bias(plan.scores, longest, status) if m_s >= 0.0 else -1.0
         if status[0] != OK:
             return 0
@@ -368,7 +369,7 @@ def forward_entry(ins, outs, plan, items, exponent, status):
         keep = np.float64(plan.dropout.scale) if plan.dropout.active else 1.0
         e = _exponent(stored_dims(ins.k, plan.layout)[3] * m_v * keep, plan, False, status)
         if e < 0 or items.size == 0:   # (no items: the checks alone, for a Dask call's client)
-            return max(e, 0)
+            return max_(e, 0)
     if e > 0:
         forward_items(FwdInputs(ins.q, ins.k, _scaled_input(ins.v, e), ins.sinks), outs, plan, items)
     else:
@@ -392,7 +393,7 @@ def backward_entry(ins, outs, stats, plan, items, units, exponent, status):
         m_o = _largest_input(ins.o, _O, status) if m_v >= 0.0 else -1.0
         m_dy = _largest_input(ins.dy, _DY, status) if m_o >= 0.0 else -1.0
         m_s = _largest(flat(ins.sinks), _SINKS, status) if m_dy >= 0.0 else -1.0
-        longest = max(stored_dims(ins.q, plan.layout)[3], stored_dims(ins.k, plan.layout)[3])
+        longest = max_(stored_dims(ins.q, plan.layout)[3], stored_dims(ins.k, plan.layout)[3])
         m_bias = _largest_bias(plan.scores, longest, status) if m_s >= 0.0 else -1.0
         if status[0] == OK:
             _lse_values(flat(ins.lse), status)
@@ -405,7 +406,7 @@ def backward_entry(ins, outs, stats, plan, items, units, exponent, status):
                                 m_o, m_dy)
         e = _exponent(bound, plan, True, status)
         if e < 0 or items.size + units.size == 0:
-            return max(e, 0)
+            return max_(e, 0)
     if e > 0:
         rescaled = BwdInputs(q=ins.q, k=ins.k, v=ins.v, o=ins.o, dy=_scaled_input(ins.dy, e), lse=ins.lse,
                              sinks=ins.sinks)

@@ -51,6 +51,7 @@ from ..conventions.dtypes import ROUND_BF16, round_inplace, rounded
 from ..compiler.arrays import bitcast, empty, ones
 from ..compiler.jit import jit, overload
 from ..compiler.linking import unpack
+from ..compiler.scalars import max_, min_
 from .common import store_transposed
 from .dropout import drop_tile
 from .fastexp import exp_of, log_of
@@ -161,7 +162,7 @@ def online_softmax_update(s, at, stats, plan, bits_out):
         row[hi:] = _ZERO
         seen = row[lo:hi]
         m_old = stats.row_max[i]
-        m_new = max(m_old, _row_max(seen))
+        m_new = max_(m_old, _row_max(seen))
         if m_new == _NEG_INF:  # nothing visible yet
             stats.alpha[i] = _ONE
             seen[:] = _ZERO
@@ -248,21 +249,21 @@ def fwd_k_tile(plan, head, q_op, k_op, v_op, q_grp0, k0, scratch):
     mask = plan.mask
     seqlen_k = width(k_op, plan.gemm.bits)
     rows = width(q_op, plan.gemm.bits)
-    n_k = min(tiling.k_tile, seqlen_k - k0)
+    n_k = min_(tiling.k_tile, seqlen_k - k0)
     r0, r1 = required_q_rows(mask, q_grp0, rows, tiling.q_tile, k0, k0 + n_k - 1)
     if r0 >= r1:
         return
     cut = cut_by_mask(mask, q_first=q_grp0 + r0, k_last=k0 + n_k - 1)
     step = tiling.q_tile if cut else r1 - r0
     for b0 in range(r0, r1, step):
-        b1 = min(b0 + step, r1)
+        b1 = min_(b0 + step, r1)
         kv0 = k0
         kv1 = k0 + n_k
         if cut:
             _, last_hi = static_key_range(q_grp0 + b1 - 1, mask.causal, mask.window, seqlen_k)
             first_lo, _ = static_key_range(q_grp0 + b0, mask.causal, mask.window, seqlen_k)
-            kv1 = min(kv1, last_hi)
-            kv0 = max(kv0, first_lo)
+            kv1 = min_(kv1, last_hi)
+            kv0 = max_(kv0, first_lo)
             if kv1 <= kv0:
                 continue
         stats = RowStats(scratch.row_max[b0:b1], scratch.row_sum[b0:b1], scratch.alpha[b0:b1],
@@ -313,7 +314,7 @@ def sink_statistics(sinks_h):
     """``(max, sum(exp(sink - max)))`` of one q-head's sinks (``-inf, 0`` without sinks)."""
     sink_max = _NEG_INF
     for i_sink in range(sinks_h.size):
-        sink_max = max(sink_max, sinks_h[i_sink])
+        sink_max = max_(sink_max, sinks_h[i_sink])
     sink_sum = _ZERO
     for i_sink in range(sinks_h.size):
         sink_sum += exp_of(sinks_h[i_sink] - sink_max)
@@ -325,8 +326,8 @@ def make_fwd_scratch(d_head, d_v, seqlen_q, plan):
     """Per-item scratch buffers (:data:`FwdScratch`), for Q groups of at most ``seqlen_q`` rows, head
     dims ``d_head`` (Q) and ``d_v`` (V, O); the bf16 operand copies only on the bf16 path."""
     tiling = plan.tiling
-    q_rows = max(1, min(tiling.group_rows, seqlen_q))
-    k_cap = max(tiling.k_tile, 1)
+    q_rows = max_(1, min_(tiling.group_rows, seqlen_q))
+    k_cap = max_(tiling.k_tile, 1)
     bits = 1 if plan.gemm.bits else 0
     acc = plan.acc.dtype
     return FwdScratch(q_s=empty((d_head, q_rows), acc),

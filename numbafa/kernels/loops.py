@@ -15,6 +15,7 @@ import numpy as np
 
 from ..compiler.jit import jit
 from ..compiler.arrays import bitcast
+from ..compiler.scalars import min_
 from .heads import gather_head
 from .matmul import Operand, bits_operand, row_of, values_operand
 
@@ -45,7 +46,7 @@ def owns_group(i_group, n_groups, chunk, q_chunks):
     under a causal mask (later groups see more keys) every item gets the
     same amount of work.
     """
-    return min(i_group, n_groups - 1 - i_group) % q_chunks == chunk
+    return min_(i_group, n_groups - 1 - i_group) % q_chunks == chunk
 
 
 @jit()
@@ -53,7 +54,7 @@ def group_rows(i_group, seqlen_q, tiling):
     """``(first row, number of rows)`` of Q group ``i_group`` (the last group may be short)."""
     size = tiling.group_rows
     start = i_group * size
-    return start, min(size, seqlen_q - start)
+    return start, min_(size, seqlen_q - start)
 
 
 # --- GEMM operands (numbafa.kernels.matmul.Operand) ----------------------------------------

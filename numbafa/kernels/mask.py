@@ -32,6 +32,7 @@ from collections import namedtuple
 import numpy as np
 
 from ..compiler.jit import jit
+from ..compiler.scalars import max_, min_
 
 __all__ = ["TilePos", "tile_pos", "static_key_range", "fill_key_ranges", "visible_keys", "queries_seeing_key",
            "required_q_rows", "cut_by_mask"]
@@ -56,13 +57,13 @@ def static_key_range(q, causal, window, seqlen_k):
     if not causal:
         return 0, seqlen_k
     lo = q - window + 1 if window > 0 else 0
-    return max(lo, 0), min(q + 1, seqlen_k)
+    return max_(lo, 0), min_(q + 1, seqlen_k)
 
 
 @jit()
 def _ceil_clamped(bound, seqlen_k):
     """``ceil(bound)`` clamped to ``[0, seqlen_k]``, exact for any float (+-inf included)."""
-    x = min(max(np.float64(bound), 0.0), np.float64(seqlen_k))
+    x = min_(max_(np.float64(bound), 0.0), np.float64(seqlen_k))
     return np.int64(math.ceil(x))
 
 
@@ -77,17 +78,17 @@ def fill_key_ranges(causal, window, use_packing, bound_min, bound_max, seqlen_k,
     for q in range(key_lo.size):
         lo, hi = static_key_range(q, causal, window, seqlen_k)
         if use_packing:
-            lo = max(lo, _ceil_clamped(bound_min[q], seqlen_k))
-            hi = min(hi, _ceil_clamped(bound_max[q], seqlen_k))
+            lo = max_(lo, _ceil_clamped(bound_min[q], seqlen_k))
+            hi = min_(hi, _ceil_clamped(bound_max[q], seqlen_k))
         key_lo[q] = lo
-        key_hi[q] = max(hi, lo)
+        key_hi[q] = max_(hi, lo)
 
 
 @jit()
 def visible_keys(mask, q, k0, n_k):
     """Keys of the tile ``[k0, k0 + n_k)`` that query ``q`` sees, as ``[lo, hi)`` relative to ``k0``."""
-    hi = min(max(mask.key_hi[q] - k0, 0), n_k)
-    lo = min(max(mask.key_lo[q] - k0, 0), hi)
+    hi = min_(max_(mask.key_hi[q] - k0, 0), n_k)
+    lo = min_(max_(mask.key_lo[q] - k0, 0), hi)
     return lo, hi
 
 
@@ -134,15 +135,15 @@ def required_q_rows(mask, q_grp0, rows, q_tile, k_min, k_max):
     big = np.int64(1) << 62
     for g in range(n_tiles):
         q_min = q_grp0 + g * q_tile
-        q_max = q_grp0 + min((g + 1) * q_tile, rows) - 1
+        q_max = q_grp0 + min_((g + 1) * q_tile, rows) - 1
         _, hi = static_key_range(q_max, mask.causal, mask.window, big)
         lo, _ = static_key_range(q_min, mask.causal, mask.window, big)
         if hi - 1 >= k_min and lo <= k_max:
-            g_lo = min(g_lo, g)
+            g_lo = min_(g_lo, g)
             g_hi = g + 1
     if g_lo >= g_hi:
         return 0, 0
-    return g_lo * q_tile, min(g_hi * q_tile, rows)
+    return g_lo * q_tile, min_(g_hi * q_tile, rows)
 
 
 @jit()

@@ -56,6 +56,7 @@ from numba.np.arrayobj import make_array
 from ..compiler.arrays import vector_view
 from ..compiler.jit import jit, overload
 from ..compiler.linking import pack
+from ..compiler.scalars import max_, min_
 from ..platform.onednn import ensure_symbols
 
 __all__ = ["Operand", "values_operand", "bits_operand", "gemm", "row_sums", "any_layout", "flat", "row_of"]
@@ -182,7 +183,7 @@ def _check_operands(a, b, c, trans_a, trans_b):
     if a_rows != m or b_rows != k or b_cols != n:
         raise ValueError("matmul: operand shapes do not match")
     if a.strides[1] != a.itemsize or b.strides[1] != b.itemsize or c.strides[1] != c.itemsize:
-        if min(m, n, k) > 0:
+        if min_(m, n, k) > 0:
             raise ValueError("matmul: operands need a unit inner stride")
     return m, n, k
 
@@ -190,7 +191,7 @@ def _check_operands(a, b, c, trans_a, trans_b):
 @jit()
 def _leading_dim(x):
     """Row stride of a 2-D array with unit inner stride, in elements (BLAS ``ld``)."""
-    return max(x.strides[0] // x.itemsize, x.shape[1], 1)
+    return max_(x.strides[0] // x.itemsize, x.shape[1], 1)
 
 
 def _blas(a, b, c, trans_a, trans_b, alpha, beta):  # pragma: no cover - njit only
@@ -230,7 +231,7 @@ def _onednn_overload(a, b, c, trans_a, trans_b, alpha, beta):
 
     def impl(a, b, c, trans_a, trans_b, alpha, beta):
         m, n, k = _check_operands(a, b, c, trans_a, trans_b)
-        if min(m, n) == 0:
+        if min_(m, n) == 0:
             return np.int32(0)
         previous = _omp_get_max_threads()
         _omp_set_num_threads(1)
