@@ -22,7 +22,6 @@ the training step in eight runs of one commit, Zen 4).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import numpy as np
