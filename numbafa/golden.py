@@ -157,6 +157,15 @@ def _check_options(options, scores):
             raise ValueError(f"{name} must broadcast to {what} = {shape}, got shape {a.shape}")
 
 
+def _check_counts(**counts):
+    """Each of ``counts`` an int >= 0 (a size, an index, a seed or an offset)."""
+    for name, x in counts.items():
+        if not _is_int(x):
+            raise TypeError(f"{name} must be an int >= 0, got {type(x).__name__} {x!r}")
+        if x < 0:
+            raise ValueError(f"{name} must be >= 0, got {x}")
+
+
 def allowed_mask(seqlen_q, seqlen_k, use_causal_mask=False, sliding_window=None,
                  bound_min=None, bound_max=None):
     """Boolean ``[seqlen_q, seqlen_k]`` matrix: True where query i may attend key j.
@@ -165,7 +174,11 @@ def allowed_mask(seqlen_q, seqlen_k, use_causal_mask=False, sliding_window=None,
     also requires ``j >= i - w + 1``. With packing bounds, the row bounds are
     first clamped by causal (``bound_max[i] <= i + 1``) and window
     (``bound_min[i] >= i - w + 1``), then ``bound_min[i] <= j < bound_max[i]``.
+    Bad arguments raise ``TypeError``/``ValueError`` naming them.
     """
+    _check_counts(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    _check_options(dict(bound_min=bound_min, bound_max=bound_max, sliding_window=sliding_window),
+                   (1, 1, seqlen_q, seqlen_k))
     i = np.arange(seqlen_q, dtype=np.float64)[:, None]
     j = np.arange(seqlen_k, dtype=np.float64)[None, :]
     # Upstream convention: None or any value < 1 (e.g. -1) means no window.
@@ -216,8 +229,15 @@ def keep_mask(bs, nheads, seqlen_q, seqlen_k, dropout_p, seed, seed_offset=0, fi
     words of Philox(counter = (offset low, offset high, 0, 0), key = (seed
     low, seed high)); element ``(b, h, i, j)`` takes word ``(j % 64) // 16``
     of Philox(counter = ((j // 64) * 16 + j % 16, i, h, b), call key) and is
-    kept when that word is at least ``round(dropout_p * 2**32)``.
+    kept when that word is at least ``round(dropout_p * 2**32)``. Bad arguments raise
+    ``TypeError``/``ValueError`` naming them (``seed`` and ``seed_offset`` below ``2**64``).
     """
+    _check_counts(bs=bs, nheads=nheads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, seed=seed, seed_offset=seed_offset,
+                  first_row=first_row)
+    _check_options(dict(dropout_p=dropout_p, seed=seed), (bs, nheads, seqlen_q, seqlen_k))
+    for name, x in (("seed", seed), ("seed_offset", seed_offset)):
+        if x >= 2 ** 64:
+            raise ValueError(f"{name} must be < 2**64, got {x}")
     lo32 = 0xFFFFFFFF
     words = philox([seed_offset & lo32, seed_offset >> 32, 0, 0], [seed & lo32, seed >> 32])
     call_key = (int(words[0]), int(words[1]))

@@ -207,3 +207,34 @@ def test_sinks_shared_by_the_batch(which):
     np.testing.assert_array_equal(shared[3], apart[3].sum(axis=0, dtype=apart[3].dtype))
     for g, g_wide in zip(shared[:3], apart[:3]):
         np.testing.assert_array_equal(g, g_wide)
+
+
+MASK_HELPER_MISUSE = [
+    (lambda: golden.allowed_mask(8.0, 8), TypeError, "seqlen_q"),
+    (lambda: golden.allowed_mask(8, -1), ValueError, "seqlen_k"),
+    (lambda: golden.allowed_mask(8, 8, True, 2.5), TypeError, "sliding_window"),
+    (lambda: golden.allowed_mask(8, 8, bound_min=np.zeros(8)), ValueError, "bound_min"),
+    (lambda: golden.allowed_mask(8, 8, bound_min=np.zeros(7), bound_max=np.ones(7)), ValueError, "bound_min"),
+    (lambda: golden.keep_mask(1, 2, 8, 8, 1.0, 0), ValueError, "dropout_p"),
+    (lambda: golden.keep_mask(1, 2, 8, 8, "0.1", 0), TypeError, "dropout_p"),
+    (lambda: golden.keep_mask(1, 2, 8, 8, 0.1, -3), ValueError, "seed"),
+    (lambda: golden.keep_mask(1, 2, 8, 8, 0.1, 2 ** 64), ValueError, "seed"),
+    (lambda: golden.keep_mask(1, 2, 8, 8, 0.1, 1.5), TypeError, "seed"),
+    (lambda: golden.keep_mask(1, 2, 8, 8, 0.1, 1, seed_offset=2 ** 64), ValueError, "seed_offset"),
+    (lambda: golden.keep_mask(1, 2.0, 8, 8, 0.1, 1), TypeError, "nheads"),
+    (lambda: golden.keep_mask(1, 2, 8, 8, 0.1, 1, first_row=-1), ValueError, "first_row"),
+]
+
+
+@pytest.mark.parametrize("call, error, name", MASK_HELPER_MISUSE,
+                         ids=[f"{i}-{e.__name__}-{n}" for i, (_, e, n) in enumerate(MASK_HELPER_MISUSE)])
+def test_the_mask_helpers_check_their_arguments(call, error, name):
+    """allowed_mask and keep_mask (public, used by tests and users to build masks) name a bad
+    argument instead of computing with it."""
+    with pytest.raises(error, match=rf"\b{name}\b"):
+        call()
+
+
+def test_the_mask_helpers_take_numpy_integers():
+    np.testing.assert_array_equal(golden.allowed_mask(np.int64(4), np.int32(4), True), np.tril(np.ones((4, 4), bool)))
+    assert golden.keep_mask(np.int64(1), 1, 2, 64, 0.5, np.uint64(7)).shape == (1, 1, 2, 64)
