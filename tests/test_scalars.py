@@ -56,18 +56,9 @@ def _one_caller(a, b):
 def test_no_function_of_their_own_is_compiled():
     """A caller compiles alone: the two calls are part of its code (Numba's builtins are a compiled
     function each)."""
-    compiled = []
-
-    class Listener(event.Listener):
-        def on_start(self, ev):
-            compiled.append(ev.data["dispatcher"].py_func.__name__)
-
-        def on_end(self, ev):
-            pass
-
-    with event.install_listener("numba:compile", Listener()):
+    with event.install_recorder("numba:compile") as recorder:
         assert _one_caller(2.0, 3.0) == 5.0
-    assert compiled == ["_one_caller"]
+    assert [ev.data["dispatcher"].py_func.__name__ for _, ev in recorder.buffer if ev.is_start] == ["_one_caller"]
 
 
 @numba.njit
