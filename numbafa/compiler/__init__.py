@@ -5,5 +5,6 @@
 tuples with a field replaced in njit code), ``runtime`` (``kernel_call``: the BLAS pin and the
 compile announcement around every pass), ``memo`` (the bounded stores of checks, plans and
 calls already done), ``arrays`` and ``scalars`` (array construction, bit reinterpretation and
-``min``/``max`` for njit code, as intrinsics compiled into their callers). May import :mod:`numbafa.platform`, nothing above it.
+``min``/``max`` for njit code, as intrinsics compiled into their callers). May import
+:mod:`numbafa.platform`, nothing above it.
 """
