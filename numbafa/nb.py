@@ -111,6 +111,15 @@ FLOAT32, BF16, FP16, FLOAT64 = 0, 1, 2, 3
 NbPlan = namedtuple("NbPlan", ["fwd", "bwd", "dims", "kind", "sinks_shape", "bias_shape", "alibi_shape",
                                "return_dbias", "lse_natural", "seed", "token"])
 
+#: The fields of an :data:`NbPlan` that a call's checks and conversions read, without the kernel
+#: plans (whose arrays make an NbPlan ~200 values: every compiled call flattens its arguments into
+#: values, and every copy of an array is reference-counted). Built once per pass, in njit code
+#: (:func:`_planned`); the checks and conversions ``_storage_kind``, ``_expect_lse``, ``_call_scores``,
+#: ``_kernel_sinks``, ``_run_forward`` and ``_run_backward`` take it as their ``plan``.
+_Planned = namedtuple("_Planned", ["dims", "kind", "sinks_shape", "bias_shape", "alibi_shape", "return_dbias",
+                                   "lse_natural"])
+
+
 class _Formatted:
     """An exception raised in njit code as ``Error(template, *values)``: the template a constant of
     the compiled code, the values (ints, tuples of ints, names) boxed when it reaches Python, the
@@ -496,12 +505,6 @@ def _expect_shape_overload(shape, name, expected):
     return impl
 
 
-def _acc_of(plan_type):
-    """The accumulator dtype (a Numba type) of an :data:`NbPlan` type."""
-    kernel_plan = plan_type.types[plan_type.fields.index("fwd")]
-    return kernel_plan.types[kernel_plan.fields.index("acc")].dtype
-
-
 def _element(x, b, h, s):  # pragma: no cover - replaced inside njit code
     """Element ``(b, h, s)`` of sinks ``[nheads]``, ``[bs, nheads]`` or ``[bs, nheads, n]``."""
     raise NotImplementedError
@@ -528,24 +531,25 @@ def _value_overload(x, kind):
     return lambda x, kind: x
 
 
-def _kernel_sinks(plan, sinks):  # pragma: no cover - replaced inside njit code
+def _kernel_sinks(plan, acc, sinks):  # pragma: no cover - replaced inside njit code
     """The call's sinks as the kernels take them: ``[bs, nheads, num_sinks]`` in the accumulator
-    dtype (``num_sinks`` 0 without sinks), after checking them against the plan."""
+    dtype (``acc``'s, an array's; ``num_sinks`` 0 without sinks), after checking them against the
+    plan (a :data:`_Planned`)."""
     raise NotImplementedError
 
 
 @overload(_kernel_sinks)
-def _kernel_sinks_overload(plan, sinks):
-    acc = np.float64 if _acc_of(plan) == types.float64 else np.float32
+def _kernel_sinks_overload(plan, acc, sinks):
+    dtype = np.float64 if acc.dtype == types.float64 else np.float32
     if not _given(sinks):
-        def none(plan, sinks):
+        def none(plan, acc, sinks):
             if plan.sinks_shape[0] != 0:
                 raise ValueError("numbafa.nb: the plan was made with sinks: pass sinks")
-            return zeros((plan.dims[0], plan.dims[1], 0), acc)
+            return zeros((plan.dims[0], plan.dims[1], 0), dtype)
         return none
     ndim = sinks.ndim
 
-    def given(plan, sinks):
+    def given(plan, acc, sinks):
         if plan.sinks_shape[0] == 0:
             raise ValueError("numbafa.nb: the plan was made without sinks: make it with sinks (or with_sinks=True)")
         if plan.sinks_shape[0] != ndim:
@@ -554,7 +558,7 @@ def _kernel_sinks_overload(plan, sinks):
         _expect_planned(sinks, "sinks", plan.sinks_shape)
         bs, nheads = plan.dims[0], plan.dims[1]
         n = sinks.shape[2] if ndim == 3 else 1
-        out = empty((bs, nheads, n), acc)
+        out = empty((bs, nheads, n), dtype)
         for b in range(bs):
             for h in range(nheads):
                 for i in range(n):
@@ -937,40 +941,51 @@ def _run_forward(plan, kernel_plan, q, k, v, sinks, outs, status):  # pragma: no
 
 @overload(_run_forward)
 def _run_forward_overload(plan, kernel_plan, q, k, v, sinks, outs, status):
-    def items(plan, kernel_plan):
-        return np.arange(plan.dims[0] * plan.dims[2] * kernel_plan.tiling.q_chunks)
+    def items(dims, q_chunks):
+        return np.arange(dims[0] * dims[2] * q_chunks)
     items = jit()(items)
     if q.dtype == types.uint16:
         def bits(plan, kernel_plan, q, k, v, sinks, outs, status):
             if plan.kind == FP16:
                 ins = FwdInputs(_widen_fp16(q), _widen_fp16(k), _widen_fp16(v), sinks)
-                _call_forward(ins, outs, kernel_plan, items(plan, kernel_plan), status)
+                _call_forward(ins, outs, kernel_plan, items(plan.dims, kernel_plan.tiling.q_chunks), status)
             else:
                 ins = FwdInputs(_kernel_input(q), _kernel_input(k), _kernel_input(v), sinks)
-                _call_forward(ins, outs, kernel_plan, items(plan, kernel_plan), status)
+                _call_forward(ins, outs, kernel_plan, items(plan.dims, kernel_plan.tiling.q_chunks), status)
         return bits
 
     def values(plan, kernel_plan, q, k, v, sinks, outs, status):
         ins = FwdInputs(_kernel_input(q), _kernel_input(k), _kernel_input(v), sinks)
-        _call_forward(ins, outs, kernel_plan, items(plan, kernel_plan), status)
+        _call_forward(ins, outs, kernel_plan, items(plan.dims, kernel_plan.tiling.q_chunks), status)
     return values
 
 
+@jit(inline=True)
+def _planned(nb_plan):
+    """The :data:`_Planned` fields of an :data:`NbPlan`."""
+    p = nb_plan
+    return _Planned(dims=p.dims, kind=p.kind, sinks_shape=p.sinks_shape, bias_shape=p.bias_shape,
+                    alibi_shape=p.alibi_shape, return_dbias=p.return_dbias, lse_natural=p.lse_natural)
+
+
 def _forward(plan, q, k, v, o, lse, sinks, bias, alibi_slopes):
-    _storage_kind(q, plan)
+    planned = _planned(plan)
+    _storage_kind(q, planned)
     bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_v = plan.dims
     _expect_shape(q.shape, "q", (bs, nheads, d_head, seqlen_q))
     _expect_shape(k.shape, "k", (bs, nheads_kv, d_head, seqlen_k))
     _expect_shape(v.shape, "v", (bs, nheads_kv, d_v, seqlen_k))
     _expect_shape(o.shape, "o", (bs, nheads, d_v, seqlen_q))
-    _expect_lse(lse, plan)
+    _expect_lse(lse, planned)
     _check_apart((_extent(o), _extent(lse), _extent(q), _extent(k), _extent(v)), _FWD_NAMES, _FWD_PAIRS)
     kernel_plan = _canonical(plan.fwd)
-    kernel_plan = replaced(kernel_plan, "scores", _call_scores(kernel_plan.scores, plan, bias, alibi_slopes, None, False))
+    kernel_plan = replaced(kernel_plan, "scores", _call_scores(kernel_plan.scores, planned, bias, alibi_slopes, None,
+                                                                 False))
     o_k = _output(o)
     lse_k = np.empty((bs, nheads, seqlen_q), dtype=kernel_plan.acc.dtype)
     status = np.zeros(STATUS_WORDS, dtype=np.int64)
-    _run_forward(plan, kernel_plan, q, k, v, _kernel_sinks(plan, sinks), FwdOutputs(o_k, lse_k), status)
+    _run_forward(planned, kernel_plan, q, k, v, _kernel_sinks(planned, kernel_plan.acc, sinks),
+                 FwdOutputs(o_k, lse_k), status)
     if status[0] != 0:
         _raise_status(status)
     _store(o_k, o, plan.kind)
@@ -1096,12 +1111,11 @@ def _run_backward(plan, kernel_plan, raw, outs, stats, status):  # pragma: no co
 
 @overload(_run_backward)
 def _run_backward_overload(plan, kernel_plan, raw, outs, stats, status):
-    def work(plan, kernel_plan, n_sinks):
+    def work(dims, serial_batch, serial_heads, chunks, n_sinks):
         """``(items, units)`` of the backward (:func:`numbafa.kernels.scores.n_backward_items`)."""
-        bs, nheads_kv = plan.dims[0], plan.dims[2]
-        scores, chunks = kernel_plan.scores, kernel_plan.tiling.q_chunks
-        if scores.serial_batch or scores.serial_heads:
-            n_items = (1 if scores.serial_batch else bs) * (1 if scores.serial_heads else nheads_kv)
+        bs, nheads_kv = dims[0], dims[2]
+        if serial_batch or serial_heads:
+            n_items = (1 if serial_batch else bs) * (1 if serial_heads else nheads_kv)
         else:
             n_items = bs * nheads_kv * chunks
         finish = chunks > 1 or n_sinks > 0
@@ -1109,7 +1123,8 @@ def _run_backward_overload(plan, kernel_plan, raw, outs, stats, status):
     work = jit()(work)
     if raw.types[raw.fields.index("q")].dtype == types.uint16:
         def bits(plan, kernel_plan, raw, outs, stats, status):
-            items, units = work(plan, kernel_plan, raw.sinks.shape[2])
+            items, units = work(plan.dims, kernel_plan.scores.serial_batch, kernel_plan.scores.serial_heads,
+                                kernel_plan.tiling.q_chunks, raw.sinks.shape[2])
             if plan.kind == FP16:
                 ins = BwdInputs(q=_widen_fp16(raw.q), k=_widen_fp16(raw.k), v=_widen_fp16(raw.v), o=_widen_fp16(raw.o),
                                 dy=_widen_fp16(raw.dy), lse=raw.lse, sinks=raw.sinks)
@@ -1121,7 +1136,8 @@ def _run_backward_overload(plan, kernel_plan, raw, outs, stats, status):
         return bits
 
     def values(plan, kernel_plan, raw, outs, stats, status):
-        items, units = work(plan, kernel_plan, raw.sinks.shape[2])
+        items, units = work(plan.dims, kernel_plan.scores.serial_batch, kernel_plan.scores.serial_heads,
+                            kernel_plan.tiling.q_chunks, raw.sinks.shape[2])
         ins = BwdInputs(q=_kernel_input(raw.q), k=_kernel_input(raw.k), v=_kernel_input(raw.v), o=_kernel_input(raw.o),
                         dy=_kernel_input(raw.dy), lse=raw.lse, sinks=raw.sinks)
         _call_backward(ins, outs, stats, kernel_plan, items, units, status)
@@ -1151,7 +1167,8 @@ def _natural_lse_overload(lse):
 
 
 def _backward(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks, bias, dbias, alibi_slopes):
-    _storage_kind(q, plan)
+    planned = _planned(plan)
+    _storage_kind(q, planned)
     bs, nheads, nheads_kv, d_head, seqlen_q, seqlen_k, d_v = plan.dims
     _expect_shape(q.shape, "q", (bs, nheads, d_head, seqlen_q))   # (one by one: their ranks may differ)
     _expect_shape(dq.shape, "dq", (bs, nheads, d_head, seqlen_q))
@@ -1161,7 +1178,7 @@ def _backward(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks, bias, dbias,
     _expect_shape(dv.shape, "dv", (bs, nheads_kv, d_v, seqlen_k))
     _expect_shape(o.shape, "o", (bs, nheads, d_v, seqlen_q))
     _expect_shape(dy.shape, "dy", (bs, nheads, d_v, seqlen_q))
-    _expect_lse(lse, plan)
+    _expect_lse(lse, planned)
     if (sinks is None) != (dsinks is None):
         raise ValueError("numbafa.nb: pass sinks and dsinks together")
     _check_apart((_extent(dq), _extent(dk), _extent(dv), _extent(q), _extent(k), _extent(v), _extent(o),
@@ -1170,8 +1187,9 @@ def _backward(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks, bias, dbias,
     _apart_if(dbias, "dbias", dq, "dq")
     _apart_if(dbias, "dbias", bias, "bias")
     kernel_plan = _canonical(plan.bwd)
-    kernel_plan = replaced(kernel_plan, "scores", _call_scores(kernel_plan.scores, plan, bias, alibi_slopes, dbias, True))
-    kernel_sinks = _kernel_sinks(plan, sinks)
+    kernel_plan = replaced(kernel_plan, "scores", _call_scores(kernel_plan.scores, planned, bias, alibi_slopes, dbias,
+                                                                 True))
+    kernel_sinks = _kernel_sinks(planned, kernel_plan.acc, sinks)
     if dsinks is not None:
         _expect_planned(dsinks, "dsinks", plan.sinks_shape)
     acc = kernel_plan.acc.dtype
@@ -1184,7 +1202,7 @@ def _backward(plan, q, k, v, o, dy, lse, dq, dk, dv, sinks, dsinks, bias, dbias,
     stats = BwdStats(np.empty(shape, dtype=acc), np.empty(shape, dtype=acc))
     status = np.zeros(STATUS_WORDS, dtype=np.int64)
     raw = BwdInputs(q=q, k=k, v=v, o=o, dy=dy, lse=_natural_lse(lse), sinks=kernel_sinks)
-    _run_backward(plan, kernel_plan, raw, outs, stats, status)
+    _run_backward(planned, kernel_plan, raw, outs, stats, status)
     if status[0] != 0:
         _raise_status(status)
     _store(outs.dq, dq, plan.kind)
