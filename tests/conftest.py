@@ -119,3 +119,13 @@ def pytest_sessionstart(session):
     if reporter is not None:
         reporter.write_line(f"numbafa: kernel cache {cache['dir']} warmed by {len(procs)} processes "
                             f"in {time.perf_counter() - start:.1f} s")
+
+
+@pytest.fixture
+def no_remembered_calls(monkeypatch):
+    """An empty memo of remembered calls for the test: a call this process made before (another
+    test's, the same shapes and options) would otherwise be found where the test expects the
+    full path (the memo clears itself only when full, so it depends on the tests run before)."""
+    from numbafa.compiler.memo import Memo
+    from numbafa.pipeline import core
+    monkeypatch.setattr(core, "_RECIPES", Memo())

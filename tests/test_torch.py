@@ -636,16 +636,13 @@ def test_eager_calls_skip_the_dispatcher_unless_a_dispatch_mode_watches():
         assert torch.equal(a, b)
 
 
-def test_a_repeated_call_is_remembered_without_building_its_options(monkeypatch):
+def test_a_repeated_call_is_remembered_without_building_its_options(monkeypatch, no_remembered_calls):
     """The operators' bodies look a call up from their arguments as given
     (numbafa.pipeline.core.remembered_fwd / remembered_bwd): a repeat of a call builds no options
     and gives the same bits, gradients included; a call with sinks builds them (the full path)."""
     def boom(*args, **kwargs):
         raise AssertionError("the full path ran")
 
-    from numbafa.compiler.memo import Memo
-    from numbafa.pipeline import core
-    monkeypatch.setattr(core, "_RECIPES", Memo())   # no other test's call found (the memo outlives tests)
     q, k, v, do = make(seed=9)
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     first = nt.attention(*leaves, causal=True, window=64)

@@ -345,16 +345,6 @@ def _boom(*args, **kwargs):
     raise AssertionError("the full path ran")
 
 
-@pytest.fixture
-def no_remembered_calls(monkeypatch):
-    """An empty memo of remembered calls for the test: a call this process made before (another
-    test's, the same shapes and options) would otherwise be found where the test expects the
-    full path (the memo clears itself only when full, so it depends on the tests run before)."""
-    from numbafa.compiler.memo import Memo
-    from numbafa.pipeline import core
-    monkeypatch.setattr(core, "_RECIPES", Memo())
-
-
 def test_a_remembered_call_skips_the_python_checks_with_the_same_bits(monkeypatch, no_remembered_calls):
     """A call without option arrays or dropout whose metadata and scalar options a successful
     call had runs the compiled entry straight away (the checks and the plan remembered)."""
