@@ -58,8 +58,9 @@ def _timed_gemm(a, b, c, trans_a, trans_b, path, n, beta=1.0):
 
 
 #: Each variant's path through the kernels' matmul seam (numbafa.kernels.bundles.Gemm).
-PATHS = {"blas": Gemm(onednn=False, bits=False), "onednn-f32": Gemm(onednn=True, bits=False),
-         "onednn-bf16": Gemm(onednn=True, bits=True)}
+PATHS = {"blas": Gemm(onednn=False, bits=False, onednn_max_mnk=-1),
+         "onednn-f32": Gemm(onednn=True, bits=False, onednn_max_mnk=-1),
+         "onednn-bf16": Gemm(onednn=True, bits=True, onednn_max_mnk=-1)}
 
 
 def gemms(d_head, rng):

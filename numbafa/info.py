@@ -28,7 +28,7 @@ def backend_info() -> dict:
 
     ``gemm``
         How tile matmuls are computed (:mod:`numbafa.kernels.matmul`):
-        the ``path`` (``"onednn"`` or ``"blas"``) and the ``reason`` it was
+        the ``path`` (``"onednn"``, ``"mixed"`` or ``"blas"``) and the ``reason`` it was
         chosen (:func:`numbafa.platform.onednn.gemm_path`: ``NUMBAFA_GEMM``, the
         CPU's bf16 units, oneDNN installed; :func:`numbafa.forced_gemm_path` changes it for
         the calls of a block, not this report); ``path`` is None, and ``reason``
@@ -37,7 +37,7 @@ def backend_info() -> dict:
     ``float32``, ``bfloat16``, ``float16``, ``float64``
         The arithmetic of each input dtype on that path: float32 tiles and
         sgemm, oneDNN's ``dnnl_sgemm`` or BLAS (Numba's ``numba_xxgemm`` ->
-        SciPy's ``cython_blas``); bf16 either as bf16 tiles on the bf16
+        SciPy's ``cython_blas``), or by size (the mixed path); bf16 either as bf16 tiles on the bf16
         units (oneDNN) or widened into float32 tiles for BLAS sgemm, float32
         accumulation either way; fp16 values widened into float32 tiles (exact
         products: no fp16 GEMM units are used, on any CPU) and the float32
@@ -70,20 +70,22 @@ def backend_info() -> dict:
     blas = [{key: lib.info().get(key) for key in
              ("internal_api", "version", "architecture", "filepath", "num_threads")}
             for lib in blas_controller().lib_controllers]
+    sgemm = {"onednn": "oneDNN dnnl_sgemm",
+             "mixed": "oneDNN dnnl_sgemm up to 2**21 multiply-adds, sgemm (numba_xxgemm -> "
+                      "scipy.linalg.cython_blas) beyond"}.get(path, "sgemm")
     return {
         "numbafa": __version__,
         "numba": numba.__version__,
         "numpy": numpy.__version__,
         "scipy": scipy.__version__,
         "gemm": {"path": path, "reason": reason},
-        "float32": ("float32 tiles, oneDNN dnnl_sgemm, float32 accumulation" if path == "onednn" else
-                    "float32 tiles, sgemm (numba_xxgemm -> scipy.linalg.cython_blas), float32 accumulation"),
+        "float32": ("float32 tiles, sgemm (numba_xxgemm -> scipy.linalg.cython_blas), float32 accumulation"
+                    if path in ("blas", None) else f"float32 tiles, {sgemm}, float32 accumulation"),
         "bfloat16": ("bf16 tiles, oneDNN dnnl_gemm_bf16bf16f32 on the bf16 units, float32 accumulation"
                      if path == "onednn" and bf16_units() else
-                     "bf16 values in float32 tiles, " + ("oneDNN dnnl_sgemm" if path == "onednn" else "sgemm")
-                     + ": exact bf16 products, float32 accumulation"),
-        "float16": ("fp16 values in float32 tiles, " + ("oneDNN dnnl_sgemm" if path == "onednn" else "sgemm")
-                    + ": exact fp16 products, float32 accumulation (no fp16 GEMM units used)"),
+                     f"bf16 values in float32 tiles, {sgemm}: exact bf16 products, float32 accumulation"),
+        "float16": (f"fp16 values in float32 tiles, {sgemm}: exact fp16 products, float32 accumulation "
+                    f"(no fp16 GEMM units used)"),
         "float64": "float64 tiles, dgemm (numba_xxgemm -> scipy.linalg.cython_blas), float64 accumulation",
         "blas": blas,
         "threads": numba.get_num_threads(),

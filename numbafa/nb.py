@@ -293,7 +293,7 @@ def _plan_words(h, p):
         h = _mix(_mix(h, m.key_lo[i]), m.key_hi[i])
     h = _mix(_mix(h, p.precision.round_kernel), p.precision.round_acc)
     h = _mix(h, bitcast(np.float64(p.softmax_scale), np.int64))
-    h = _mix(_mix(h, p.gemm.onednn), p.gemm.bits)
+    h = _mix(_mix(_mix(h, p.gemm.onednn), p.gemm.bits), p.gemm.onednn_max_mnk)
     d = p.dropout
     h = _mix(_mix(_mix(h, d.active), d.threshold), bitcast(np.float64(d.scale), np.int64))
     h = _mix(_mix(h, d.batch0), d.head0)

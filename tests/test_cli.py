@@ -75,7 +75,7 @@ def test_info_prints_backend_and_runs_nothing(capsys, monkeypatch):
     monkeypatch.setattr(cli, "run", lambda *a: pytest.fail("--info must not run kernels"))
     assert cli.main(["--info"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["gemm"]["path"] in ("onednn", "blas") and info["blas"] and info["threads"] >= 1
+    assert info["gemm"]["path"] in ("onednn", "mixed", "blas") and info["blas"] and info["threads"] >= 1
 
 
 def test_no_check_skips_golden(capsys):

@@ -21,18 +21,28 @@ needs_onednn = pytest.mark.skipif(not onednn.load_library(), reason="oneDNN is n
 needs_bf16_units = pytest.mark.skipif(not onednn.bf16_units(), reason="no bf16 units oneDNN can use here")
 
 
+#: Each path's :class:`Gemm` record, as make_plan builds it for float32 inputs.
+PATHS = {"blas": Gemm(onednn=False, bits=False, onednn_max_mnk=-1),
+         "onednn": Gemm(onednn=True, bits=False, onednn_max_mnk=-1),
+         "mixed": Gemm(onednn=False, bits=False, onednn_max_mnk=onednn.SMALL_SGEMM)}
+
+
 @jit(entry=True)
+def gemm_on(a, b, c, trans_a, trans_b, alpha, beta, path):
+    """The seam is only callable from njit code; this is the tests' way in (``path``: a
+    :data:`PATHS` record; oneDNN's only where :func:`onednn.load_library` loaded it)."""
+    none = np.empty((0, 0), np.uint16)
+    seam(values_operand(a, none), values_operand(b, none), c, trans_a, trans_b, alpha, beta, path)
+
+
 def gemm(a, b, c, trans_a, trans_b, alpha, beta):
-    """The seam is only callable from njit code; this is the tests' way in (BLAS path)."""
-    none = np.empty((0, 0), np.uint16)
-    seam(values_operand(a, none), values_operand(b, none), c, trans_a, trans_b, alpha, beta, Gemm(False, False))
+    """The BLAS path."""
+    gemm_on(a, b, c, trans_a, trans_b, alpha, beta, PATHS["blas"])
 
 
-@jit(entry=True)
 def gemm_onednn(a, b, c, trans_a, trans_b, alpha, beta):
-    """The same on the oneDNN path (only called where :func:`onednn.load_library` loaded it)."""
-    none = np.empty((0, 0), np.uint16)
-    seam(values_operand(a, none), values_operand(b, none), c, trans_a, trans_b, alpha, beta, Gemm(True, False))
+    """The oneDNN path."""
+    gemm_on(a, b, c, trans_a, trans_b, alpha, beta, PATHS["onednn"])
 
 
 @jit(entry=True)
@@ -40,7 +50,8 @@ def gemm_bits(a, b, c, trans_a, trans_b, alpha, beta, bits):
     """bf16 bits as operands: on the bf16 path (``bits``) oneDNN's bf16 GEMM; else the values are
     read, which bits-only operands do not have."""
     none = np.empty((0, 0), np.float32)
-    seam(bits_operand(a, none), bits_operand(b, none), c, trans_a, trans_b, alpha, beta, Gemm(True, bits))
+    seam(bits_operand(a, none), bits_operand(b, none), c, trans_a, trans_b, alpha, beta,
+         Gemm(onednn=True, bits=bits, onednn_max_mnk=-1))
 
 
 @jit(entry=True)
@@ -117,6 +128,31 @@ def test_empty_contraction_scales_c_and_empty_output_is_a_no_op():
     np.testing.assert_array_equal(c, 1.0)
     gemm(np.empty((0, 5), np.float32), np.ones((5, 4), np.float32), np.empty((0, 4), np.float32),
          False, False, np.float32(1.0), np.float32(0.0))
+
+
+@needs_onednn
+@pytest.mark.parametrize("trans_a", [False, True])
+def test_the_mixed_path_gives_gemms_up_to_its_size_to_onednn_and_larger_ones_to_blas(trans_a):
+    """The mixed path's float32 GEMM of ``m * n * k <= SMALL_SGEMM`` multiply-adds has
+    dnnl_sgemm's bits, a larger one BLAS's (where the two libraries' bits differ, which the
+    random operands of 2**21 terms make sure of: checked), and an empty one is BLAS's no-op."""
+    rng = np.random.default_rng(4)
+    m, n = 128, 128
+    boundary = onednn.SMALL_SGEMM // (m * n)
+    for k, expected in ((boundary, "onednn"), (boundary + 1, "blas"), (3, "onednn")):
+        a = _operand(rng, (m, k), trans_a)
+        b = _operand(rng, (k, n), False)
+        out = {}
+        for path in ("blas", "onednn", "mixed"):
+            out[path] = np.full((m, n), np.nan, np.float32)
+            gemm_on(a, b, out[path], trans_a, False, np.float32(1.0), np.float32(0.0), PATHS[path])
+        if k > 3:
+            assert not np.array_equal(out["blas"], out["onednn"]), k
+        np.testing.assert_array_equal(out["mixed"], out[expected], err_msg=f"k={k}")
+    c = np.full((3, 4), 2.0, np.float32)
+    gemm_on(np.empty((3, 0), np.float32), np.empty((0, 4), np.float32), c, False, False,
+            np.float32(1.0), np.float32(0.5), PATHS["mixed"])
+    np.testing.assert_array_equal(c, 1.0)
 
 
 def test_mismatched_shapes_raise():

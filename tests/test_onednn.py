@@ -21,15 +21,18 @@ LIB = "/opt/lib/libdnnl.so.3"
 
 
 @pytest.mark.parametrize("requested, flags, library, path, reason", [
-    ("auto", {"avx2", "fma"}, LIB, "blas", "no bf16 units"),
-    ("auto", {"avx2", "avx512f"}, LIB, "blas", "no bf16 units"),
+    ("auto", {"avx2", "fma"}, LIB, "mixed", "no bf16 units"),
+    ("auto", {"avx2", "avx512f"}, LIB, "mixed", "no bf16 units"),
     ("auto", {"avx512f", "avx512_bf16"}, None, "blas", "pip install onednn-cpu-gomp"),
-    ("auto", None, LIB, "blas", "no bf16 units"),
+    ("auto", {"avx2", "fma"}, None, "blas", "pip install onednn-cpu-gomp"),
+    ("auto", None, LIB, "mixed", "no bf16 units"),
     ("auto", {"avx512_bf16"}, LIB, "onednn", "avx512_bf16"),
     ("auto", {"amx_bf16", "amx_tile"}, LIB, "onednn", "amx_bf16"),
     ("onednn", {"avx512_bf16", "amx_bf16"}, LIB, "onednn", LIB),
     ("onednn", {"avx2", "fma"}, LIB, "onednn", "no bf16 units"),
     ("blas", {"avx512_bf16"}, LIB, "blas", "NUMBAFA_GEMM=blas"),
+    ("mixed", {"avx512_bf16"}, LIB, "mixed", "2**21 multiply-adds"),
+    ("mixed", {"avx2"}, LIB, "mixed", "NUMBAFA_GEMM=mixed"),
 ])
 def test_dispatch_by_cpu_flags(requested, flags, library, path, reason, monkeypatch):
     monkeypatch.setattr(onednn.sys, "platform", "linux")
@@ -40,6 +43,8 @@ def test_dispatch_by_cpu_flags(requested, flags, library, path, reason, monkeypa
 def test_forcing_an_unsupported_path_is_a_clear_error():
     with pytest.raises(RuntimeError, match="oneDNN is not installed"):
         onednn.choose_gemm_path("onednn", {"avx512_bf16"}, None)
+    with pytest.raises(RuntimeError, match="NUMBAFA_GEMM=mixed, but oneDNN is not installed"):
+        onednn.choose_gemm_path("mixed", {"avx2"}, None)
     with pytest.raises(ValueError, match="NUMBAFA_GEMM must be one of"):
         onednn.choose_gemm_path("mkl", {"avx512_bf16"}, LIB)
 
@@ -67,14 +72,14 @@ def test_forced_onednn_without_bf16_units_runs_float32_tiles():
 
 
 def test_forced_gemm_path_takes_only_the_two_paths():
-    with pytest.raises(ValueError, match="path must be 'blas' or 'onednn', got 'mkl'"):
+    with pytest.raises(ValueError, match="path must be 'blas', 'mixed' or 'onednn', got 'mkl'"):
         with numbafa.forced_gemm_path("mkl"):
             pass
 
 
 def test_backend_info_names_the_path():
     info = numbafa.backend_info()
-    assert info["gemm"]["path"] in ("onednn", "blas") and info["gemm"]["reason"]
+    assert info["gemm"]["path"] in ("onednn", "mixed", "blas") and info["gemm"]["reason"]
 
 
 def _expected_operand(dtype, path):
@@ -82,24 +87,23 @@ def _expected_operand(dtype, path):
     return np.uint16 if dtype is BF16 and path == "onednn" and onednn.bf16_units() else np.float32
 
 
-@pytest.mark.parametrize("path", ["blas", "onednn"])
+@pytest.mark.parametrize("path", ["blas", "mixed", "onednn"])
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["float32", "bf16"])
 def test_the_forced_path_is_part_of_the_plan(path, dtype):
     """make_plan and the remembered plans (shared_plan) follow forced_gemm_path: a plan of one
-    path is never reused for a call on the other."""
-    if path == "onednn" and not onednn.load_library():
+    path is never reused for a call on another."""
+    if path != "blas" and not onednn.load_library():
         pytest.skip("oneDNN is not installed here")
     prob = validated(make_inputs(Case(seqlen_q=128, seqlen_k=128), dtype))
-    other = "blas" if path == "onednn" else "onednn"
-    if other == "onednn" and not onednn.load_library():
-        other = None
-    if other is not None:
+    others = [p for p in ("blas", "mixed", "onednn") if p != path and (p == "blas" or onednn.load_library())]
+    for other in others:
         with numbafa.forced_gemm_path(other):
-            bundles.shared_plan(prob, backward=True)   # remembered first, for the other path
+            bundles.shared_plan(prob, backward=True)   # remembered first, for the other paths
     with numbafa.forced_gemm_path(path):
         for plan in (bundles.make_plan(prob, backward=True), bundles.shared_plan(prob, backward=True)):
             assert plan.gemm.onednn == (path == "onednn")
             assert plan.gemm.bits == (_expected_operand(dtype, path) == np.uint16)
+            assert plan.gemm.onednn_max_mnk == (onednn.SMALL_SGEMM if path == "mixed" else -1)
 
 
 def test_forced_paths_are_per_thread():
@@ -132,7 +136,7 @@ def test_both_paths_are_faithful_to_the_numerics_golden(mixed):
     case = Case(nheads=4, nheads_kv=2, d_head=128, seqlen_q=640, seqlen_k=640, causal=True, num_sinks=1)
     inputs = make_inputs(case, BF16)
     *emulated, budgets = rounded_with_budget(**inputs, mixed_precision=mixed)
-    for path in ("onednn", "blas"):
+    for path in ("onednn", "mixed", "blas"):
         with numbafa.forced_gemm_path(path):
             got = numbafa.attention_bwd(**inputs, mixed_precision=mixed)
         for name, g, e, budget in zip(("dq", "dk", "dv"), got, emulated, budgets):
@@ -142,9 +146,9 @@ def test_both_paths_are_faithful_to_the_numerics_golden(mixed):
 
 @needs_onednn_library
 def test_float32_on_both_paths_matches_the_float64_golden():
-    """float32 inputs run dnnl_sgemm on the oneDNN path (any x86-64 CPU) and BLAS sgemm on the
-    other: another float32 summation order each, both within the derived float32 tolerance of
-    the float64 golden, both bitwise the same on 1 and 2 threads."""
+    """float32 inputs run dnnl_sgemm on the oneDNN path (any x86-64 CPU), BLAS sgemm on the
+    BLAS path, both by size on the mixed one: another float32 summation order each, all within
+    the derived float32 tolerance of the float64 golden, all bitwise the same on 1 and 2 threads."""
     import numba
 
     from _tolerances import FLOAT32, assert_close
@@ -152,7 +156,7 @@ def test_float32_on_both_paths_matches_the_float64_golden():
     case = Case(nheads=4, nheads_kv=2, d_head=128, seqlen_q=1152, seqlen_k=1152, causal=True, num_sinks=1)
     inputs = make_inputs(case)
     expected = golden.attention_bwd(**inputs)
-    for path in ("onednn", "blas"):
+    for path in ("onednn", "mixed", "blas"):
         runs = []
         with numbafa.forced_gemm_path(path):
             for threads in (1, 2):
@@ -170,8 +174,8 @@ def test_float32_on_both_paths_matches_the_float64_golden():
 _VERBOSE_CHILD = r"""
 import sys, numpy as np, ml_dtypes, numbafa
 rng = np.random.default_rng(0)
-for dtype in (np.float32, ml_dtypes.bfloat16):
-    q, k, v, dy = (rng.standard_normal((1, 2, 32, 256)).astype(dtype) for _ in range(4))
+for dtype, d, s in ((np.float32, 32, 256), (ml_dtypes.bfloat16, 32, 256), (np.float32, 128, 1024)):
+    q, k, v, dy = (rng.standard_normal((1, 2, d, s)).astype(dtype) for _ in range(4))
     with numbafa.forced_gemm_path(sys.argv[1]):
         o, lse = numbafa.attention_fwd(q, k, v, use_causal_mask=True, mixed_precision=True)
         numbafa.attention_bwd(q, k, v, o, dy, lse, use_causal_mask=True, mixed_precision=True)
@@ -180,11 +184,14 @@ print("bf16 units:", numbafa.platform.onednn.bf16_units(), file=sys.stderr)
 
 
 @needs_onednn_library
-@pytest.mark.parametrize("path", ["onednn", "blas"])
+@pytest.mark.parametrize("path", ["onednn", "mixed", "blas"])
 def test_each_forced_path_runs_its_gemms(path, tmp_path):
-    """oneDNN logs every GEMM it runs (ONEDNN_VERBOSE): the forced oneDNN path runs float32
-    GEMMs for float32 inputs and bf16 ones for bf16 inputs on a CPU with bf16 units (float32
-    elsewhere); the forced BLAS path runs none."""
+    """oneDNN logs every GEMM it runs (ONEDNN_VERBOSE, ``MxK:KxN``): the forced oneDNN path
+    runs float32 GEMMs for float32 inputs and bf16 ones for bf16 inputs on a CPU with bf16
+    units (float32 elsewhere), the large tiles of S 1024, d 128 among them; the mixed path
+    float32 GEMMs of at most SMALL_SGEMM multiply-adds only (the large tiles go to BLAS); the
+    forced BLAS path runs none."""
+    import re
     import os
     import subprocess
     import sys
@@ -199,12 +206,18 @@ def test_each_forced_path_runs_its_gemms(path, tmp_path):
     bf16 = sum("src_bf16" in line for line in gemms)
     units = out.stderr.strip().splitlines()[-1]
     assert units.startswith("bf16 units:"), out.stderr[-2000:]
+    sizes = [int(m) * int(k) * int(n) for m, k, n in
+             (re.search(r",(\d+)x(\d+):\d+x(\d+),", line).groups() for line in gemms)]
     if path == "blas":
         assert gemms == []
+    elif path == "mixed":
+        assert f32 > 0 and bf16 == 0 and max(sizes) <= onednn.SMALL_SGEMM, (f32, bf16, max(sizes))
     elif units != "bf16 units: []":
         assert f32 > 0 and bf16 > 0, (f32, bf16)
     else:
         assert f32 > 0 and bf16 == 0, (f32, bf16)
+    if path == "onednn":
+        assert max(sizes) > onednn.SMALL_SGEMM
 
 
 _FIRST_ACT = r"""

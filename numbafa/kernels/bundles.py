@@ -43,7 +43,7 @@ import numpy as np
 
 from ..conventions.dtypes import ROUND_BF16, ROUND_FP16, ROUND_NONE, accumulator_dtype
 from ..compiler.memo import Memo
-from ..platform.onednn import active_gemm_path, bf16_units
+from ..platform.onednn import SMALL_SGEMM, active_gemm_path, bf16_units
 from .schedule import fwd_q_chunks, q_chunks, q_group_rows
 from ..conventions.tiling import setup_config
 from .dropout import make_dropout
@@ -72,10 +72,12 @@ inputs and mixed_precision=False: the accumulators (dQ/dK/dV, each taking one ro
 from a PSUM tile; the forward's output and row sum; the dsinks lanes) and the other mixed_dtype
 tiles (-LSE, D and its partials, the sink logits and p_sink). ROUND_NONE otherwise."""
 
-Gemm = namedtuple("Gemm", ["onednn", "bits"])
-Gemm.__doc__ = """The GEMM path of a call (bools): onednn, oneDNN's GEMMs instead of BLAS (float32
-tiles by dnnl_sgemm); bits, bf16 inputs multiplied as bf16 on the bf16 units
-(dnnl_gemm_bf16bf16f32): the operand tiles are their uint16 bits (numbafa.kernels.matmul)."""
+Gemm = namedtuple("Gemm", ["onednn", "bits", "onednn_max_mnk"])
+Gemm.__doc__ = """The GEMM path of a call: onednn (bool), oneDNN's GEMMs instead of BLAS (float32
+tiles by dnnl_sgemm); bits (bool), bf16 inputs multiplied as bf16 on the bf16 units
+(dnnl_gemm_bf16bf16f32): the operand tiles are their uint16 bits (numbafa.kernels.matmul);
+onednn_max_mnk (int), without onednn the most multiply-adds (m * n * k) of a float32 GEMM
+dnnl_sgemm computes (the mixed path: numbafa.platform.onednn.SMALL_SGEMM; -1: none)."""
 
 Plan = namedtuple("Plan", ["tiling", "mask", "precision", "softmax_scale", "gemm", "dropout", "acc", "scores",
                            "layout"])
@@ -100,8 +102,8 @@ def make_plan(prob, backward: bool, gemm_path: str | None = None) -> Plan:
     """The :class:`Plan` of one validated problem (:class:`numbafa.checks.validation.Problem`).
 
     ``backward`` selects the backward's Q-chunk rule (bf16 accumulators are
-    never split there; the forward's rows are independent). ``gemm_path``: ``"blas"`` or
-    ``"onednn"`` (:mod:`numbafa.platform.onednn`); None: :func:`~numbafa.platform.onednn.active_gemm_path`.
+    never split there; the forward's rows are independent). ``gemm_path``: ``"blas"``,
+    ``"mixed"`` or ``"onednn"`` (:mod:`numbafa.platform.onednn`); None: :func:`~numbafa.platform.onednn.active_gemm_path`.
     """
     if gemm_path is None:
         gemm_path = active_gemm_path()
@@ -133,7 +135,8 @@ def make_plan(prob, backward: bool, gemm_path: str | None = None) -> Plan:
                 key_lo=key_lo, key_hi=key_hi)
     onednn = gemm_path == "onednn"
     # bf16 tiles on the bf16 units; without them (a forced oneDNN path) bf16 is widened to float32
-    gemm = Gemm(onednn=onednn, bits=bool(prob.is_bf16 and onednn and bf16_units()))
+    gemm = Gemm(onednn=onednn, bits=bool(prob.is_bf16 and onednn and bf16_units()),
+                onednn_max_mnk=SMALL_SGEMM if gemm_path == "mixed" else -1)
     return Plan(tiling=tiling, mask=mask, precision=Precision(round_kernel=fmt, round_acc=round_acc),
                 softmax_scale=acc.type(prob.softmax_scale), gemm=gemm,
                 dropout=make_dropout(prob.dropout_p, prob.seed, prob.seed_offset, acc),

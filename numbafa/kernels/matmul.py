@@ -14,8 +14,10 @@ one compiled kernel runs every path; the branch is taken per call:
 * ``path.onednn`` (float32 tiles: float32 and float16 inputs, bf16 ones
   widened): ``f``, oneDNN's ``dnnl_sgemm`` (faster per core than OpenBLAS on
   the CPUs that take that path, docs/performance.md);
+* ``m * n * k <= path.onednn_max_mnk`` (the mixed path's small float32 GEMMs):
+  ``f``, ``dnnl_sgemm``, which has less fixed cost per call than OpenBLAS;
 * otherwise ``f`` by BLAS ``sgemm`` (``dgemm`` for float64: oneDNN has no float64
-  GEMM, so the float64 kernels take BLAS on either path). bf16 values widened
+  GEMM, so the float64 kernels take BLAS on every path). bf16 values widened
   into float32 tiles multiply exactly (a bf16 x bf16 product is exact in
   float32), so this is "bf16 in, fp32 accumulate" too.
 
@@ -243,16 +245,20 @@ def _onednn_overload(a, b, c, trans_a, trans_b, alpha, beta):
     return impl
 
 
-def _sgemm_on_onednn(path, c):  # pragma: no cover - njit only
-    """Whether float32 tiles go to ``dnnl_sgemm`` (the oneDNN path); float64 tiles never do."""
+def _sgemm_on_onednn(path, c, a, trans_a):  # pragma: no cover - njit only
+    """Whether the float32 GEMM ``c = op(a) op(b)`` goes to ``dnnl_sgemm`` (the oneDNN path; the
+    mixed path's small GEMMs); float64 tiles never do."""
     raise NotImplementedError("_sgemm_on_onednn is only callable from @njit code")
 
 
 @overload(_sgemm_on_onednn)
-def _sgemm_on_onednn_overload(path, c):
+def _sgemm_on_onednn_overload(path, c, a, trans_a):
     if c.dtype == types.float32:
-        return lambda path, c: path.onednn
-    return lambda path, c: False
+        def impl(path, c, a, trans_a):
+            mnk = c.shape[0] * c.shape[1] * (a.shape[0] if trans_a else a.shape[1])
+            return path.onednn or 0 < mnk <= path.onednn_max_mnk
+        return impl
+    return lambda path, c, a, trans_a: False
 
 
 @jit(apart=True)
@@ -260,7 +266,7 @@ def _gemm(a, b, c, trans_a, trans_b, alpha, beta, path):
     """:func:`gemm` (compiled once per accumulator dtype)."""
     if path.bits:
         status = _onednn(a.bits, b.bits, c, trans_a, trans_b, alpha, beta)
-    elif _sgemm_on_onednn(path, c):
+    elif _sgemm_on_onednn(path, c, a.f, trans_a):
         status = _onednn(a.f, b.f, c, trans_a, trans_b, alpha, beta)
     else:
         status = _blas(a.f, b.f, c, trans_a, trans_b, alpha, beta)

@@ -14,16 +14,25 @@ Two paths compute the kernels' products (:mod:`numbafa.kernels.matmul`):
     tile shapes on Zen 4 (docs/performance.md). ``auto`` takes the path only
     where the CPU has bf16 units: on an AVX2 CPU (Zen 3) oneDNN's sgemm was
     a quarter slower than OpenBLAS on the score GEMMs and 5-10 % faster on
-    the gradient GEMMs, no gain overall, so those CPUs keep BLAS.
+    the gradient GEMMs on the backward's large tiles.
+``"mixed"``
+    As ``"blas"`` (float32 tiles, bf16 inputs widened), but a float32 GEMM of
+    at most :data:`SMALL_SGEMM` multiply-adds (``m * n * k``: the tiles of
+    short sequences, the blocks of a diagonal tile) goes to oneDNN's
+    ``dnnl_sgemm``, which has less fixed cost per call than OpenBLAS's (on
+    Zen 3 0.61-0.92x its time on those shapes, 1.0-1.9x on the large tiles;
+    docs/performance.md). ``auto`` takes it where the CPU has no bf16 units
+    and the library loads.
 
 The path is chosen once per process by :func:`gemm_path`: ``NUMBAFA_GEMM``
-(``auto``, the default; ``onednn``; ``blas``) and the CPU. ``auto`` takes
+(``auto``, the default; ``onednn``; ``mixed``; ``blas``) and the CPU. ``auto`` takes
 oneDNN where the CPU has bf16 units and the library (PyPI
-``onednn-cpu-gomp``, a default dependency on Linux x86-64) loads. ``onednn``
+``onednn-cpu-gomp``, a default dependency on Linux x86-64) loads, ``mixed`` where
+it loads on a CPU without them, else ``blas``. ``onednn``
 forces it wherever the library loads: on a CPU without bf16 units float32
 tiles take ``dnnl_sgemm`` and bf16 inputs are widened into float32 tiles
 (oneDNN's bf16 GEMM needs the units). Forcing it where the library cannot
-load raises a ``RuntimeError`` that says why.
+load raises a ``RuntimeError`` that says why (``mixed`` likewise).
 
 :func:`forced_gemm_path` (``numbafa.forced_gemm_path``) runs the calls of a
 ``with`` block on a given path, whatever the process's: a context variable,
@@ -61,10 +70,14 @@ import threading
 from .cpu import cpu_flags
 
 __all__ = ["gemm_path", "choose_gemm_path", "library_path", "GEMM_PATHS", "forced_gemm_path",
-           "active_gemm_path", "bf16_units", "load_library", "ensure_symbols", "SYMBOLS"]
+           "active_gemm_path", "bf16_units", "load_library", "ensure_symbols", "SYMBOLS", "SMALL_SGEMM"]
 
 #: Values of ``NUMBAFA_GEMM``.
-GEMM_PATHS = ("auto", "onednn", "blas")
+GEMM_PATHS = ("auto", "onednn", "mixed", "blas")
+#: The most multiply-adds (``m * n * k``) of a float32 GEMM the ``"mixed"`` path gives to oneDNN's
+#: ``dnnl_sgemm`` (module docstring): on Zen 3 it was faster than OpenBLAS on every kernel GEMM
+#: shape up to 2**20 and on most of 2**21, slower on most above.
+SMALL_SGEMM = 1 << 21
 _BF16_UNITS = ("avx512_bf16", "amx_bf16")
 
 
@@ -127,7 +140,7 @@ def choose_gemm_path(requested: str, cpu_flags, library) -> tuple:
     Parameters
     ----------
     requested : str
-        ``NUMBAFA_GEMM``: ``"auto"``, ``"onednn"`` or ``"blas"``.
+        ``NUMBAFA_GEMM``: ``"auto"``, ``"onednn"``, ``"mixed"`` or ``"blas"``.
     cpu_flags : set of str or None
         The CPU's feature flags (None: unknown, e.g. off Linux).
     library : str or None
@@ -138,7 +151,7 @@ def choose_gemm_path(requested: str, cpu_flags, library) -> tuple:
     ValueError
         ``requested`` is not one of :data:`GEMM_PATHS`.
     RuntimeError
-        ``"onednn"`` was requested where it cannot run.
+        ``"onednn"`` or ``"mixed"`` was requested where it cannot run.
     """
     if requested not in GEMM_PATHS:
         raise ValueError(f"NUMBAFA_GEMM must be one of {GEMM_PATHS}, got {requested!r}")
@@ -146,18 +159,21 @@ def choose_gemm_path(requested: str, cpu_flags, library) -> tuple:
         return "blas", "NUMBAFA_GEMM=blas"
     units = bf16_units(cpu_flags or set())
     problem = _cannot_run(library)
+    small = "float32 GEMMs of at most 2**21 multiply-adds on oneDNN's dnnl_sgemm, larger ones on BLAS sgemm"
+    if requested in ("onednn", "mixed") and problem is not None:
+        raise RuntimeError(f"NUMBAFA_GEMM={requested}, but {problem}; unset it or use NUMBAFA_GEMM=blas")
+    if requested == "mixed":
+        return "mixed", f"NUMBAFA_GEMM=mixed, oneDNN at {library}: {small}"
     if requested == "onednn":
-        if problem is not None:
-            raise RuntimeError(f"NUMBAFA_GEMM=onednn, but {problem}; unset it or use NUMBAFA_GEMM=blas")
         if not units:
             return "onednn", (f"NUMBAFA_GEMM=onednn, oneDNN at {library}; the CPU has no bf16 units (neither "
                               f"avx512_bf16 nor amx_bf16): float32 tiles on dnnl_sgemm, bf16 inputs widened")
         return "onednn", f"NUMBAFA_GEMM=onednn: bf16 units ({', '.join(units)}) and oneDNN at {library}"
+    if problem is not None:
+        return "blas", problem
     if not units:
-        problem = "the CPU has no bf16 units (neither avx512_bf16 nor amx_bf16)"
-    if problem is None:
-        return "onednn", f"bf16 units ({', '.join(units)}) and oneDNN at {library}"
-    return "blas", problem
+        return "mixed", f"the CPU has no bf16 units (neither avx512_bf16 nor amx_bf16), oneDNN at {library}: {small}"
+    return "onednn", f"bf16 units ({', '.join(units)}) and oneDNN at {library}"
 
 
 _load_lock = threading.Lock()
@@ -227,7 +243,7 @@ def gemm_path() -> tuple:
         flags -= set(_BF16_UNITS)
     path, reason = choose_gemm_path(os.environ.get("NUMBAFA_GEMM", "auto").strip().lower() or "auto",
                                     flags, library_path())
-    if path == "onednn":
+    if path != "blas":
         load_library()
     return path, reason
 
@@ -244,28 +260,29 @@ def active_gemm_path() -> str:
 
 @contextlib.contextmanager
 def forced_gemm_path(path: str):
-    """Run the numbafa calls of a ``with`` block on GEMM path ``path``, ``"blas"`` or ``"onednn"``.
+    """Run the numbafa calls of a ``with`` block on GEMM path ``path``: ``"blas"``, ``"mixed"`` or ``"onednn"``.
 
     ``with numbafa.forced_gemm_path("blas"): ...`` computes every tile product of the calls
     made in the block, in this thread or asyncio task only, by BLAS sgemm (``"onednn"``: by
     oneDNN, as ``NUMBAFA_GEMM=onednn`` would; on a CPU without bf16 units float32 tiles take
-    ``dnnl_sgemm``, and bf16 inputs are widened into float32 tiles). The results differ from
+    ``dnnl_sgemm``, and bf16 inputs are widened into float32 tiles; ``"mixed"``: the small float32
+    GEMMs by oneDNN, the others by BLAS, module docstring). The results differ from
     the other path's by float32 summation order only (docs/numerics.md). Plans made in the
     block are the path's own, so no call mixes them up.
 
     Raises
     ------
     ValueError
-        ``path`` is not ``"blas"`` or ``"onednn"``.
+        ``path`` is not ``"blas"``, ``"mixed"`` or ``"onednn"``.
     RuntimeError
-        ``"onednn"`` where oneDNN cannot run (not installed, not Linux).
+        ``"onednn"`` or ``"mixed"`` where oneDNN cannot run (not installed, not Linux).
     """
-    if path not in ("blas", "onednn"):
-        raise ValueError(f"path must be 'blas' or 'onednn', got {path!r}")
-    if path == "onednn":
+    if path not in ("blas", "mixed", "onednn"):
+        raise ValueError(f"path must be 'blas', 'mixed' or 'onednn', got {path!r}")
+    if path != "blas":
         problem = _cannot_run(library_path())
         if problem is not None:
-            raise RuntimeError(f"forced_gemm_path('onednn'), but {problem}")
+            raise RuntimeError(f"forced_gemm_path({path!r}), but {problem}")
         load_library()
     token = _forced.set(path)
     try:
