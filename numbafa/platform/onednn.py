@@ -1,6 +1,6 @@
 """GEMMs through oneDNN (bf16 on the CPU's bf16 units), and the choice of the GEMM path.
 
-Two paths compute the kernels' products (:mod:`numbafa.kernels.matmul`):
+Three paths compute the kernels' products (:mod:`numbafa.kernels.matmul`):
 
 ``"blas"``
     Every tile is float32 (bf16 inputs widened: exact products) and BLAS
@@ -20,8 +20,8 @@ Two paths compute the kernels' products (:mod:`numbafa.kernels.matmul`):
     at most :data:`SMALL_SGEMM` multiply-adds (``m * n * k``: the tiles of
     short sequences, the blocks of a diagonal tile) goes to oneDNN's
     ``dnnl_sgemm``, which has less fixed cost per call than OpenBLAS's (on
-    Zen 3 0.61-0.92x its time on those shapes, 1.0-1.9x on the large tiles;
-    docs/performance.md). ``auto`` takes it where the CPU has no bf16 units
+    Zen 3 0.61-0.92x its time up to 2**20 multiply-adds, 0.67-1.15x at 2**21,
+    0.62-1.90x above; docs/performance.md). ``auto`` takes it where the CPU has no bf16 units
     and the library loads.
 
 The path is chosen once per process by :func:`gemm_path`: ``NUMBAFA_GEMM``
