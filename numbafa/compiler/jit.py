@@ -140,7 +140,7 @@ __all__ = ["JIT_FLAGS", "jit", "overload", "callable_from_python", "KernelDispat
 
 #: What a cold compile costs, quoted by every compile notice (docs/performance.md, "Compile time",
 #: measures it per CPU).
-COMPILE_TIME = "20-31 s of CPU for float32's forward and backward together, less for each later dtype or variant"
+COMPILE_TIME = "20-40 s of CPU for float32's forward and backward together, less for each later dtype or variant"
 
 #: The package directory: functions defined under it are "the package's".
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]
