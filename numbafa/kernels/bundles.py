@@ -103,7 +103,8 @@ def make_plan(prob, backward: bool, gemm_path: str | None = None) -> Plan:
 
     ``backward`` selects the backward's Q-chunk rule (bf16 accumulators are
     never split there; the forward's rows are independent). ``gemm_path``: ``"blas"``,
-    ``"mixed"`` or ``"onednn"`` (:mod:`numbafa.platform.onednn`); None: :func:`~numbafa.platform.onednn.active_gemm_path`.
+    ``"mixed"`` or ``"onednn"`` (:mod:`numbafa.platform.onednn`); None:
+    :func:`~numbafa.platform.onednn.active_gemm_path`.
     """
     if gemm_path is None:
         gemm_path = active_gemm_path()
