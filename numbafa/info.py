@@ -15,7 +15,7 @@ import scipy
 from .platform.blas import blas_controller
 from .platform.cpu import cpu_flags, cpu_model
 from .compiler.jit import cache_info
-from .platform.onednn import bf16_units, gemm_path
+from .platform.onednn import SMALL_SGEMM_TEXT, bf16_units, gemm_path
 from .version import __version__
 
 __all__ = ["backend_info"]
@@ -71,7 +71,7 @@ def backend_info() -> dict:
              ("internal_api", "version", "architecture", "filepath", "num_threads")}
             for lib in blas_controller().lib_controllers]
     sgemm = {"onednn": "oneDNN dnnl_sgemm",
-             "mixed": "oneDNN dnnl_sgemm up to 2**21 multiply-adds, sgemm (numba_xxgemm -> "
+             "mixed": f"oneDNN dnnl_sgemm up to {SMALL_SGEMM_TEXT} multiply-adds, sgemm (numba_xxgemm -> "
                       "scipy.linalg.cython_blas) beyond"}.get(path, "sgemm")
     return {
         "numbafa": __version__,

@@ -70,7 +70,8 @@ import threading
 from .cpu import cpu_flags
 
 __all__ = ["gemm_path", "choose_gemm_path", "library_path", "GEMM_PATHS", "forced_gemm_path",
-           "active_gemm_path", "bf16_units", "load_library", "ensure_symbols", "SYMBOLS", "SMALL_SGEMM"]
+           "active_gemm_path", "bf16_units", "load_library", "ensure_symbols", "SYMBOLS", "SMALL_SGEMM",
+           "SMALL_SGEMM_TEXT"]
 
 #: Values of ``NUMBAFA_GEMM``.
 GEMM_PATHS = ("auto", "onednn", "mixed", "blas")
@@ -78,6 +79,8 @@ GEMM_PATHS = ("auto", "onednn", "mixed", "blas")
 #: ``dnnl_sgemm`` (module docstring): on Zen 3 it was faster than OpenBLAS on every kernel GEMM
 #: shape up to 2**20 and on most of 2**21, slower on most above.
 SMALL_SGEMM = 1 << 21
+#: :data:`SMALL_SGEMM` as the path's reason and ``backend_info`` write it.
+SMALL_SGEMM_TEXT = f"2**{SMALL_SGEMM.bit_length() - 1}"
 _BF16_UNITS = ("avx512_bf16", "amx_bf16")
 
 
@@ -159,7 +162,8 @@ def choose_gemm_path(requested: str, cpu_flags, library) -> tuple:
         return "blas", "NUMBAFA_GEMM=blas"
     units = bf16_units(cpu_flags or set())
     problem = _cannot_run(library)
-    small = "float32 GEMMs of at most 2**21 multiply-adds on oneDNN's dnnl_sgemm, larger ones on BLAS sgemm"
+    small = (f"float32 GEMMs of at most {SMALL_SGEMM_TEXT} multiply-adds on oneDNN's dnnl_sgemm, larger ones on "
+             f"BLAS sgemm")
     if requested in ("onednn", "mixed") and problem is not None:
         raise RuntimeError(f"NUMBAFA_GEMM={requested}, but {problem}; unset it or use NUMBAFA_GEMM=blas")
     if requested == "mixed":
