@@ -55,8 +55,9 @@ gives the plan of another step's mask, in njit code too.
 Threads: the passes run their ``prange`` launcher, on ``numba.get_num_threads()`` threads. The
 tile GEMMs inside call BLAS from every thread, so each pass holds SciPy's BLAS at one thread
 while it runs, with the Python API's reference-counted pin
-(:func:`numbafa.nb.single_threaded_blas`, entered and left through two C callbacks
-found in the kernel table, on every path out of the entry). On the BLAS GEMM path (CPUs without
+(:func:`numbafa.nb.single_threaded_blas`, entered and left through two C functions found
+in the kernel table, on every path out of the entry: with SciPy's OpenBLAS the native pin,
+without the GIL, :mod:`numbafa.platform.blas`). On the BLAS GEMM path (CPUs without
 bf16 units) a multi-threaded OpenBLAS called from those threads is not only oversubscribed but
 returns other results: with OpenBLAS 0.3.30's Haswell kernels, 42-44 % of ``o``'s elements
 differed from the Python API's without the pin. ``with numbafa.nb.single_threaded_blas():``
@@ -903,7 +904,7 @@ _NOT_PLANNED = ("numbafa.nb: the compiled entry of these arrays' types was not c
 
 @jit()
 def _pin_addresses():
-    """The BLAS pin's C callbacks ``(pin, unpin)`` in the kernel table
+    """The BLAS pin's C functions ``(pin, unpin)`` in the kernel table
     (:func:`numbafa.compiler.runtime.register_pin`, called by :func:`plan`); 0 if not registered."""
     return kernel_address(PIN_KEY), kernel_address(UNPIN_KEY)
 

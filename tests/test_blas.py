@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -149,17 +150,113 @@ def test_overlapping_calls_keep_the_pin_and_restore_the_users_setting():
     assert (during, _blas_threads()) == ({1}, before)
 
 
-def test_a_thread_holding_threadpoolctl_control_is_left_alone():
-    # threadpoolctl lets one thread control OpenBLAS at a time: the pin of a worker
-    # thread must neither steal the main thread's explicit limit nor restore over it.
+def _native_pin():
+    """The native pin (every pinned library an OpenBLAS on pthreads); skip where threadpoolctl's
+    path serves (tested apart: test_threadpoolctls_path_pins_and_leaves_a_held_limit_alone)."""
+    from numbafa.platform import blas
+
+    native = blas._PIN.native()
+    if native is None:
+        pytest.skip("the pinned BLAS is not OpenBLAS on pthreads here: threadpoolctl's path serves")
+    return native
+
+
+def test_a_limit_another_thread_holds_is_pinned_during_a_call_and_kept_after():
+    # threadpoolctl lets one thread control OpenBLAS at a time; the native pin sets OpenBLAS's
+    # own count whoever holds that control: one thread while a worker's kernels run, then the
+    # main thread's explicit limit again.
     before = _multi_threaded_blas()
-    with blas_controller().limit(limits=2):
+    _native_pin()
+    limit = max(before.values()) + 1
+    with blas_controller().limit(limits=limit):
+        assert set(_blas_threads().values()) == {limit}
         seen = []
         t = threading.Thread(target=lambda: seen.append(_overlap(single_threaded_blas)))
         t.start()
         t.join()
-        assert seen and _blas_threads() == before
+        assert seen == [{1}] and set(_blas_threads().values()) == {limit}
     assert _blas_threads() == before
+
+
+def test_a_count_set_during_a_call_is_kept():
+    # e.g. threadpoolctl restoring its setting as another thread leaves a threadpool_limits
+    # context while a kernel runs: the last call to leave does not write its saved count over it
+    before = _multi_threaded_blas()
+    native = _native_pin()
+    try:
+        with single_threaded_blas():
+            for fn in native.direct:
+                fn.set(3)
+        assert set(_blas_threads().values()) == {3}
+        with single_threaded_blas():
+            for fn in native.direct:
+                fn.set(1)   # indistinguishable from the pin's own 1: restored
+        assert set(_blas_threads().values()) == {3}
+    finally:
+        for fn, n in zip(native.direct, before.values()):
+            fn.set(n)
+    assert _blas_threads() == before
+
+
+THREADPOOLCTLS_PATH = r"""
+import json, threading, numpy as np, numba
+from numbafa.platform import blas
+from numbafa.compiler import runtime
+blas._direct_calls = lambda: None          # as for a BLAS that is not OpenBLAS on pthreads
+import numbafa
+from numbafa import nb
+from threadpoolctl import threadpool_info
+libs = {lib.filepath for lib in blas.blas_controller().lib_controllers}
+
+def threads():
+    return sorted(i["num_threads"] for i in threadpool_info() if i["filepath"] in libs)
+
+out = dict(native=blas._PIN.native() is not None, before=threads())
+with blas.single_threaded_blas():
+    out["inside"] = threads()
+out["after"] = threads()
+limit = max(out["before"]) + 1
+with blas.blas_controller().limit(limits=limit):
+    seen = []
+    def worker():
+        with blas.single_threaded_blas():
+            seen.append(threads())
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    out["held"], out["worker"] = [limit] * len(libs), seen[0]
+out["after_limit"] = threads()
+calls = []
+runtime.pin, runtime.unpin = (lambda: (calls.append("pin"), blas.pin())), (lambda: (calls.append("unpin"), blas.unpin()))
+
+@numba.njit
+def fwd(plan, q, k, v, o, lse):
+    nb.attention_fwd(plan, q, k, v, o, lse)
+
+q = np.ones((1, 1, 16, 128), np.float32)
+o, lse = np.empty_like(q), np.empty((1, 1, 128, 1), np.float32)
+plan = nb.plan(q, q, q)
+fwd(plan, q, q, q, o, lse)      # compiled (its kernel calls pin too)
+calls.clear()
+fwd(plan, q, q, q, o, lse)
+out["nb"] = calls
+print(json.dumps(out))
+"""
+
+
+def test_threadpoolctls_path_pins_and_leaves_a_held_limit_alone():
+    """Where a library is not OpenBLAS on pthreads the pin goes through threadpoolctl: one thread
+    inside, the setting back after, a limit another thread holds left alone (threadpoolctl's
+    rule), and numbafa.nb's passes reach it through the C callbacks into Python."""
+    before = _multi_threaded_blas()
+    proc = subprocess.run([sys.executable, "-c", THREADPOOLCTLS_PATH], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    n = len(before)
+    assert out["native"] is False
+    assert (out["inside"], out["after"], out["after_limit"]) == ([1] * n, out["before"], out["before"])
+    assert out["worker"] == out["held"]      # left alone: the main thread's limit, not 1
+    assert out["nb"] == ["pin", "unpin"]
 
 
 def test_concurrent_kernel_calls_leave_the_users_blas_setting_alone():
@@ -188,22 +285,72 @@ def test_concurrent_kernel_calls_leave_the_users_blas_setting_alone():
         assert _blas_threads() == before
 
 
-def test_scipys_openblas_is_pinned_by_direct_calls_without_taking_threadpoolctl_control():
-    """The per-call pin goes through OpenBLAS's own C functions (a microsecond, not
-    threadpoolctl's tens) and leaves threadpoolctl's controlling thread unset."""
+def _controlling_thread():
+    """The thread holding threadpoolctl's control of OpenBLAS (None: nobody); skip for a
+    threadpoolctl whose state is laid out otherwise."""
+    import threadpoolctl
+
+    state = getattr(getattr(threadpoolctl, "OpenBLASController", None), "_SHARED_STATE", None)
+    if state is None or not hasattr(state, "controlling_thread"):
+        pytest.skip("this threadpoolctl's controlling-thread state is laid out otherwise")
+    return state.controlling_thread
+
+
+def test_scipys_openblas_is_pinned_natively_without_taking_threadpoolctl_control():
+    """Where every pinned library is OpenBLAS on pthreads (SciPy's wheels) the pin is native code
+    calling OpenBLAS's own C functions (a microsecond, not threadpoolctl's tens) and leaves
+    threadpoolctl's controlling thread unset."""
     from numbafa.platform import blas
 
     libs = blas_controller().lib_controllers
     if not all(getattr(lib, "internal_api", "") == "openblas" and getattr(lib, "threading_layer", "") == "pthreads"
                for lib in libs):
         pytest.skip(f"the pinned BLAS is not OpenBLAS on pthreads here: {[lib.filepath for lib in libs]}")
-    if blas._controlling_thread() is blas._UNKNOWN:
-        pytest.skip("this threadpoolctl's controlling-thread state is laid out otherwise")
-    direct = blas._direct_calls()
-    assert direct is not None and len(direct) == len(libs)
+    assert _controlling_thread() is None
+    native = blas._PIN.native()
+    assert native is not None and len(native.direct) == len(libs)
+    assert blas.pin_addresses() == (native.pin_address, native.unpin_address)
     before = _blas_threads()
+    pins = native.words[blas._PINS]
     with single_threaded_blas():
-        assert [fn.get() for fn in direct] == [1] * len(direct)
-        assert set(_blas_threads().values()) == {1}
-        assert blas._controlling_thread() is None
-    assert _blas_threads() == before
+        assert [fn.get() for fn in native.direct] == [1] * len(native.direct)
+        assert set(_blas_threads().values()) == {1} and blas._PIN.active == 1
+        assert _controlling_thread() is None
+    assert _blas_threads() == before and blas._PIN.active == 0 and native.words[blas._PINS] == pins + 1
+
+
+FORK_WHILE_PINNED = r"""
+import os, threading
+from numbafa.platform import blas
+native = blas._PIN.native()
+before = [fn.get() for fn in native.direct]
+entered, release = threading.Event(), threading.Event()
+def hold():
+    with blas.single_threaded_blas():
+        entered.set()
+        release.wait(30)
+holder = threading.Thread(target=hold)
+holder.start()
+entered.wait(30)
+pid = os.fork()
+if pid == 0:   # the holder is not in the child: unpinned, its saved counts back, usable
+    ok = blas._PIN.active == 0 and [fn.get() for fn in native.direct] == before
+    blas.pin()
+    ok = ok and [fn.get() for fn in native.direct] == [1] * len(before) and blas._PIN.active == 1
+    blas.unpin()
+    os._exit(0 if ok and [fn.get() for fn in native.direct] == before else 4)
+_, status = os.waitpid(pid, 0)
+release.set()
+holder.join()
+print(os.waitstatus_to_exitcode(status), [fn.get() for fn in native.direct] == before)
+"""
+
+
+def test_a_forked_child_of_a_pinned_process_is_unpinned():
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork")
+    _multi_threaded_blas()
+    _native_pin()
+    proc = subprocess.run([sys.executable, "-c", FORK_WHILE_PINNED], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["0", "True"]

@@ -48,7 +48,7 @@ import threading
 
 from numba.core import event
 
-from ..platform.blas import pin, unpin
+from ..platform.blas import pin, pin_addresses, unpin
 from .jit import COMPILE_TIME, cache_info
 from .linking import KERNELS, type_key
 
@@ -193,11 +193,12 @@ class announced_compile:  # noqa: N801 -- used as a function: ``with announced_c
 # --- the pin for compiled callers ------------------------------------------------------------
 #
 # numbafa.nb's passes run inside a user's njit code, where no ``with`` can open: they call the
-# same reference-counted pin through two C callbacks (ctypes: each takes the GIL for the
-# microsecond it runs), found in the kernel table under these keys -- a user's code cached on
-# disk holds the keys, never an address.
+# same reference-counted pin through two C functions found in the kernel table under these keys
+# -- a user's code cached on disk holds the keys, never an address: the native pin's
+# (numbafa.platform.blas: no GIL, no Python), or where threadpoolctl's path serves, two ctypes
+# callbacks into Python (each takes the GIL for the microseconds it runs).
 
-#: Kernel-table keys of the C callbacks ``void pin(void)`` and ``void unpin(void)``.
+#: Kernel-table keys of the C functions ``void pin(void)`` and ``void unpin(void)``.
 PIN_KEY = type_key("numbafa.platform.blas.pin", ())
 UNPIN_KEY = type_key("numbafa.platform.blas.unpin", ())
 
@@ -207,13 +208,16 @@ _callbacks_lock = threading.Lock()
 
 
 def register_pin() -> None:
-    """Record the C callbacks of the BLAS pin in the kernel table (idempotent)."""
+    """Record the BLAS pin's C functions in the kernel table (idempotent)."""
     if KERNELS.get(PIN_KEY):
         return
     with _callbacks_lock:
         if KERNELS.get(PIN_KEY):
             return
-        pin_cb, unpin_cb = _CALLBACK(lambda: pin()), _CALLBACK(lambda: unpin())
-        _callbacks.extend((pin_cb, unpin_cb))
-        KERNELS.register(UNPIN_KEY, ctypes.cast(unpin_cb, ctypes.c_void_p).value)
-        KERNELS.register(PIN_KEY, ctypes.cast(pin_cb, ctypes.c_void_p).value)
+        addresses = pin_addresses()
+        if addresses is None:
+            callbacks = _CALLBACK(lambda: pin()), _CALLBACK(lambda: unpin())
+            _callbacks.extend(callbacks)
+            addresses = tuple(ctypes.cast(cb, ctypes.c_void_p).value for cb in callbacks)
+        KERNELS.register(UNPIN_KEY, addresses[1])
+        KERNELS.register(PIN_KEY, addresses[0])
