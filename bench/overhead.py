@@ -7,7 +7,11 @@ in rounds (medians of each round's mean over a run of calls of >= 20 ms):
 
 * ``kernel``: the same call from ``@njit`` code, ``numbafa.nb.attention_fwd`` /
   ``attention_bwd`` in a jitted loop: the compiled entry (value and range
-  checks, launch, output checks) and nb's own checks, no Python;
+  checks, launch, output checks) and nb's own checks, no Python; run inside
+  ``single_threaded_blas()``, so each pass's own BLAS pin only counts;
+* ``nb``: the same loops without that outer pin, as a user's njit loop runs
+  them by default: each pass takes and gives back the BLAS pin;
+* ``pin+unpin``: the BLAS pin entered and left from Python (no kernel);
 * ``numbafa``: ``numbafa.attention_fwd`` / ``attention_bwd`` (validation,
   plan, BLAS pin, allocation, launch, conversion);
 * ``numbafa.torch``: the custom operator's forward (no grad) and a whole
@@ -34,7 +38,7 @@ import numpy as np
 
 import numbafa
 from numbafa import nb
-from numbafa.platform.blas import single_threaded_blas
+from numbafa.platform.blas import pin, single_threaded_blas, unpin
 
 
 def _per_call(fn) -> float:
@@ -140,8 +144,10 @@ def main(argv=None):
     t_fwd, t_train = _torch(q, k, v, dy, causal)
     api_fwd = lambda: numbafa.attention_fwd(q, k, v, use_causal_mask=causal)  # noqa: E731
     api_bwd = lambda: numbafa.attention_bwd(q, k, v, o, dy, lse, use_causal_mask=causal)  # noqa: E731
-    calls = {"kernel fwd": fwd_kernel, "kernel bwd": bwd_kernel, "numbafa fwd": api_fwd, "numbafa bwd": api_bwd,
-             "python fwd": _without_kernel(api_fwd), "python bwd": _without_kernel(api_bwd)}
+    calls = {"kernel fwd": fwd_kernel, "kernel bwd": bwd_kernel, "nb fwd": fwd_kernel, "nb bwd": bwd_kernel,
+             "numbafa fwd": api_fwd, "numbafa bwd": api_bwd,
+             "python fwd": _without_kernel(api_fwd), "python bwd": _without_kernel(api_bwd),
+             "pin+unpin": lambda: (pin(), unpin())}
     if t_fwd is not None:
         calls.update({"numbafa.torch fwd": t_fwd, "numbafa.torch fwd+bwd": t_train})
     times = {name: [] for name in calls}
@@ -150,6 +156,8 @@ def main(argv=None):
             if name.startswith("kernel"):
                 with single_threaded_blas():
                     times[name].append(fn())
+            elif name.startswith("nb "):
+                times[name].append(fn())
             else:
                 times[name].append(_per_call(fn))
     med = {name: float(np.median(ts)) * 1e6 for name, ts in times.items()}

@@ -57,7 +57,7 @@ tile GEMMs inside call BLAS from every thread, so each pass holds SciPy's BLAS a
 while it runs, with the Python API's reference-counted pin
 (:func:`numbafa.nb.single_threaded_blas`, entered and left through two C functions found
 in the kernel table, on every path out of the entry: with SciPy's OpenBLAS the native pin,
-without the GIL, :mod:`numbafa.platform.blas`). On the BLAS GEMM path (CPUs without
+without the GIL, ``numbafa/platform/blas.py``). On the BLAS GEMM path (CPUs without
 bf16 units) a multi-threaded OpenBLAS called from those threads is not only oversubscribed but
 returns other results: with OpenBLAS 0.3.30's Haswell kernels, 42-44 % of ``o``'s elements
 differed from the Python API's without the pin. ``with numbafa.nb.single_threaded_blas():``
