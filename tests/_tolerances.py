@@ -133,12 +133,18 @@ FP16_MIXED = {"rtol": 2.5e-3, "atol": 1e-5}
 MIN_IDENTICAL = 0.99
 FINAL_ULPS = 1
 # * The same statistical guard for fp16 (tests/test_float16.py): fp16's ulp is 2^-3 of bf16's, so
-#   the same float32 differences reach a rounding boundary ~8x as often. Measured on the test
-#   families (Zen 3, OpenBLAS Haswell): 99.01-99.98 % bit-identical (the worst: dq of 5120 keys at
-#   d_head 256), a missing rounding point 26-67 % different. 96 % leaves 4x the worst measured
-#   mismatch, as 99 % does for bf16. The per-element bound (FINAL_ULPS in fp16 ulps + budget) is
-#   derived as for bf16 and is the same check.
-MIN_IDENTICAL_FP16 = 0.96
+#   the same float32 differences reach a rounding boundary ~8x as often, and how often depends on
+#   the GEMM library's summation order. Measured on the test families, Zen 3, 2026-12-07, every
+#   GEMM path: 99.01-99.98 % bit-identical on OpenBLAS (Haswell kernels) and on the mixed path,
+#   95.9-99.9 % with every float32 GEMM on oneDNN's AVX2 kernels (NUMBAFA_GEMM=onednn; the worst:
+#   dq of the 2-sections family, each element still within its bound at 0.05x). A missing
+#   rounding point (test_the_faithfulness_check_catches_a_missing_rounding_point) leaves 31-73 %
+#   of some output identical (acc: dk 73.2 %, dv 73.7 %; p 46-57 %; ds 57-59 %; q_load 31-36 %).
+#   The guard sits between the two, at the geometric mean of the mismatches (4.1 % and 26.8 %:
+#   10.5 %): 90 %, 2.4x the worst order-only mismatch and 2.7x below the smallest systematic one.
+#   The per-element bound (FINAL_ULPS in fp16 ulps + budget) is derived as for bf16 and is the
+#   same check; it alone catches every missing point above (1.2-23x the bound).
+MIN_IDENTICAL_FP16 = 0.90
 
 # * A float32 output of the bf16 kernel (dsinks of float32 sinks) against the
 #   numerics golden: the same float32 terms summed in another order.
