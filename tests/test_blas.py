@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -317,40 +316,3 @@ def test_scipys_openblas_is_pinned_natively_without_taking_threadpoolctl_control
         assert set(_blas_threads().values()) == {1} and blas._PIN.active == 1
         assert _controlling_thread() is None
     assert _blas_threads() == before and blas._PIN.active == 0 and native.words[blas._PINS] == pins + 1
-
-
-FORK_WHILE_PINNED = r"""
-import os, threading
-from numbafa.platform import blas
-native = blas._PIN.native()
-before = [fn.get() for fn in native.direct]
-entered, release = threading.Event(), threading.Event()
-def hold():
-    with blas.single_threaded_blas():
-        entered.set()
-        release.wait(30)
-holder = threading.Thread(target=hold)
-holder.start()
-entered.wait(30)
-pid = os.fork()
-if pid == 0:   # the holder is not in the child: unpinned, its saved counts back, usable
-    ok = blas._PIN.active == 0 and [fn.get() for fn in native.direct] == before
-    blas.pin()
-    ok = ok and [fn.get() for fn in native.direct] == [1] * len(before) and blas._PIN.active == 1
-    blas.unpin()
-    os._exit(0 if ok and [fn.get() for fn in native.direct] == before else 4)
-_, status = os.waitpid(pid, 0)
-release.set()
-holder.join()
-print(os.waitstatus_to_exitcode(status), [fn.get() for fn in native.direct] == before)
-"""
-
-
-def test_a_forked_child_of_a_pinned_process_is_unpinned():
-    if not hasattr(os, "fork"):
-        pytest.skip("no fork")
-    _multi_threaded_blas()
-    _native_pin()
-    proc = subprocess.run([sys.executable, "-c", FORK_WHILE_PINNED], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["0", "True"]

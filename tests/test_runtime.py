@@ -272,9 +272,12 @@ def test_a_compile_outside_a_kernel_call_is_announced_in_its_own_words_once(tmp_
 
 FORK_WHILE_HELD = '''\
 import os, threading
-import numbafa.platform.blas
+from numbafa.platform import blas
 from numbafa.compiler.runtime import kernel_call
 
+native = blas._PIN.native()   # the native pin's OpenBLAS counts (none on threadpoolctl's path)
+counts = (lambda: [fn.get() for fn in native.direct]) if native is not None else list
+before = counts()
 entered, release = threading.Event(), threading.Event()
 
 def hold():
@@ -286,15 +289,19 @@ holder = threading.Thread(target=hold)
 holder.start()
 entered.wait(10)
 pid = os.fork()
-if pid == 0:  # the child has no holder thread: its guard must start afresh
+if pid == 0:  # the child has no holder thread: its guard and pin start afresh, the counts it saved back
+    fresh = blas._PIN.active == 0 and counts() == before
     done = threading.Event()
 
     def enter():
         with kernel_call("probe", "float32"):
             done.set()
 
-    threading.Thread(target=enter, daemon=True).start()
-    os._exit(0 if done.wait(10) else 3)
+    thread = threading.Thread(target=enter, daemon=True)
+    thread.start()
+    entered_again = done.wait(10)
+    thread.join(10)     # (out of the pin again: its counts back)
+    os._exit(0 if entered_again and fresh and counts() == before else 3)
 _, status = os.waitpid(pid, 0)
 release.set()
 holder.join()
@@ -302,7 +309,7 @@ print(os.waitstatus_to_exitcode(status))
 '''
 
 
-def test_fork_while_a_kernel_call_is_active_does_not_deadlock_the_child():
+def test_a_child_forked_during_a_kernel_call_neither_deadlocks_nor_stays_pinned():
     if not hasattr(os, "fork"):
         pytest.skip("no fork")
     assert _run(FORK_WHILE_HELD, NUMBA_THREADING_LAYER="workqueue") == "0"
