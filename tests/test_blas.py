@@ -198,10 +198,15 @@ def test_a_count_set_during_a_call_is_kept():
 
 
 THREADPOOLCTLS_PATH = r"""
-import json, threading, numpy as np, numba
+import json, sys, threading, numpy as np, numba
 from numbafa.platform import blas
 from numbafa.compiler import runtime
-blas._direct_calls = lambda: None          # as for a BLAS that is not OpenBLAS on pthreads
+if sys.argv[1] == "not-openblas":          # as for a BLAS that is not OpenBLAS on pthreads
+    blas._direct_calls = lambda: None
+else:                                       # as if LLVM could not build the native pin
+    def _no_native(direct):
+        raise RuntimeError("no native pin")
+    blas._NativePin = _no_native
 import numbafa
 from numbafa import nb
 from threadpoolctl import threadpool_info
@@ -243,12 +248,15 @@ print(json.dumps(out))
 """
 
 
-def test_threadpoolctls_path_pins_and_leaves_a_held_limit_alone():
-    """Where a library is not OpenBLAS on pthreads the pin goes through threadpoolctl: one thread
-    inside, the setting back after, a limit another thread holds left alone (threadpoolctl's
-    rule), and numbafa.nb's passes reach it through the C callbacks into Python."""
+@pytest.mark.parametrize("why", ["not-openblas", "no-native-pin"])
+def test_threadpoolctls_path_pins_and_leaves_a_held_limit_alone(why):
+    """Where a library is not OpenBLAS on pthreads (or the native pin cannot be built) the pin
+    goes through threadpoolctl: one thread inside, the setting back after, a limit another thread
+    holds left alone (threadpoolctl's rule), and numbafa.nb's passes reach it through the C
+    callbacks into Python."""
     before = _multi_threaded_blas()
-    proc = subprocess.run([sys.executable, "-c", THREADPOOLCTLS_PATH], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", THREADPOOLCTLS_PATH, why], capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     n = len(before)

@@ -264,7 +264,10 @@ class _BlasPin:
                         os.register_at_fork(after_in_child=self._after_fork_in_child)
                     direct = _direct_calls()
                     if direct is not None and len(direct) <= _MAX_NATIVE:
-                        self._native = _NativePin(direct)
+                        try:
+                            self._native = _NativePin(direct)
+                        except Exception:   # (LLVM could not build it: threadpoolctl's path still pins)
+                            self._native = None
                     self._hooked = True
         return self._native
 
