@@ -436,15 +436,14 @@ def _store(y, x, kind):  # pragma: no cover - replaced inside njit code
 @overload(_store)
 def _store_overload(y, x, kind):
     if x.dtype == types.uint16:
+        if x.layout == "C":
+            def bits_in_place(y, x, kind):
+                _to_bits(y.reshape(-1), x.reshape(-1), kind)
+            return bits_in_place
+
         def bits(y, x, kind):
-            src = y.reshape(-1)
             out = empty(y.size, np.uint16)
-            if kind == FP16:
-                for i in range(src.size):
-                    out[i] = f32_to_fp16_bits(src[i])
-            else:   # bf16 values: their upper half (exact)
-                for i in range(src.size):
-                    out[i] = np.uint16(bitcast(np.float32(src[i]), np.uint32) >> np.uint32(16))
+            _to_bits(y.reshape(-1), out, kind)
             _assign(x, out.reshape(x.shape))
         return bits
 
@@ -452,6 +451,17 @@ def _store_overload(y, x, kind):
         if y.ctypes.data != x.ctypes.data:
             _assign(x, y)
     return values
+
+
+@jit()
+def _to_bits(src, out, kind):
+    """``out`` (1-D uint16) = the bf16 or fp16 (``kind``) bits of the 1-D float32 ``src``'s values."""
+    if kind == FP16:
+        for i in range(src.size):
+            out[i] = f32_to_fp16_bits(src[i])
+    else:   # bf16 values: their upper half (exact)
+        for i in range(src.size):
+            out[i] = np.uint16(bitcast(np.float32(src[i]), np.uint32) >> np.uint32(16))
 
 
 def _output(x):  # pragma: no cover - replaced inside njit code
@@ -838,13 +848,27 @@ def _copy_flat(src, dst):
     _assign(dst, src.reshape(dst.shape))
 
 
-@jit()
-def _assign(dst, src):
+def _assign(dst, src):  # pragma: no cover - replaced inside njit code
     """``dst[...] = src`` for arrays of one shape, element by element: Numba compiles a
     shape-formatting error path into the slice assignment, a second or more of every user's
-    compile."""
-    for index in np.ndindex(dst.shape):
-        dst[index] = src[index]
+    compile. Two C-contiguous arrays are copied as flat ones (a loop that vectorises); others
+    index by ``np.ndindex`` (a tuple index an element)."""
+    raise NotImplementedError
+
+
+@overload(_assign)
+def _assign_overload(dst, src):
+    if dst.layout == "C" and src.layout == "C":
+        def flat(dst, src):
+            d, s = dst.reshape(-1), src.reshape(-1)
+            for i in range(d.size):
+                d[i] = s[i]
+        return flat
+
+    def each(dst, src):
+        for index in np.ndindex(dst.shape):
+            dst[index] = src[index]
+    return each
 
 
 # --- the status of a failed entry, raised --------------------------------------------------
