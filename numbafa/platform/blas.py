@@ -138,8 +138,6 @@ def _restore(saved) -> None:
 #: The native pin's words: the spin lock, the calls inside the pin, how many pins and unpins ran
 #: (a check for tests), then per library the count to restore (0: nothing).
 _LOCK, _ACTIVE, _PINS, _UNPINS, _SAVED = 0, 1, 2, 3, 4
-#: The most libraries the native pin serves (more: threadpoolctl's path).
-_MAX_NATIVE = 4
 _native_names = itertools.count()
 
 
@@ -263,7 +261,7 @@ class _BlasPin:
                     if hasattr(os, "register_at_fork"):
                         os.register_at_fork(after_in_child=self._after_fork_in_child)
                     direct = _direct_calls()
-                    if direct is not None and len(direct) <= _MAX_NATIVE:
+                    if direct is not None:
                         try:
                             self._native = _NativePin(direct)
                         except Exception:   # (LLVM could not build it: threadpoolctl's path still pins)
