@@ -419,9 +419,14 @@ def test_remembered_calls_follow_the_arrays_layout_and_flags(dtype):
     readonly = q.copy()
     readonly.flags.writeable = False
     expected = numbafa.attention_fwd(q.copy(), f["k_ref"], f["v_ref"])
+    rest = (f["k_ref"], f["v_ref"], expected[0], f["dy_ref"], expected[1])
+    expected_grads = numbafa.attention_bwd(q.copy(), *rest)
     for _ in range(2):
         for variant in (q, bshd, readonly):
             o, lse = numbafa.attention_fwd(variant, f["k_ref"], f["v_ref"])
-            assert o.dtype == expected[0].dtype
+            assert o.dtype == expected[0].dtype and lse.flags.c_contiguous
             np.testing.assert_array_equal(o.astype(np.float32), expected[0].astype(np.float32))
             np.testing.assert_array_equal(lse, expected[1])
+            for got, want in zip(numbafa.attention_bwd(variant, *rest), expected_grads):
+                assert got.dtype == want.dtype
+                np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))

@@ -54,7 +54,7 @@ from .values import value_plugins
 from .table import ensure_plugins, kernel_address
 
 __all__ = ["run_items", "ensure_launcher", "forward_items", "backward_items", "call_entry", "call_prepared",
-           "prepare_forward", "prepare_backward", "needs_finish", "threading_layer_is_thread_safe"]
+           "prepared_entry", "prepare_forward", "prepare_backward", "needs_finish", "threading_layer_is_thread_safe"]
 
 _entries: dict = {}          # (entry, signature) -> the compiled overload's entry point
 _launch_lock = threading.Lock()
@@ -175,15 +175,22 @@ def call_entry(entry, args: tuple, signature):
     return result
 
 
-def call_prepared(entry, args: tuple, signature):
-    """:func:`call_entry` for a call whose every compiled piece a call of the same ``signature``
+def prepared_entry(entry, signature):
+    """What :func:`call_prepared` calls for ``entry`` and a ``signature`` :func:`call_entry` has
+    called it with: the compiled overload's own entry point (``entry`` itself if not known)."""
+    return _entries.get((entry, signature), entry)
+
+
+def call_prepared(call, args: tuple):
+    """:func:`call_entry` for a call whose every compiled piece a call of the same signature
     prepared and ran before (:func:`prepare_forward` / :func:`prepare_backward`; a remembered
-    call of :mod:`numbafa.pipeline.core`): nothing is left to compile, so it runs inside the BLAS
-    pin only (:func:`numbafa.platform.blas.pin`), without the compile announcer's context
-    (:func:`numbafa.compiler.runtime.kernel_call`)."""
-    call = _entries.get((entry, signature), entry)
+    call of :mod:`numbafa.pipeline.core`), ``call`` its :func:`prepared_entry`: nothing is left to
+    compile, so it runs inside the BLAS pin only (:func:`numbafa.platform.blas.pin`), without the
+    compile announcer's context (:func:`numbafa.compiler.runtime.kernel_call`)."""
     pin()
     try:
+        if _thread_safe_layer:
+            return call(*args)
         return _locked_call(call, args)
     finally:
         unpin()

@@ -36,8 +36,8 @@ from .matmul import any_layout, bits_operand, row_of, values_operand
 from .loops import rows_operand
 from .table import call_plugin
 
-__all__ = ["Stored", "stored", "stored_fwd", "stored_bwd", "stored_dims", "load_q", "gather_input",
-           "input_operand", "input_rows_operand", "bits_plugins"]
+__all__ = ["Stored", "stored", "stored_fwd", "stored_bwd", "stored_members", "stored_records", "stored_dims", "load_q",
+           "gather_input", "input_operand", "input_rows_operand", "bits_plugins"]
 
 Stored = namedtuple("Stored", ["f", "bits", "is_bits"])
 Stored.__doc__ = """A 4-D input as the work items read it (module docstring): ``f``, its values in the
@@ -79,35 +79,35 @@ def _stored_overload(x, acc):
     return values
 
 
-def _members(ins, acc):
-    """``(empty values, empty bits, is_bits)`` of the inputs of ``ins`` (one storage for all)."""
-    if ins.q.dtype.char == "H":
+def stored_members(x, acc) -> tuple:
+    """The members :func:`stored_records` gives the records of kernel inputs stored as ``x``
+    (float32, float64, or bf16 bits as uint16), ``acc`` the accumulator dtype's empty array: ``(empty
+    values, empty bits, is_bits)``."""
+    if x.dtype.char == "H":
         return _EMPTY[acc.dtype.char], None, True
     return None, _EMPTY["H"], False
 
 
-def stored_fwd(ins, acc):
-    """``ins`` (:data:`~numbafa.kernels.bundles.FwdInputs` of arrays) with :data:`Stored` inputs."""
-    no_f, no_bits, is_bits = _members(ins, acc)
+def stored_records(arrays, members) -> list:
+    """The :data:`Stored` records of the 4-D kernel inputs ``arrays`` (one storage for all), with
+    the :func:`stored_members` of their storage."""
+    no_f, no_bits, is_bits = members
     new = _new_record
     if is_bits:
-        return FwdInputs(new(Stored, (no_f, ins.q, True)), new(Stored, (no_f, ins.k, True)),
-                         new(Stored, (no_f, ins.v, True)), ins.sinks)
-    return FwdInputs(new(Stored, (ins.q, no_bits, False)), new(Stored, (ins.k, no_bits, False)),
-                     new(Stored, (ins.v, no_bits, False)), ins.sinks)
+        return [new(Stored, (no_f, x, True)) for x in arrays]
+    return [new(Stored, (x, no_bits, False)) for x in arrays]
+
+
+def stored_fwd(ins, acc):
+    """``ins`` (:data:`~numbafa.kernels.bundles.FwdInputs` of arrays) with :data:`Stored` inputs."""
+    q, k, v = stored_records((ins.q, ins.k, ins.v), stored_members(ins.q, acc))
+    return FwdInputs(q, k, v, ins.sinks)
 
 
 def stored_bwd(ins, acc):
     """``ins`` (:data:`~numbafa.kernels.bundles.BwdInputs` of arrays) with :data:`Stored` inputs."""
-    no_f, no_bits, is_bits = _members(ins, acc)
-    new = _new_record
-    if is_bits:
-        return BwdInputs(q=new(Stored, (no_f, ins.q, True)), k=new(Stored, (no_f, ins.k, True)),
-                         v=new(Stored, (no_f, ins.v, True)), o=new(Stored, (no_f, ins.o, True)),
-                         dy=new(Stored, (no_f, ins.dy, True)), lse=ins.lse, sinks=ins.sinks)
-    return BwdInputs(q=new(Stored, (ins.q, no_bits, False)), k=new(Stored, (ins.k, no_bits, False)),
-                     v=new(Stored, (ins.v, no_bits, False)), o=new(Stored, (ins.o, no_bits, False)),
-                     dy=new(Stored, (ins.dy, no_bits, False)), lse=ins.lse, sinks=ins.sinks)
+    q, k, v, o, dy = stored_records((ins.q, ins.k, ins.v, ins.o, ins.dy), stored_members(ins.q, acc))
+    return BwdInputs(q=q, k=k, v=v, o=o, dy=dy, lse=ins.lse, sinks=ins.sinks)
 
 
 @overload(stored_fwd, inline="always")

@@ -25,8 +25,8 @@ from ..kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, shar
 from ..kernels.entry import (EXACT_SCORES, GRADIENTS, INPUTS, LSE_VALUES, NONFINITE, OUTPUT, OUTPUTS, SCALED_Q, SCORES,
                              SCORES_WITH_BIAS, STATUS_WORDS, SUMS, backward_entry, exact_scores_plugin, forward_entry)
 from ..kernels.table import ensure_plugins
-from ..kernels.launch import call_entry, call_prepared, needs_finish, prepare_backward, prepare_forward
-from ..kernels.stored import stored_bwd, stored_fwd
+from ..kernels.launch import call_entry, call_prepared, needs_finish, prepare_backward, prepare_forward, prepared_entry
+from ..kernels.stored import stored_bwd, stored_fwd, stored_members, stored_records
 from ..kernels.scores import n_backward_items
 from ..layout import lse_to_neuron
 from ..compiler.memo import Memo
@@ -298,12 +298,16 @@ def _signature(prob) -> tuple:
 class _Recipe:
     """What a remembered call needs: the kernel layout code, the plan and its accumulator dtype,
     the empty sinks, the work items (and units to finish), the input dtype, the natural lse shape,
-    the shapes of the forward's outputs (of the backward's: those it writes, and the empty ones
-    shared by every call), the entry's signature, and whether the kernels took the arrays as they
-    are (:func:`_kernel_arrays`)."""
+    the shapes of the forward's outputs (of the backward's: each output's and statistic's shape,
+    or the empty array every call shares), the entry's signature and what calls it
+    (:func:`~numbafa.kernels.launch.prepared_entry`), the input records' members
+    (:func:`~numbafa.kernels.stored.stored_members`), the shape of the lse's Neuron view, and
+    whether the kernels took the arrays as they are (:func:`_kernel_arrays`). Everything a
+    remembered call can know before its arrays is here, so the call does no more than allocate,
+    call and convert."""
 
     __slots__ = ("layout", "perm", "plan", "acc", "sinks", "items", "units", "dtype", "lse_shape", "o_shape",
-                 "signature", "as_they_are", "bits", "bwd_shapes", "bwd_empty")
+                 "signature", "as_they_are", "bits", "bwd_fields", "call", "members", "lse_tiles", "same_dtype")
 
     def __init__(self, prob, plan, arrays: tuple, kernel_arrays: tuple, items, units=None, state=None):
         self.layout, self.plan, self.sinks, self.items, self.units = prob.layout, plan, prob.sinks, items, units
@@ -313,14 +317,17 @@ class _Recipe:
         self.lse_shape = (dims.bs, dims.nheads, dims.seqlen_q)
         self.o_shape = _in_layout((dims.bs, dims.nheads, dims.d_head_v, dims.seqlen_q), prob.layout)
         self.acc = plan.acc.dtype
-        # the backward's outputs and statistics (:func:`bwd_outputs`, :func:`new_bwd_stats`): the
-        # shapes of those a call writes, and the empty ones (no sinks, no split units), which
-        # every call shares (a kernel writes no element of them)
-        self.bwd_shapes = self.bwd_empty = None
+        self.same_dtype = prob.dtype == self.acc
+        tiles, rest = divmod(dims.seqlen_q, Q_TILE)
+        self.lse_tiles = None if rest else (dims.bs, dims.nheads, tiles, Q_TILE)
+        # the backward's outputs and statistics (:func:`bwd_outputs`, :func:`new_bwd_stats`), field
+        # by field: the shape of one a call writes, or the empty one (no sinks, no split units),
+        # which every call shares (a kernel writes no element of it)
+        self.bwd_fields = None
         if state is not None:
-            self.bwd_shapes = tuple({name: x.shape for name, x in part._asdict().items() if x.size}
-                                    for part in state)
-            self.bwd_empty = tuple({name: x for name, x in part._asdict().items() if not x.size} for part in state)
+            self.bwd_fields = tuple(tuple(x.shape if x.size else x for x in part) for part in state)
+        self.call = prepared_entry(forward_entry if state is None else backward_entry, self.signature)
+        self.members = stored_members(kernel_arrays[0], plan.acc)
         self.bits = kernel_arrays[0].dtype != prob.dtype   # bf16 as uint16 bits
         self.as_they_are = all(x.flags.writeable and kx.dtype.itemsize == x.dtype.itemsize
                                and kx.__array_interface__["data"][0] == x.__array_interface__["data"][0]
@@ -339,6 +346,7 @@ def _kernel_arrays(arrays: tuple, recipe: _Recipe) -> tuple:
 
 
 _RECIPES = Memo()
+_new = tuple.__new__   # a bundle from its fields in order (no keyword handling)
 
 
 def _call_key(arrays: tuple, option_arrays: tuple, dropout_p, scalars, backward: bool, lse_layout: str):
@@ -390,13 +398,19 @@ def remembered_fwd(arrays: tuple, option_arrays: tuple, dropout_p, scalars, lse_
 
 
 def _run_remembered_fwd(arrays: tuple, recipe: _Recipe, lse_layout: str):
-    """:func:`remembered_fwd` of a known recipe: the outputs, or None when the entry reports a failure."""
+    """:func:`remembered_fwd` of a known recipe: the outputs, or None when the entry reports a
+    failure. What :func:`attention_fwd` does after its checks, with what the recipe knows."""
     acc = recipe.acc
-    outs = FwdOutputs(np.empty(recipe.o_shape, acc), np.empty(recipe.lse_shape, acc))
+    o, lse = np.empty(recipe.o_shape, acc), np.empty(recipe.lse_shape, acc)
     status = np.zeros(STATUS_WORDS, dtype=np.int64)
-    ins = stored_fwd(FwdInputs(*_kernel_arrays(arrays, recipe), recipe.sinks), recipe.plan.acc)
-    call_prepared(forward_entry, (ins, outs, recipe.plan, recipe.items, -1, status), recipe.signature)
-    return None if status[0] else _fwd_outputs(outs, recipe.dtype, recipe.layout, lse_layout)
+    q, k, v = stored_records(_kernel_arrays(arrays, recipe), recipe.members)
+    call_prepared(recipe.call, (_new(FwdInputs, (q, k, v, recipe.sinks)), _new(FwdOutputs, (o, lse)), recipe.plan,
+                                recipe.items, -1, status))
+    if status[0]:
+        return None
+    if lse_layout == "neuron":   # lse_to_neuron, its checks passed on the first call
+        lse = np.ascontiguousarray(lse.reshape(recipe.lse_tiles).transpose(0, 1, 3, 2))
+    return _as_neuron(o if recipe.same_dtype else to_dtype(o, recipe.dtype, "o"), recipe.layout), lse
 
 
 def attention_fwd(q, k, v, options: AttentionOptions, caller: Caller, lse_layout: str = "natural"):
@@ -446,18 +460,20 @@ def remembered_bwd(arrays: tuple, option_arrays: tuple, dropout_p, scalars):
 
 def _run_remembered_bwd(arrays: tuple, recipe: _Recipe):
     """:func:`remembered_bwd` of a known recipe: the gradients, or None when the entry reports a failure."""
-    q, k, v, o, dy, lse = arrays
-    qk, kk, vk, ok, dyk = _kernel_arrays((q, k, v, o, dy), recipe)
-    ins = stored_bwd(BwdInputs(q=qk, k=kk, v=vk, o=ok, dy=dyk, lse=kernel_lse(lse, recipe.lse_shape),
-                               sinks=recipe.sinks), recipe.plan.acc)
+    q, k, v, o, dy = stored_records(_kernel_arrays(arrays[:5], recipe), recipe.members)
+    ins = _new(BwdInputs, (q, k, v, o, dy, kernel_lse(arrays[5], recipe.lse_shape), recipe.sinks))
     acc = recipe.acc
-    (outs_shapes, stats_shapes), (outs_empty, stats_empty) = recipe.bwd_shapes, recipe.bwd_empty
-    outs = BwdOutputs(**outs_empty, **{name: np.empty(shape, acc) for name, shape in outs_shapes.items()})
-    stats = BwdStats(**stats_empty, **{name: np.empty(shape, acc) for name, shape in stats_shapes.items()})
+    outs_fields, stats_fields = recipe.bwd_fields
+    outs = _new(BwdOutputs, [np.empty(x, acc) if type(x) is tuple else x for x in outs_fields])
+    stats = _new(BwdStats, [np.empty(x, acc) if type(x) is tuple else x for x in stats_fields])
     status = np.zeros(STATUS_WORDS, dtype=np.int64)
-    call_prepared(backward_entry, (ins, outs, stats, recipe.plan, recipe.items, recipe.units, -1, status),
-                  recipe.signature)
-    return None if status[0] else _grads(outs, recipe.dtype, recipe.layout)
+    call_prepared(recipe.call, (ins, outs, stats, recipe.plan, recipe.items, recipe.units, -1, status))
+    if status[0]:
+        return None
+    if recipe.same_dtype:
+        layout = recipe.layout
+        return _as_neuron(outs.dq, layout), _as_neuron(outs.dk, layout), _as_neuron(outs.dv, layout)
+    return _grads(outs, recipe.dtype, recipe.layout)
 
 
 def attention_bwd(q, k, v, o, dy, lse, options: AttentionOptions, caller: Caller) -> tuple:
