@@ -69,6 +69,9 @@ def accumulator_dtype(dtype) -> np.dtype:
     return _F64_DTYPE if dtype.char == "d" else _F32_DTYPE
 
 
+_UINT16 = np.dtype(np.uint16)
+
+
 def bf16_dtype() -> np.dtype:
     """The NumPy dtype of bf16 arrays at the API, ``ml_dtypes.bfloat16`` (imported here)."""
     import ml_dtypes
@@ -278,12 +281,13 @@ def from_bf16_array(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def to_bf16_array(x: np.ndarray) -> np.ndarray:
-    """Round a float32 array to a new ``ml_dtypes.bfloat16`` array (RNE)."""
+def to_bf16_array(x: np.ndarray, bf16=None) -> np.ndarray:
+    """Round a float32 array to a new ``ml_dtypes.bfloat16`` array (RNE). ``bf16``: that dtype,
+    when the caller has it at hand (:func:`bf16_dtype`)."""
     src = np.ascontiguousarray(x, dtype=np.float32)
-    bits = np.empty(src.shape, dtype=np.uint16)
+    bits = np.empty(src.shape, dtype=_UINT16)
     _convert_array(src, bits)
-    return bits.view(bf16_dtype())
+    return bits.view(bf16_dtype() if bf16 is None else bf16)
 
 
 @intrinsic

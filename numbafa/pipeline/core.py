@@ -67,12 +67,14 @@ def to_dtype(x: np.ndarray, dtype, name: str = "the output") -> np.ndarray:
     if x.dtype == dtype:
         return x
     dtype = np.dtype(dtype)
+    if dtype.kind == "V":   # bf16 (ml_dtypes'; other kinds never reach here)
+        return to_bf16_array(x, dtype)
     if dtype == np.float16:
         out = to_fp16_array(x)
         if not np.isfinite(out).all():
             raise FloatingPointError(_FP16_OVERFLOW.format(name=name))
         return out
-    return x.astype(dtype) if dtype.kind == "f" else to_bf16_array(x)
+    return x.astype(dtype)
 
 
 def user_dsinks(dsinks: np.ndarray, shape: tuple, dtype) -> np.ndarray:
@@ -334,7 +336,7 @@ class _Recipe:
                                for x, kx in zip(arrays, kernel_arrays))
 
 
-def _kernel_arrays(arrays: tuple, recipe: _Recipe) -> tuple:
+def _kernel_arrays(arrays: tuple, recipe: _Recipe):
     """The kernels' views of a remembered call's 4-D arrays: the arrays themselves, in the kernel
     layout (and bf16 as bits), when the first call took them so; else
     :func:`~numbafa.checks.validation.as_kernel_array` (a copy, a widening, a writable view)."""
@@ -342,11 +344,12 @@ def _kernel_arrays(arrays: tuple, recipe: _Recipe) -> tuple:
         return tuple(as_kernel_array(x, recipe.layout) for x in arrays)
     if recipe.perm is not None:
         arrays = tuple(x.transpose(recipe.perm) for x in arrays)
-    return tuple(x.view(np.uint16) for x in arrays) if recipe.bits else arrays
+    return [x.view(_UINT16) for x in arrays] if recipe.bits else arrays
 
 
 _RECIPES = Memo()
 _new = tuple.__new__   # a bundle from its fields in order (no keyword handling)
+_UINT16 = np.dtype(np.uint16)
 
 
 def _call_key(arrays: tuple, option_arrays: tuple, dropout_p, scalars, backward: bool, lse_layout: str):
