@@ -92,20 +92,24 @@ def _kernels(q, k, v, dy, causal):
 
 def _without_kernel(fn):
     """``fn`` with the compiled entries replaced by nothing: the full path's
-    :func:`numbafa.pipeline.core.call_entry`, and the entries a remembered call passes to
+    :func:`numbafa.pipeline.core.call_entry`, and the entry a remembered call passes to
     :func:`numbafa.kernels.launch.call_prepared` (whose BLAS pin stays in the Python work)."""
+    from numbafa.kernels import launch
     from numbafa.pipeline import core
 
     def nothing(*args, **kwargs):
         return 0
 
+    def prepared(call, args):
+        return launch.call_prepared(nothing, args)
+
     def call():
-        real = core.call_entry, core.forward_entry, core.backward_entry
-        core.call_entry = core.forward_entry = core.backward_entry = nothing
+        real = core.call_entry, core.call_prepared
+        core.call_entry, core.call_prepared = nothing, prepared
         try:
             fn()
         finally:
-            core.call_entry, core.forward_entry, core.backward_entry = real
+            core.call_entry, core.call_prepared = real
     return call
 
 
