@@ -18,7 +18,12 @@ mode (``torch.func.jvp``, ``jacfwd``, ``hessian``) and not twice
 differentiated (no double backward). Both operators take and return tensors in the
 Neuron layout ``[batch, heads, head_dim, seq]``; :func:`attention` permutes
 the caller's tensors to it and back (views, no copies), so autograd sees the
-permutes and returns gradients in the caller's layout.
+permutes and returns gradients in the caller's layout. In plain eager mode
+(no ``torch.compile``, no torch.func transform, no dispatch mode) it runs the
+operators' bodies without the dispatcher, in one autograd node whose layout
+changes are NumPy views, and a repeated call of plain tensors without option
+tensors or dropout skips its shape checks (remembered per shapes, dtypes and
+scalar options).
 
 Tensors cross to NumPy without copies: float32 and float64 as ``tensor.numpy()``,
 bfloat16 as a view of its bits (``tensor.view(torch.int16).numpy()`` viewed
@@ -41,6 +46,7 @@ from .pipeline import frameworks as _frameworks
 from .layout import check_layout, from_neuron_perm
 from .layout import cu_seqlens_to_bounds as _cu_seqlens_to_bounds
 from .checks.options import AttentionOptions, scalar_key
+from .compiler.memo import Memo
 from .checks.validation import KERNEL_LAYOUT_PERMS, layout_of_strides
 
 __all__ = ["attention", "cu_seqlens_to_bounds", "to_numpy", "from_numpy"]
@@ -147,17 +153,28 @@ def _attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
                      (causal, window, softmax_scale, layout, dropout_p, seed, seed_offset, softcap), return_dbias)
 
 
-def _host_bwd(tensors: tuple, scalars: tuple, return_dbias: bool):
+def _host_bwd(tensors: tuple, scalars: tuple, return_dbias: bool, perm=None):
     """The backward operator's body on its ``tensors`` (q ... alibi_slopes) and ``scalars``
-    (causal ... softcap): plain eager calls run it without the dispatcher (:func:`_backward`)."""
+    (causal ... softcap): plain eager calls run it without the dispatcher (:func:`_backward`).
+    ``perm``: q, k, v, o and do are in the caller's layout, this permutation of it the Neuron
+    layout (:class:`_EagerAttention`), and dq, dk, dv come back in the caller's layout; dsinks
+    and dbias are then None when not asked for (no operator output to fill)."""
     q, k, v, o, do, lse, *option_tensors = tensors
     option_arrays = tuple(_np(t) for t in option_tensors)
-    arrays = tuple(to_numpy(x) for x in (q, k, v, o, do, lse))
+    arrays = [to_numpy(x) for x in (q, k, v, o, do)]
+    if perm is not None:
+        arrays = [x.transpose(perm) for x in arrays]
+    arrays.append(to_numpy(lse))
     grads = _core.remembered_bwd(arrays, option_arrays, scalars[4], _scalar_key(scalars, return_dbias))
     if grads is None:
         options, layout = _host_options(option_arrays, scalars, return_dbias)
         grads = _frameworks.host_backward(arrays[:5], arrays[5], options, layout)
     sinks = option_tensors[0]
+    if perm is not None:
+        back = from_neuron_perm(scalars[3])
+        return (from_numpy(grads[0].transpose(back)), from_numpy(grads[1].transpose(back)),
+                from_numpy(grads[2].transpose(back)), None if sinks is None else from_numpy(grads[3]),
+                from_numpy(grads[-1]) if return_dbias else None)
     # (two empty tensors: an operator's outputs must not alias each other)
     dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else from_numpy(grads[3])
     dbias = from_numpy(grads[-1]) if return_dbias else q.new_empty((0,), dtype=torch.float32)
@@ -205,16 +222,23 @@ def _bodies_directly(*tensors) -> bool:
             and _get_current_dispatch_mode() is None)
 
 
-def _backward(ctx, do, dlse):
+def _backward(ctx, do, dlse, perm=None):
+    """The gradients of the forward's inputs. ``perm``: the saved q, k, v, o and ``do`` are in the
+    caller's layout, this permutation of it the Neuron layout (:class:`_EagerAttention`)."""
     del dlse  # lse is not differentiable
     q, k, v, o, lse, sinks, bound_min, bound_max, bias, alibi_slopes = ctx.saved_tensors
     args = (q, k, v, o, do, lse, sinks, bound_min, bound_max, bias, alibi_slopes)
     # create_graph=True (grad mode on in the backward): the Function, which refuses a second backward;
     # else, in plain eager mode, the operator's body without its dispatcher
-    direct = not torch.is_grad_enabled() and _bodies_directly(do, *args)
-    options = ctx.options + (ctx.needs_dbias,)
-    dq, dk, dv, dsinks, dbias = (_host_bwd(args, ctx.options, ctx.needs_dbias) if direct
-                                 else _AttentionBackward.apply(*args, options))
+    if not torch.is_grad_enabled() and _bodies_directly(do, *args):
+        dq, dk, dv, dsinks, dbias = _host_bwd(args, ctx.options, ctx.needs_dbias, perm)
+    else:
+        if perm is not None:
+            args = tuple(x.permute(perm) for x in args[:5]) + args[5:]
+        dq, dk, dv, dsinks, dbias = _AttentionBackward.apply(*args, ctx.options + (ctx.needs_dbias,))
+        if perm is not None:
+            back = from_neuron_perm(ctx.options[3])
+            dq, dk, dv = (x.permute(back) for x in (dq, dk, dv))
     return ((dq, dk, dv, (dsinks if ctx.has_sinks else None), None, None, (dbias if ctx.needs_dbias else None),
              None) + (None,) * len(ctx.options))
 
@@ -338,18 +362,25 @@ class _EagerAttention(torch.autograd.Function):
     ``apply`` goes straight to C++, running the operators' bodies. The operator's own autograd
     kernel rebuilds its 13-argument schema's Python objects on every call, and a new-style
     Function binds its ``forward``'s signature with ``inspect``: 0.1-0.2 ms a call each, a
-    small model's whole kernel time. Same results, bit for bit (the same bodies)."""
+    small model's whole kernel time. It takes q, k, v in the caller's layout and returns o in
+    it: the permutations to and from the Neuron layout are NumPy views inside it, not four
+    permutes in the autograd graph. Same results, bit for bit (the same bodies, on the same
+    memory)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes, options):
-        tensors = (q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes)
-        output = _host_fwd(tensors, options)
-        _setup_context(ctx, (*tensors, *options), output)
+        scalars, perm = options
+        option_tensors = (sinks, bound_min, bound_max, bias, alibi_slopes)
+        o, lse = _fwd_on_arrays(tuple(to_numpy(x).transpose(perm) for x in (q, k, v))
+                                + tuple(_np(t) for t in option_tensors), scalars)
+        output = from_numpy(o.transpose(from_neuron_perm(scalars[3]))), torch.from_numpy(lse)
+        _setup_context(ctx, (q, k, v, *option_tensors, *scalars), output)
+        ctx.perm = perm
         return output
 
     @staticmethod
     def backward(ctx, do, dlse):
-        return _backward(ctx, do, dlse)[:_FWD_TENSORS] + (None,)
+        return _backward(ctx, do, dlse, ctx.perm)[:_FWD_TENSORS] + (None,)
 
 
 # ---------------------------------------------------------------------------
@@ -363,6 +394,52 @@ def _check_tensor(name: str, t, required: bool = True) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         raise ValueError(f"{name} must be on the CPU (numbafa runs there), got device {t.device}")
+
+
+def _checked_call(q, k, v, causal, window, sinks, bound_min, bound_max, softmax_scale, layout, dropout_p, seed,
+                  seed_offset, bias, alibi_slopes, softcap) -> tuple:
+    """:func:`attention`'s checks of its arguments (shapes, dtypes, scalar options): the operators'
+    scalar arguments ``(causal, ..., softcap)`` and the permutation of the caller's layout to
+    the Neuron layout."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+    optional = (("sinks", sinks), ("bound_min", bound_min), ("bound_max", bound_max), ("bias", bias),
+                ("alibi_slopes", alibi_slopes))
+    for name, t in optional:
+        _check_tensor(name, t, required=False)
+    given = {name: (tuple(t.shape), _DTYPES.get(t.dtype, str(t.dtype).replace("torch.", "")))
+             for name, t in (("q", q), ("k", k), ("v", v)) + optional if t is not None}
+    options = _frameworks.check_call(layout, given, AttentionOptions(sinks=None, bound_min=None, bound_max=None,
+                                                                     use_causal_mask=causal, mixed_precision=True,
+                                                                     softmax_scale=softmax_scale, sliding_window=window,
+                                                                     dropout_p=dropout_p, seed=seed,
+                                                                     seed_offset=seed_offset, softcap=softcap))
+    for name in ("seed", "seed_offset"):
+        if getattr(options, name) >= 2 ** 63:
+            raise ValueError(f"{name} must be in [0, 2**63) for PyTorch's int64 operator arguments, "
+                             f"got {getattr(options, name)}")
+    scalars = (options.use_causal_mask, options.sliding_window, options.softmax_scale or 0.0, layout,
+               options.dropout_p, options.seed, options.seed_offset, options.softcap)
+    return scalars, check_layout(layout)
+
+
+#: :func:`attention`'s plain calls whose checks passed: :func:`_plain_key` -> ``(scalars, perm)``.
+_PLAIN_CALLS = Memo()
+
+
+def _plain_key(q, k, v, causal, window, sinks, bound_min, bound_max, softmax_scale, layout, dropout_p, seed,
+               seed_offset, bias, alibi_slopes, softcap):
+    """What :func:`_checked_call` depends on, for a call of three plain CPU tensors without option
+    tensors or dropout (else None: checked every time): the layout, the tensors' shapes and
+    dtypes, the scalar options with their types."""
+    if (type(q) not in _PLAIN_TENSORS or type(k) not in _PLAIN_TENSORS or type(v) not in _PLAIN_TENSORS
+            or not (q.is_cpu and k.is_cpu and v.is_cpu) or sinks is not None or bound_min is not None
+            or bound_max is not None or bias is not None or alibi_slopes is not None or seed is not None
+            or type(seed_offset) is not int or seed_offset != 0 or type(dropout_p) not in (int, float)
+            or dropout_p != 0):
+        return None
+    return (layout, q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype, type(causal), causal, type(window), window,
+            type(softmax_scale), softmax_scale, type(dropout_p), type(softcap), softcap)
 
 
 def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None, bound_max=None,
@@ -433,26 +510,15 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         ``window``, ...; ``do`` for a bad gradient in the backward), with
         the expected and the actual value.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t)
-    optional = (("sinks", sinks), ("bound_min", bound_min), ("bound_max", bound_max), ("bias", bias),
-                ("alibi_slopes", alibi_slopes))
-    for name, t in optional:
-        _check_tensor(name, t, required=False)
-    given = {name: (tuple(t.shape), _DTYPES.get(t.dtype, str(t.dtype).replace("torch.", "")))
-             for name, t in (("q", q), ("k", k), ("v", v)) + optional if t is not None}
-    options = _frameworks.check_call(layout, given, AttentionOptions(sinks=None, bound_min=None, bound_max=None,
-                                                                     use_causal_mask=causal, mixed_precision=True,
-                                                                     softmax_scale=softmax_scale, sliding_window=window,
-                                                                     dropout_p=dropout_p, seed=seed,
-                                                                     seed_offset=seed_offset, softcap=softcap))
-    for name in ("seed", "seed_offset"):
-        if getattr(options, name) >= 2 ** 63:
-            raise ValueError(f"{name} must be in [0, 2**63) for PyTorch's int64 operator arguments, "
-                             f"got {getattr(options, name)}")
-    perm = check_layout(layout)
-    scalars = (options.use_causal_mask, options.sliding_window, options.softmax_scale or 0.0, layout,
-               options.dropout_p, options.seed, options.seed_offset, options.softcap)
+    key = _plain_key(q, k, v, causal, window, sinks, bound_min, bound_max, softmax_scale, layout, dropout_p, seed,
+                     seed_offset, bias, alibi_slopes, softcap)
+    known = _PLAIN_CALLS.get(key)
+    if known is None:
+        scalars, perm = _checked_call(q, k, v, causal, window, sinks, bound_min, bound_max, softmax_scale, layout,
+                                      dropout_p, seed, seed_offset, bias, alibi_slopes, softcap)
+        _PLAIN_CALLS.put(key, (scalars, perm))
+    else:
+        scalars, perm = known
     direct = _bodies_directly(q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes)
     if direct and not (torch.is_grad_enabled()
                        and any(t is not None and t.requires_grad for t in (q, k, v, sinks, bias))):
@@ -461,16 +527,16 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         o, _ = _fwd_on_arrays((*(to_numpy(x).transpose(perm) for x in (q, k, v)), _np(sinks), _np(bound_min),
                                _np(bound_max), _np(bias), _np(alibi_slopes)), scalars)
         return from_numpy(o.transpose(from_neuron_perm(layout)))
-    qn, kn, vn = (x.permute(perm) for x in (q, k, v))
     if sinks is not None and sinks.dim() == 1:
         # [heads] -> [batch, heads], a view; float32 (float64 for float64 inputs), so that the
         # gradient is summed over the batch in that dtype and rounded once to the sinks' dtype.
         sinks = sinks.to(torch.float64 if q.dtype == torch.float64 else torch.float32).expand(
             q.shape[0], sinks.shape[0])
+    if direct:   # (q, k, v and o in the caller's layout: the permutes inside, in NumPy)
+        return _EagerAttention.apply(q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes, (scalars, perm))[0]
+    qn, kn, vn = (x.permute(perm) for x in (q, k, v))
     tensors = (qn, kn, vn, sinks, bound_min, bound_max, bias, alibi_slopes)
-    if direct:   # (the permuted views are plain tensors as their bases are)
-        o, _ = _EagerAttention.apply(*tensors, scalars)
-    elif not _plain_eager():
+    if not _plain_eager():
         o, _ = _Attention.apply(*tensors, scalars)
     else:
         o, _ = torch.ops.numbafa.attention_fwd(*tensors, *scalars)

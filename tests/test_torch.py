@@ -656,3 +656,49 @@ def test_a_repeated_call_is_remembered_without_building_its_options(monkeypatch,
         nt.attention(*leaves, causal=True, window=64, sinks=torch.zeros(q.shape[1]))
     with pytest.raises(AssertionError, match="the full path ran"):   # another window: not remembered
         nt.attention(*leaves, causal=True, window=32)
+
+
+def test_a_plain_eager_call_has_no_permutes_in_its_graph():
+    """In plain eager mode the layout changes are NumPy views inside the one autograd node (four
+    permutes in the graph cost a small model's step ~40 us): o's node takes q, k and v's
+    gradients straight to their leaves, and o has the strides of the dispatched operator's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watching(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    for layout in ("bhsd", "bshd"):
+        q, k, v, _ = make(layout, seed=10)
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        o = nt.attention(*leaves, causal=True, layout=layout)
+        assert type(o.grad_fn).__name__ == "_EagerAttentionBackward", o.grad_fn
+        assert [type(f).__name__ for f, _ in o.grad_fn.next_functions[:3]] == ["AccumulateGrad"] * 3
+        with Watching():
+            dispatched = nt.attention(*leaves, causal=True, layout=layout)
+        assert o.shape == dispatched.shape and o.stride() == dispatched.stride() and torch.equal(o, dispatched)
+
+
+def test_a_repeated_plain_call_skips_its_checks_but_not_the_tensors_type_and_device(monkeypatch):
+    """A call of plain CPU tensors without option tensors or dropout remembers its checks
+    (nt._PLAIN_CALLS); another scalar option, a tensor on another device or not a tensor at all
+    is checked again, with the usual error."""
+    monkeypatch.setattr(nt, "_PLAIN_CALLS", type(nt._PLAIN_CALLS)())   # what earlier calls left: gone
+    q, k, v, _ = make(grad=False, seed=11)
+    expected = nt.attention(q, k, v, causal=True, window=64)
+    checked = nt._checked_call
+
+    def boom(*args, **kwargs):
+        raise AssertionError("checked again")
+
+    monkeypatch.setattr(nt, "_checked_call", boom)
+    torch.testing.assert_close(nt.attention(q.clone(), k, v, causal=True, window=64), expected, rtol=0, atol=0)
+    with pytest.raises(AssertionError, match="checked again"):
+        nt.attention(q, k, v, causal=True, window=32)
+    with pytest.raises(AssertionError, match="checked again"):
+        nt.attention(q, k, v, causal=1, window=64)
+    monkeypatch.setattr(nt, "_checked_call", checked)
+    with pytest.raises(ValueError, match="^q must be on the CPU"):
+        nt.attention(q.to("meta"), k, v, causal=True, window=64)
+    with pytest.raises(TypeError, match="^k must be a torch.Tensor, got ndarray"):
+        nt.attention(q, k.numpy(), v, causal=True, window=64)
