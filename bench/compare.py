@@ -23,6 +23,12 @@ float32 backward of each shape (bench/memory.py: a fresh process per measurement
 ``--isolated`` starts a fresh worker for every timing and closes it after (:class:`IsolatedWorker`):
 at a single tile, a call of tens of microseconds, even an idle worker of the other side
 (its thread pools' spinning, on a 2-core machine) moved medians by 20x on Zen 4.
+
+``--passes step`` times a training step: the forward that builds the graph, then the backward
+(for numbafa's NumPy API, its forward then its backward). ``--via torch`` times numbafa through
+its PyTorch adapter (``numbafa.torch.attention`` on the tensors torch gets, ``"bhsd"``; the
+forward under ``no_grad``, the backward and the step through autograd as for SDPA): what a
+PyTorch user's training loop pays, the adapter's per-call cost included.
 """
 
 from __future__ import annotations
@@ -86,6 +92,14 @@ class Numbafa:
         import numbafa
         return _timed(lambda: numbafa.attention_bwd(*self.args, self.o, self.dy, self.lse, **self.kw))
 
+    def step(self):
+        import numbafa
+
+        def step():
+            o, lse = numbafa.attention_fwd(*self.args, **self.kw)
+            numbafa.attention_bwd(*self.args, o, self.dy, lse, **self.kw)
+        return _timed(step)
+
 
 class Torch:
     name = "torch"
@@ -123,15 +137,41 @@ class Torch:
             q.grad = k.grad = v.grad = None
         return _timed(backward)
 
+    def step(self):
+        q, k, v = (x.detach().requires_grad_() for x in (self.q, self.k, self.v))
 
-IMPLS = {"numbafa": Numbafa, "torch": Torch}
+        def step():
+            self._sdpa(q, k, v).backward(self.dy)
+            q.grad = k.grad = v.grad = None
+        return _timed(step)
+
+
+class NumbafaTorch(Torch):
+    """numbafa through its PyTorch adapter (``--via torch``), on the tensors :class:`Torch` makes."""
+
+    name = "numbafa"
+
+    def __init__(self, q, k, v, dy, kw):
+        super().__init__(q, k, v, dy, kw)
+        import numbafa.torch as nt
+        sinks = kw.get("sinks_ref")
+        self.kw = dict(causal=self.causal, window=kw.get("sliding_window"),
+                       sinks=None if sinks is None else nt.from_numpy(sinks))
+        self.backend = "numbafa.torch"
+
+    def _sdpa(self, q, k, v):
+        import numbafa.torch as nt
+        return nt.attention(q, k, v, **self.kw)
+
+
+IMPLS = {"numbafa": Numbafa, "numbafa-torch": NumbafaTorch, "torch": Torch}
 
 
 def serve(name: str) -> None:
     """A worker: JSON requests on stdin, one JSON reply per line on stdout. ``{"shape": [...],
     "dtype": ...}`` sets up the implementation ``name`` on that shape; ``{"pass": ...}`` times one
     pass (seconds); ``{"golden": pass}`` times the golden (ms, numbafa's worker)."""
-    if name == "torch":
+    if name in ("torch", "numbafa-torch"):
         import torch
         torch.set_num_threads(len(os.sched_getaffinity(0)))
     impl = inputs = None
@@ -151,11 +191,12 @@ def serve(name: str) -> None:
 
 
 class Worker:
-    """A worker process (:func:`serve`) for one implementation."""
+    """A worker process (:func:`serve`) for one implementation: ``impl`` (:data:`IMPLS`; default
+    ``name``), reported as ``name``."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, impl: str | None = None):
         self.name = name
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", name], text=True,
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", impl or name], text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=os.path.dirname(__file__))
 
     def ask(self, **request) -> dict:
@@ -177,14 +218,14 @@ class IsolatedWorker:
     no idle thread pool of the other (OpenMP, OpenBLAS) spins on the cores. Each timing pays a
     start-up and a warm-up call first: for short calls (a single tile), where that matters."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, impl: str | None = None):
+        self.name, self.impl = name, impl
         self.shape = None
 
     def ask(self, **request) -> dict:
         if "shape" in request:
             self.shape = request
-        worker = Worker(self.name)
+        worker = Worker(self.name, self.impl)
         try:
             reply = worker.ask(**self.shape)
             if "shape" in request:
@@ -217,7 +258,10 @@ def run(args):
                          f"(its shapes: {', '.join(s[0] for s in pool)}); --set all takes every shape")
     with_torch = not args.no_torch and importlib.util.find_spec("torch") is not None
     worker = IsolatedWorker if args.isolated else Worker
-    workers = [worker("numbafa")] + ([worker("torch")] if with_torch else [])
+    if args.via == "torch" and not with_torch:
+        raise SystemExit("--via torch needs torch (pip install torch==2.13.0)")
+    workers = [worker("numbafa", "numbafa-torch" if args.via == "torch" else None)] + (
+        [worker("torch")] if with_torch else [])
     peaks = None
     try:
         for shape in shapes:
@@ -258,9 +302,11 @@ def _measure(args, impls, shape, dtype_name, pass_, backends, peaks) -> dict:
     if "torch_ms" in row:
         row["speedup_vs_torch"] = row["torch_ms"] / row["numbafa_ms"]
         row["torch_backend"] = backends["torch"]
+    if backends["numbafa"]:
+        row["numbafa_via"] = backends["numbafa"]
     if args.memory and pass_ == "backward" and dtype_name == "float32" and bs == 1:
         row.update(_peak_memory(backends, h, hkv, s, d, options))
-    if s <= args.golden_max_seqlen and dtype_name == "float32":
+    if s <= args.golden_max_seqlen and dtype_name == "float32" and pass_ != "step":
         row["golden_ms"] = impls[0].ask(golden=pass_)["ms"]
         row["speedup_vs_golden"] = row["golden_ms"] / row["numbafa_ms"]
     return row
@@ -357,7 +403,10 @@ def main(argv=None):
     p.add_argument("--memory", action="store_true",
                    help="also the peak extra memory of one float32 backward per shape (batch 1; a process each)")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bf16"], choices=["float32", "bf16"])
-    p.add_argument("--passes", nargs="+", default=["forward", "backward"], choices=["forward", "backward"])
+    p.add_argument("--passes", nargs="+", default=["forward", "backward"], choices=["forward", "backward", "step"],
+                   help="step: a training step, the forward with its graph then the backward")
+    p.add_argument("--via", choices=["numpy", "torch"], default="numpy",
+                   help="numbafa through its NumPy API (default) or its PyTorch adapter, numbafa.torch")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--isolated", action="store_true",
                    help="a fresh process per timing, the other side's closed meanwhile (single tiles)")
@@ -373,7 +422,7 @@ def main(argv=None):
     meta = dict(numbafa=numbafa.__version__, torch=_torch_version(), machine=platform.machine(),
                 processor=platform.processor(), python=platform.python_version(), cpu_count=os.cpu_count(),
                 backend=numbafa.backend_info(), peak_gflops=peaks,
-                processes="one per timing" if args.isolated else "one per implementation")
+                processes="one per timing" if args.isolated else "one per implementation", via=args.via)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(meta=meta, rows=rows), fh, indent=2)

@@ -65,7 +65,7 @@ def flops(pass_, bs, nheads, seqlen, d_head, options):
     """FLOPs of one pass (module docstring)."""
     visible = visible_fraction(seqlen, options)
     d_v = options.get("head_dim_v", d_head)
-    dims = d_head + d_v if pass_ == "forward" else 3 * d_head + 2 * d_v
+    dims = {"forward": d_head + d_v, "backward": 3 * d_head + 2 * d_v, "step": 4 * d_head + 3 * d_v}[pass_]
     return 2.0 * bs * nheads * seqlen * seqlen * dims * visible
 
 

@@ -65,3 +65,25 @@ def test_flops_count_the_pairs_the_mask_leaves_visible():
         assert visible_fraction(seqlen, dict(use_causal_mask=True, sliding_window=window)) == pairs / seqlen ** 2
     for window in (None, -1, 0, 2048, 4096):   # no window, or one that hides nothing: the causal half
         assert visible_fraction(2048, dict(use_causal_mask=True, sliding_window=window)) == 0.5
+
+
+def test_a_step_counts_a_forward_and_a_backward():
+    from shapes import flops
+
+    for options in ({}, {"use_causal_mask": True}, {"head_dim_v": 64}):
+        assert flops("step", 2, 4, 256, 32, options) == (flops("forward", 2, 4, 256, 32, options)
+                                                         + flops("backward", 2, 4, 256, 32, options))
+
+
+@pytest.mark.parametrize("impl", ["numbafa", "numbafa-torch", "torch"])
+def test_every_side_times_every_pass(impl):
+    """The workers' implementations (numbafa's NumPy API, numbafa through numbafa.torch for
+    ``--via torch``, SDPA) each time a forward, a backward and a training step, on real calls."""
+    import numpy as np
+    from shapes import make_inputs
+
+    if impl != "numbafa":
+        pytest.importorskip("torch")
+    side = compare.IMPLS[impl](*make_inputs(1, 2, 1, 128, 32, np.float32, {"use_causal_mask": True}))
+    for pass_ in ("forward", "backward", "step"):
+        assert 0 < getattr(side, pass_)() < 10, pass_
