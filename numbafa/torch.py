@@ -396,11 +396,14 @@ def _check_tensor(name: str, t, required: bool = True) -> None:
         raise ValueError(f"{name} must be on the CPU (numbafa runs there), got device {t.device}")
 
 
-def _checked_call(q, k, v, causal, window, sinks, bound_min, bound_max, softmax_scale, layout, dropout_p, seed,
-                  seed_offset, bias, alibi_slopes, softcap) -> tuple:
-    """:func:`attention`'s checks of its arguments (shapes, dtypes, scalar options): the operators'
-    scalar arguments ``(causal, ..., softcap)`` and the permutation of the caller's layout to
-    the Neuron layout."""
+def _checked_call(tensors: tuple, given_scalars: tuple) -> tuple:
+    """:func:`attention`'s checks of its arguments (shapes, dtypes, scalar options), ``tensors`` its
+    q, k, v, sinks, bound_min, bound_max, bias and alibi_slopes as given, ``given_scalars`` its
+    causal, window, softmax_scale, layout, dropout_p, seed, seed_offset and softcap: the operators'
+    scalar arguments ``(causal, ..., softcap)`` and the permutation of the caller's layout to the
+    Neuron layout."""
+    q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes = tensors
+    causal, window, softmax_scale, layout, dropout_p, seed, seed_offset, softcap = given_scalars
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     optional = (("sinks", sinks), ("bound_min", bound_min), ("bound_max", bound_max), ("bias", bias),
@@ -427,11 +430,12 @@ def _checked_call(q, k, v, causal, window, sinks, bound_min, bound_max, softmax_
 _PLAIN_CALLS = Memo()
 
 
-def _plain_key(q, k, v, causal, window, sinks, bound_min, bound_max, softmax_scale, layout, dropout_p, seed,
-               seed_offset, bias, alibi_slopes, softcap):
-    """What :func:`_checked_call` depends on, for a call of three plain CPU tensors without option
-    tensors or dropout (else None: checked every time): the layout, the tensors' shapes and
-    dtypes, the scalar options with their types."""
+def _plain_key(tensors: tuple, given_scalars: tuple):
+    """What :func:`_checked_call` depends on (same arguments), for a call of three plain CPU
+    tensors without option tensors or dropout (else None: checked every time): the layout, the
+    tensors' shapes and dtypes, the scalar options with their types."""
+    q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes = tensors
+    causal, window, softmax_scale, layout, dropout_p, seed, seed_offset, softcap = given_scalars
     if (type(q) not in _PLAIN_TENSORS or type(k) not in _PLAIN_TENSORS or type(v) not in _PLAIN_TENSORS
             or not (q.is_cpu and k.is_cpu and v.is_cpu) or sinks is not None or bound_min is not None
             or bound_max is not None or bias is not None or alibi_slopes is not None or seed is not None
@@ -510,12 +514,12 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         ``window``, ...; ``do`` for a bad gradient in the backward), with
         the expected and the actual value.
     """
-    key = _plain_key(q, k, v, causal, window, sinks, bound_min, bound_max, softmax_scale, layout, dropout_p, seed,
-                     seed_offset, bias, alibi_slopes, softcap)
+    given = ((q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes),
+             (causal, window, softmax_scale, layout, dropout_p, seed, seed_offset, softcap))
+    key = _plain_key(*given)
     known = _PLAIN_CALLS.get(key)
     if known is None:
-        scalars, perm = _checked_call(q, k, v, causal, window, sinks, bound_min, bound_max, softmax_scale, layout,
-                                      dropout_p, seed, seed_offset, bias, alibi_slopes, softcap)
+        scalars, perm = _checked_call(*given)
         _PLAIN_CALLS.put(key, (scalars, perm))
     else:
         scalars, perm = known
