@@ -89,22 +89,23 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Opt
                      (causal, window, softmax_scale, layout, dropout_p, seed, seed_offset, softcap))
 
 
-def _host_fwd(tensors: tuple, scalars: tuple):
+def _host_fwd(tensors: tuple, scalars: tuple, perm=None):
     """The forward operator's body on its ``tensors`` (q, k, v, sinks, bound_min, bound_max, bias,
     alibi_slopes) and ``scalars`` (causal ... softcap): plain eager calls run it without the
-    dispatcher."""
-    o, lse = _fwd_on_arrays(tuple(_np(t) for t in tensors), scalars)
-    return from_numpy(o), torch.from_numpy(lse)
-
-
-def _fwd_on_arrays(arrays: tuple, scalars: tuple) -> tuple:
-    """numbafa's forward on the NumPy views of the operator's tensors: ``(o, lse)`` arrays (a
-    remembered call's straight away, :func:`numbafa.pipeline.core.remembered_fwd`)."""
+    dispatcher (a remembered call's straight away, :func:`numbafa.pipeline.core.remembered_fwd`).
+    ``perm``: q, k, v are in the caller's layout, this permutation of it the Neuron layout
+    (:func:`attention`'s eager paths), and o comes back in the caller's layout."""
+    arrays = [_np(t) for t in tensors]
+    if perm is not None:
+        arrays[:3] = [x.transpose(perm) for x in arrays[:3]]
     done = _core.remembered_fwd(arrays[:3], arrays[3:], scalars[4], _scalar_key(scalars), "natural")
-    if done is not None:
-        return done
-    options, layout = _host_options(arrays[3:], scalars)
-    return _frameworks.host_forward(*arrays[:3], options, layout)
+    if done is None:
+        options, layout = _host_options(arrays[3:], scalars)
+        done = _frameworks.host_forward(*arrays[:3], options, layout)
+    o, lse = done
+    if perm is not None:
+        o = o.transpose(from_neuron_perm(scalars[3]))
+    return from_numpy(o), torch.from_numpy(lse)
 
 
 def _scalar_key(scalars: tuple, return_dbias: bool = False):
@@ -370,11 +371,9 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes, options):
         scalars, perm = options
-        option_tensors = (sinks, bound_min, bound_max, bias, alibi_slopes)
-        o, lse = _fwd_on_arrays(tuple(to_numpy(x).transpose(perm) for x in (q, k, v))
-                                + tuple(_np(t) for t in option_tensors), scalars)
-        output = from_numpy(o.transpose(from_neuron_perm(scalars[3]))), torch.from_numpy(lse)
-        _setup_context(ctx, (q, k, v, *option_tensors, *scalars), output)
+        tensors = (q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes)
+        output = _host_fwd(tensors, scalars, perm)
+        _setup_context(ctx, (*tensors, *scalars), output)
         ctx.perm = perm
         return output
 
@@ -528,9 +527,7 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
                        and any(t is not None and t.requires_grad for t in (q, k, v, sinks, bias))):
         # nothing to differentiate: the operator's body, without the dispatcher (~0.1 ms), the
         # layout changed in NumPy (torch's permutes cost a few us each)
-        o, _ = _fwd_on_arrays((*(to_numpy(x).transpose(perm) for x in (q, k, v)), _np(sinks), _np(bound_min),
-                               _np(bound_max), _np(bias), _np(alibi_slopes)), scalars)
-        return from_numpy(o.transpose(from_neuron_perm(layout)))
+        return _host_fwd((q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes), scalars, perm)[0]
     if sinks is not None and sinks.dim() == 1:
         # [heads] -> [batch, heads], a view; float32 (float64 for float64 inputs), so that the
         # gradient is summed over the batch in that dtype and rounded once to the sinks' dtype.

@@ -189,8 +189,6 @@ def call_prepared(call, args: tuple):
     compile announcer's context (:func:`numbafa.compiler.runtime.kernel_call`)."""
     pin()
     try:
-        if _thread_safe_layer:
-            return call(*args)
         return _locked_call(call, args)
     finally:
         unpin()

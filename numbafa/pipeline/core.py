@@ -309,7 +309,7 @@ class _Recipe:
     call and convert."""
 
     __slots__ = ("layout", "perm", "plan", "acc", "sinks", "items", "units", "dtype", "lse_shape", "o_shape",
-                 "signature", "as_they_are", "bits", "bwd_fields", "call", "members", "lse_tiles", "same_dtype")
+                 "signature", "as_they_are", "bits", "bwd_fields", "call", "members", "lse_tiles")
 
     def __init__(self, prob, plan, arrays: tuple, kernel_arrays: tuple, items, units=None, state=None):
         self.layout, self.plan, self.sinks, self.items, self.units = prob.layout, plan, prob.sinks, items, units
@@ -319,7 +319,6 @@ class _Recipe:
         self.lse_shape = (dims.bs, dims.nheads, dims.seqlen_q)
         self.o_shape = _in_layout((dims.bs, dims.nheads, dims.d_head_v, dims.seqlen_q), prob.layout)
         self.acc = plan.acc.dtype
-        self.same_dtype = prob.dtype == self.acc
         tiles, rest = divmod(dims.seqlen_q, Q_TILE)
         self.lse_tiles = None if rest else (dims.bs, dims.nheads, tiles, Q_TILE)
         # the backward's outputs and statistics (:func:`bwd_outputs`, :func:`new_bwd_stats`), field
@@ -413,7 +412,7 @@ def _run_remembered_fwd(arrays: tuple, recipe: _Recipe, lse_layout: str):
         return None
     if lse_layout == "neuron":   # lse_to_neuron, its checks passed on the first call
         lse = np.ascontiguousarray(lse.reshape(recipe.lse_tiles).transpose(0, 1, 3, 2))
-    return _as_neuron(o if recipe.same_dtype else to_dtype(o, recipe.dtype, "o"), recipe.layout), lse
+    return _as_neuron(to_dtype(o, recipe.dtype, "o"), recipe.layout), lse
 
 
 def attention_fwd(q, k, v, options: AttentionOptions, caller: Caller, lse_layout: str = "natural"):
@@ -471,12 +470,7 @@ def _run_remembered_bwd(arrays: tuple, recipe: _Recipe):
     stats = _new(BwdStats, [np.empty(x, acc) if type(x) is tuple else x for x in stats_fields])
     status = np.zeros(STATUS_WORDS, dtype=np.int64)
     call_prepared(recipe.call, (ins, outs, stats, recipe.plan, recipe.items, recipe.units, -1, status))
-    if status[0]:
-        return None
-    if recipe.same_dtype:
-        layout = recipe.layout
-        return _as_neuron(outs.dq, layout), _as_neuron(outs.dk, layout), _as_neuron(outs.dv, layout)
-    return _grads(outs, recipe.dtype, recipe.layout)
+    return None if status[0] else _grads(outs, recipe.dtype, recipe.layout)
 
 
 def attention_bwd(q, k, v, o, dy, lse, options: AttentionOptions, caller: Caller) -> tuple:
