@@ -6,6 +6,7 @@ The cache itself (location, recovery, fallbacks) is tested end to end in test_ca
 from __future__ import annotations
 
 import ast
+import inspect
 import pathlib
 import sys
 
@@ -28,6 +29,7 @@ def _call_name(node):
 def test_no_hard_coded_jit_flags():
     """Every jitted function is made by numbafa.compiler.jit.jit(); nobody else calls njit/jit with flags."""
     offenders = []
+    allowed = set(inspect.signature(jit_policy.jit).parameters)
     for path in PACKAGE.rglob("*.py"):
         if path.name == "jit.py":
             continue
@@ -36,7 +38,7 @@ def test_no_hard_coded_jit_flags():
                 continue
             name = _call_name(node)
             keywords = {k.arg for k in node.keywords}
-            if name in ("njit", "vectorize", "guvectorize") or (name == "jit" and not keywords <= {"parallel", "inline", "contract", "entry", "apart", "refcount", "disk_cache"}):
+            if name in ("njit", "vectorize", "guvectorize") or (name == "jit" and not keywords <= allowed):
                 offenders.append(f"{path.name}:{node.lineno}: {name}({', '.join(map(str, keywords))})")
             if keywords & {"fastmath", "cache", "nogil", "error_model"}:
                 offenders.append(f"{path.name}:{node.lineno}: flags {keywords}")
@@ -52,6 +54,7 @@ def test_overload_implementations_get_no_wrappers():
     from numbafa.compiler.records import replaced
     from numbafa.kernels.fastexp import exp_of
     offenders = []
+    allowed = set(inspect.signature(jit_policy.jit).parameters)
     for path in PACKAGE.rglob("*.py"):
         if path.name == "jit.py":
             continue
@@ -274,6 +277,34 @@ def test_refcount_free_steps_are_apart():
     """Only a call by cell balances the references a step without counting returns."""
     with pytest.raises(ValueError, match="refcount=False\\) needs apart=True"):
         jit_policy.jit(refcount=False)
+
+
+def test_any_layout_steps_are_apart():
+    """Only a call by cell casts its arrays to any layout."""
+    with pytest.raises(ValueError, match="any_layout=True\\) needs apart=True"):
+        jit_policy.jit(any_layout=True)
+
+
+def test_layout_free_steps_compile_once():
+    """A step made with ``any_layout=True`` (``heads.gather_head``) is compiled once for
+    C-contiguous arrays and for slices of them, and gives the same copy through either."""
+    from numbafa.kernels.heads import gather_head
+
+    @numba.njit
+    def gather_both(rows, out, wide):
+        n, d = rows.shape
+        gather_head((rows, 0, d), 0, n, out, False)                          # C arrays
+        gather_head((rows[:, :], 0, d), 0, n, wide[:, 3:3 + n], True)        # a slice of a wider one
+
+    rows = np.arange(13 * 9, dtype=np.float64).reshape(13, 9)   # 8-row blocks and a remainder each way
+    out, wide = np.zeros((9, 13)), np.zeros((9, 20))
+    gather_both(rows, out, wide)
+    np.testing.assert_array_equal(out, rows.T)
+    np.testing.assert_array_equal(wide[:, 3:16], rows.T)
+    assert not wide[:, :3].any() and not wide[:, 16:].any()
+    signatures = [sig for sig in gather_head.dispatcher.overloads if sig[3].dtype == numba.float64]
+    assert len(signatures) == 1
+    assert all(ty.layout == "A" for sig in gather_head.dispatcher.overloads for ty in (sig[0][0], sig[3]))
 
 
 def _exp_loop():

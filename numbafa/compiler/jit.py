@@ -726,7 +726,7 @@ class KernelDispatcher(CPUDispatcher):
 
 
 def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True, entry: bool = False,
-        apart: bool = False, refcount: bool = True, disk_cache: bool = True):
+        apart: bool = False, refcount: bool = True, disk_cache: bool = True, any_layout: bool = False):
     """Return a decorator like ``numba.njit``, configured with :data:`JIT_FLAGS`.
 
     Parameters
@@ -764,6 +764,11 @@ def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True, 
         (:mod:`numbafa.compiler.linking`). What such a step calls that returns arrays is
         inlined or apart as well: a counted view handed to it would never be released
         (``tests/test_jit.py`` checks the balance of the kernels' variants).
+    any_layout : bool
+        Only with ``apart``: its array arguments are typed any layout (``"A"``), so a step called
+        with C-contiguous arrays and with slices of them compiles once
+        (:func:`numbafa.compiler.linking.layout_free`); for steps whose loops do not gain from a
+        known unit stride (``heads.gather_head``: vector loads of its own).
     disk_cache : bool
         ``False`` keeps the function off the disk cache: compiled in every process, so that its
         typing runs in every process (``numbafa.nb``'s public passes, whose typing records the
@@ -771,6 +776,8 @@ def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True, 
     """
     if not (refcount or apart):
         raise ValueError("jit(refcount=False) needs apart=True: its call site balances returned references")
+    if any_layout and not apart:
+        raise ValueError("jit(any_layout=True) needs apart=True: its call site casts the arrays")
     flags = dict(JIT_FLAGS)
     flags["fastmath"] = set(flags["fastmath"]) if contract else False
     wrappers = entry and not apart
@@ -784,7 +791,7 @@ def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True, 
             dispatcher.__class__ = KernelDispatcher
         if disk_cache:
             _enable_cache(dispatcher)
-        return linking.apart(dispatcher) if apart else dispatcher
+        return linking.apart(dispatcher, any_layout) if apart else dispatcher
 
     return decorate
 

@@ -54,7 +54,7 @@ from numba.core.runtime.context import NRTContext
 from numba.extending import intrinsic
 
 __all__ = ["Apart", "apart", "native_address", "call_status", "call_or_raise", "pack", "unpack", "address_of",
-           "cells_of", "external_symbols", "ensure_cells", "CELL_PREFIX", "KERNELS", "type_key", "kernel_key",
+           "layout_free", "cells_of", "external_symbols", "ensure_cells", "CELL_PREFIX", "KERNELS", "type_key", "kernel_key",
            "register_kernel", "register_function", "call_key", "call_value_between", "KERNEL_TABLE_CAPACITY"]
 
 #: Name prefix of the cells (pointer-sized globals) through which apart functions are called.
@@ -207,11 +207,13 @@ def _cell_name(module: str, qualname: str, argtys) -> str:
     return f"{CELL_PREFIX}{module}.{qualname}${digest}"
 
 
-def apart(dispatcher):
+def apart(dispatcher, any_layout=False):
     """The callable that ``@njit`` code uses to call ``dispatcher`` through a cell: a Numba
     intrinsic with the attributes ``apart`` (its :class:`Apart`), ``dispatcher`` and
-    ``py_func``. What ``numbafa.compiler.jit.jit(apart=True)`` returns."""
-    state = Apart(dispatcher)
+    ``py_func``. What ``numbafa.compiler.jit.jit(apart=True)`` returns. ``any_layout``: the
+    arrays among the arguments (and in their plain tuples) are passed typed any layout
+    (:func:`layout_free`), so one compile serves every layout they come in."""
+    state = Apart(dispatcher, any_layout)
     call = intrinsic(state.typer())
     call.apart = state
     call.dispatcher = dispatcher
@@ -224,8 +226,9 @@ def apart(dispatcher):
 class Apart:
     """A jitted function compiled on its own and called through a cell (module docstring)."""
 
-    def __init__(self, dispatcher):
+    def __init__(self, dispatcher, any_layout=False):
         self.dispatcher = dispatcher
+        self.any_layout = any_layout
         self.py_func = dispatcher.py_func
         self.__name__ = dispatcher.py_func.__name__
         self.__qualname__ = dispatcher.py_func.__qualname__
@@ -254,6 +257,8 @@ class Apart:
 
     def _type(self, args):
         argtys = tuple(types.unliteral(a) for a in args)
+        if self.any_layout:
+            argtys = tuple(layout_free(a) for a in argtys)
         name = self.ensure(argtys)
         restype = _cells[name][3]
         callee_counts = self.dispatcher.targetoptions.get("_nrt", True)
@@ -273,6 +278,16 @@ class Apart:
             return value
 
         return restype(*args), codegen
+
+
+def layout_free(ty):
+    """``ty`` with its arrays, and those of its plain tuples, typed any layout (``"A"``; a call
+    casts to it, the same pointer, shape and strides)."""
+    if isinstance(ty, types.Array):
+        return ty.copy(layout="A")
+    if isinstance(ty, types.BaseTuple) and not isinstance(ty, types.BaseNamedTuple):
+        return types.Tuple([layout_free(t) for t in ty])
+    return ty
 
 
 def cells_of(library) -> list:

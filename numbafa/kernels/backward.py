@@ -366,10 +366,10 @@ def update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum, cut, scratch):
     if prec.round_acc != ROUND_NONE:
         dv_psum = scratch.kd_psum[:blk.n_k * d_v].reshape(blk.n_k, d_v)
         _kd_gemm(plan, p_t, qg.dy, dy_rows, blk, dv_psum, _ZERO)
-        accumulate(sec.dv_acc[keys], dv_psum, _ONE, prec.round_acc)
+        accumulate(any_layout(sec.dv_acc[keys]), dv_psum, _ONE, prec.round_acc)
         dk_psum = scratch.kd_psum[:blk.n_k * d_head].reshape(blk.n_k, d_head)
         _kd_gemm(plan, ds_t, qg.q_s, q_rows, blk, dk_psum, _ZERO)
-        accumulate(sec.dk_acc[keys], dk_psum, _ONE, prec.round_acc)
+        accumulate(any_layout(sec.dk_acc[keys]), dk_psum, _ONE, prec.round_acc)
     else:
         _kd_gemm(plan, p_t, qg.dy, dy_rows, blk, sec.dv_acc[keys], _ONE)
         _kd_gemm(plan, ds_t, qg.q_s, q_rows, blk, sec.dk_acc[keys], _ONE)

@@ -135,15 +135,16 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
 def philox_words(c0, c1, c2, c3, k0, k1):
     """:func:`philox4x32_10` as a function of its own, callable from Python (ints in, a tuple
     of four ints out) and from the rarely taken edge paths of the draw loops (inlining it
-    there too would add compile time and no speed)."""
+    there too would add compile time and no speed). The package's calls pass six uint64s: one
+    compile for all of them."""
     return philox4x32_10(np.uint64(c0), np.uint64(c1), np.uint64(c2), np.uint64(c3),
                          np.uint64(k0), np.uint64(k1))
 
 
 def derive_key(seed: int, seed_offset: int) -> tuple:
     """The call key ``(k0, k1)`` of ``(seed, seed_offset)``, both ints in ``[0, 2**64)``."""
-    words = philox_words(seed_offset & 0xFFFFFFFF, seed_offset >> 32, 0, 0, seed & 0xFFFFFFFF,
-                         seed >> 32)
+    words = philox_words(*(np.uint64(x) for x in (seed_offset & 0xFFFFFFFF, seed_offset >> 32, 0, 0,
+                                                  seed & 0xFFFFFFFF, seed >> 32)))
     return int(words[0]), int(words[1])
 
 
@@ -217,7 +218,7 @@ def fill_multipliers(out, at, dropout):
                     out[j3, i] = _multiplier(w3, thr, scale)
                 continue
             for i in range(n_q):  # a block the tile cuts: only its rows (a call, not inlined)
-                words = philox_words(c0, q0 + i, c2, c3, key0, key1)
+                words = philox_words(c0, np.uint64(q0 + i), c2, c3, key0, key1)
                 for r in range(4):
                     j = j0 + r * CALLS_PER_BLOCK
                     if 0 <= j < n_k:
@@ -255,7 +256,7 @@ def drop_rows(s, at, dropout, round_kernel):
             first_call = (blk0 + b) * CALLS_PER_BLOCK
             if base < 0 or base + BLOCK_KEYS > n_k:  # a block the tile cuts (at most two per row)
                 for g in range(CALLS_PER_BLOCK):
-                    words = philox_words(first_call + g, c1, c2, c3, key0, key1)   # a call, not inlined
+                    words = philox_words(np.uint64(first_call + g), c1, c2, c3, key0, key1)   # a call, not inlined
                     _drop_cut(row, base + g, words, thr, scale)
                 continue
             for g in range(CALLS_PER_BLOCK):

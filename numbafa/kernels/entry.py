@@ -263,7 +263,7 @@ def _check_range(plan, q, k, m_q, m_k, m_bias, status):
 def _exponent(bound, plan, backward, status):
     """The ``e >= 0`` to run a pass on ``v * 2**-e`` (forward) or ``dy * 2**-e`` (backward) for a
     ``bound`` of every value it accumulates (0: nothing may overflow); not finite: the status
-    :data:`SUMS` and -1."""
+    :data:`SUMS` and -1. ``backward``: 0 or 1, an int64 (no literal: one compile for both entries)."""
     bound *= _SLACK
     limit = _limit(plan.acc)
     if bound < limit:
@@ -367,13 +367,11 @@ def forward_entry(ins, outs, plan, items, exponent, status):
         if status[0] != OK:
             return 0
         keep = np.float64(plan.dropout.scale) if plan.dropout.active else 1.0
-        e = _exponent(stored_dims(ins.k, plan.layout)[3] * m_v * keep, plan, False, status)
+        e = _exponent(stored_dims(ins.k, plan.layout)[3] * m_v * keep, plan, np.int64(0), status)
         if e < 0 or items.size == 0:   # (no items: the checks alone, for a Dask call's client)
             return max_(e, 0)
-    if e > 0:
-        forward_items(FwdInputs(ins.q, ins.k, _scaled_input(ins.v, e), ins.sinks), outs, plan, items)
-    else:
-        forward_items(ins, outs, plan, items)
+    v = _scaled_input(ins.v, e) if e > 0 else ins.v   # (one call site: the bundles lowered once)
+    forward_items(FwdInputs(ins.q, ins.k, v, ins.sinks), outs, plan, items)
     if exponent < 0:   # (a Dask share's outputs are part of a call: its client checks them)
         _unscale(flat(outs.o), e, np.int64(0), status)
         _fp16_output(flat(outs.o), plan.precision.round_kernel, np.int64(0), status)
@@ -404,15 +402,12 @@ def backward_entry(ins, outs, stats, plan, items, units, exponent, status):
             return 0
         bound = _backward_bound(plan, stored_dims(ins.q, plan.layout), stored_dims(ins.v, plan.layout), m_q, m_k, m_v,
                                 m_o, m_dy)
-        e = _exponent(bound, plan, True, status)
+        e = _exponent(bound, plan, np.int64(1), status)
         if e < 0 or items.size + units.size == 0:
             return max_(e, 0)
-    if e > 0:
-        rescaled = BwdInputs(q=ins.q, k=ins.k, v=ins.v, o=ins.o, dy=_scaled_input(ins.dy, e), lse=ins.lse,
-                             sinks=ins.sinks)
-        backward_items(rescaled, outs, stats, plan, items, units)
-    else:
-        backward_items(ins, outs, stats, plan, items, units)
+    dy = _scaled_input(ins.dy, e) if e > 0 else ins.dy   # (one call site: the bundles lowered once)
+    backward_items(BwdInputs(q=ins.q, k=ins.k, v=ins.v, o=ins.o, dy=dy, lse=ins.lse, sinks=ins.sinks), outs, stats,
+                   plan, items, units)
     if exponent >= 0:
         return e
     fmt = plan.precision.round_kernel

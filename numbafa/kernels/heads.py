@@ -141,7 +141,7 @@ def head_slice(head, start, count):
     return rows[start:start + count, col0:col0 + d]
 
 
-@jit(apart=True, refcount=False)
+@jit(apart=True, refcount=False, any_layout=True)   # (its rows and out come C-contiguous or as slices)
 def gather_head(head, start, count, out, by_band):
     """``out[:, :count]`` = rows ``start:start + count`` of the s-major ``head`` (:func:`head_rows`),
     transposed to ``[d, count]``, elements as they are (bf16 bits stay bits). ``by_band``: ``out``

@@ -110,7 +110,7 @@ def _launch(address, word, items):
     if address == 0:
         raise ValueError("numbafa: the work item of these arrays' types was not compiled or loaded in this "
                          "process (numbafa.nb: make the plan with numbafa.nb.plan in this process)")
-    launcher = kernel_address(LAUNCHER_KEY)
+    launcher = kernel_address(np.int64(LAUNCHER_KEY))
     if launcher == 0:
         raise ValueError("numbafa: the launcher was not compiled or loaded in this process")
     work = empty(items.size, np.int64)
