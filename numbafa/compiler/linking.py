@@ -54,8 +54,8 @@ from numba.core.runtime.context import NRTContext
 from numba.extending import intrinsic
 
 __all__ = ["Apart", "apart", "native_address", "call_status", "call_or_raise", "pack", "unpack", "address_of",
-           "layout_free", "cells_of", "external_symbols", "ensure_cells", "CELL_PREFIX", "KERNELS", "type_key", "kernel_key",
-           "register_kernel", "register_function", "call_key", "call_value_between", "KERNEL_TABLE_CAPACITY"]
+           "layout_free", "cells_of", "external_symbols", "ensure_cells", "CELL_PREFIX", "KERNELS", "type_key",
+           "kernel_key", "register_kernel", "register_function", "call_key", "call_value_between", "KERNEL_TABLE_CAPACITY"]
 
 #: Name prefix of the cells (pointer-sized globals) through which apart functions are called.
 CELL_PREFIX = "numbafa.apart$"
