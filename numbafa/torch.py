@@ -95,6 +95,15 @@ def _host_fwd(tensors: tuple, scalars: tuple, perm=None):
     dispatcher (a remembered call's straight away, :func:`numbafa.pipeline.core.remembered_fwd`).
     ``perm``: q, k, v are in the caller's layout, this permutation of it the Neuron layout
     (:func:`attention`'s eager paths), and o comes back in the caller's layout."""
+    _, o, lse = _fwd_arrays(tensors, scalars, perm)
+    if perm is not None:
+        o = o.transpose(from_neuron_perm(scalars[3]))
+    return from_numpy(o), torch.from_numpy(lse)
+
+
+def _fwd_arrays(tensors: tuple, scalars: tuple, perm=None):
+    """:func:`_host_fwd` in NumPy: ``((q, k, v), o, lse)``, q, k, v the kernels' Neuron-layout views
+    of the tensors' memory, o the Neuron-layout output (a NumPy array each)."""
     arrays = [_np(t) for t in tensors]
     if perm is not None:
         arrays[:3] = [x.transpose(perm) for x in arrays[:3]]
@@ -102,10 +111,7 @@ def _host_fwd(tensors: tuple, scalars: tuple, perm=None):
     if done is None:
         options, layout = _host_options(arrays[3:], scalars)
         done = _frameworks.host_forward(*arrays[:3], options, layout)
-    o, lse = done
-    if perm is not None:
-        o = o.transpose(from_neuron_perm(scalars[3]))
-    return from_numpy(o), torch.from_numpy(lse)
+    return arrays[:3], done[0], done[1]
 
 
 def _scalar_key(scalars: tuple, return_dbias: bool = False):
@@ -154,18 +160,24 @@ def _attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
                      (causal, window, softmax_scale, layout, dropout_p, seed, seed_offset, softcap), return_dbias)
 
 
-def _host_bwd(tensors: tuple, scalars: tuple, return_dbias: bool, perm=None):
+def _host_bwd(tensors: tuple, scalars: tuple, return_dbias: bool, perm=None, forward_arrays=None):
     """The backward operator's body on its ``tensors`` (q ... alibi_slopes) and ``scalars``
     (causal ... softcap): plain eager calls run it without the dispatcher (:func:`_backward`).
     ``perm``: q, k, v, o and do are in the caller's layout, this permutation of it the Neuron
     layout (:class:`_EagerAttention`), and dq, dk, dv come back in the caller's layout; dsinks
-    and dbias are then None when not asked for (no operator output to fill)."""
+    and dbias are then None when not asked for (no operator output to fill).
+    ``forward_arrays``: the forward's NumPy q, k, v, o (Neuron layout) and lse, views of those
+    tensors' memory (:class:`_EagerAttention`), used instead of converting them again."""
     q, k, v, o, do, lse, *option_tensors = tensors
     option_arrays = tuple(_np(t) for t in option_tensors)
-    arrays = [to_numpy(x) for x in (q, k, v, o, do)]
-    if perm is not None:
-        arrays = [x.transpose(perm) for x in arrays]
-    arrays.append(to_numpy(lse))
+    if forward_arrays is None:
+        arrays = [to_numpy(x) for x in (q, k, v, o, do)]
+        if perm is not None:
+            arrays = [x.transpose(perm) for x in arrays]
+        arrays.append(to_numpy(lse))
+    else:
+        dy = to_numpy(do)
+        arrays = [*forward_arrays[:4], dy if perm is None else dy.transpose(perm), forward_arrays[4]]
     grads = _core.remembered_bwd(arrays, option_arrays, scalars[4], _scalar_key(scalars, return_dbias))
     if grads is None:
         options, layout = _host_options(option_arrays, scalars, return_dbias)
@@ -196,13 +208,18 @@ _FWD_TENSORS = 8
 
 
 def _setup_context(ctx, inputs, output):
+    _save_for_backward(ctx, inputs, *output)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _save_for_backward(ctx, inputs, o, lse):
+    """What :func:`_backward` reads: the forward's tensors (their in-place changes detected by
+    autograd) and scalars."""
     q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes, *options = inputs
-    o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, sinks, bound_min, bound_max, bias, alibi_slopes)
     ctx.options = tuple(options)   # causal, window, softmax_scale, layout, the dropout's three, softcap
     ctx.has_sinks = sinks is not None
     ctx.needs_dbias = bias is not None and ctx.needs_input_grad[6]
-    ctx.mark_non_differentiable(lse)
 
 
 def _plain_eager() -> bool:
@@ -232,7 +249,7 @@ def _backward(ctx, do, dlse, perm=None):
     # create_graph=True (grad mode on in the backward): the Function, which refuses a second backward;
     # else, in plain eager mode, the operator's body without its dispatcher
     if not torch.is_grad_enabled() and _bodies_directly(do, *args):
-        dq, dk, dv, dsinks, dbias = _host_bwd(args, ctx.options, ctx.needs_dbias, perm)
+        dq, dk, dv, dsinks, dbias = _host_bwd(args, ctx.options, ctx.needs_dbias, perm, getattr(ctx, "arrays", None))
     else:
         if perm is not None:
             args = tuple(x.permute(perm) for x in args[:5]) + args[5:]
@@ -366,20 +383,25 @@ class _EagerAttention(torch.autograd.Function):
     small model's whole kernel time. It takes q, k, v in the caller's layout and returns o in
     it: the permutations to and from the Neuron layout are NumPy views inside it, not four
     permutes in the autograd graph. Same results, bit for bit (the same bodies, on the same
-    memory)."""
+    memory). Its one output is o: lse is saved, not returned (no second edge in the graph, no
+    gradient of it made), and the backward reuses the forward's NumPy views of q, k, v, o and lse
+    (``ctx.arrays``; the saved tensors are still read, so autograd still detects their in-place
+    changes)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes, options):
         scalars, perm = options
         tensors = (q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes)
-        output = _host_fwd(tensors, scalars, perm)
-        _setup_context(ctx, (*tensors, *scalars), output)
+        (qn, kn, vn), o_n, lse_n = _fwd_arrays(tensors, scalars, perm)
+        o = from_numpy(o_n if perm is None else o_n.transpose(from_neuron_perm(scalars[3])))
+        _save_for_backward(ctx, (*tensors, *scalars), o, torch.from_numpy(lse_n))
         ctx.perm = perm
-        return output
+        ctx.arrays = (qn, kn, vn, o_n, lse_n)
+        return o
 
     @staticmethod
-    def backward(ctx, do, dlse):
-        return _backward(ctx, do, dlse, ctx.perm)[:_FWD_TENSORS] + (None,)
+    def backward(ctx, do):
+        return _backward(ctx, do, None, ctx.perm)[:_FWD_TENSORS] + (None,)
 
 
 # ---------------------------------------------------------------------------
@@ -534,7 +556,7 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
         sinks = sinks.to(torch.float64 if q.dtype == torch.float64 else torch.float32).expand(
             q.shape[0], sinks.shape[0])
     if direct:   # (q, k, v and o in the caller's layout: the permutes inside, in NumPy)
-        return _EagerAttention.apply(q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes, (scalars, perm))[0]
+        return _EagerAttention.apply(q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes, (scalars, perm))
     qn, kn, vn = (x.permute(perm) for x in (q, k, v))
     tensors = (qn, kn, vn, sinks, bound_min, bound_max, bias, alibi_slopes)
     if not _plain_eager():

@@ -679,6 +679,36 @@ def test_a_plain_eager_call_has_no_permutes_in_its_graph():
         assert o.shape == dispatched.shape and o.stride() == dispatched.stride() and torch.equal(o, dispatched)
 
 
+def test_the_eager_backward_converts_only_do_and_still_sees_in_place_changes(monkeypatch):
+    """The plain-eager node keeps the forward's NumPy views of q, k, v, o and lse for its backward
+    (one tensor converted there: do), gives the gradients of the dispatched path bit for bit, and
+    still lets autograd refuse a backward after q or o changed in place."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watching(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    q, k, v, do = make("bshd", seed=12)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    with Watching():
+        expected = torch.autograd.grad(nt.attention(*leaves, causal=True, layout="bshd"), leaves, do)
+    o = nt.attention(*leaves, causal=True, layout="bshd")
+    converted = []
+    to_numpy = nt.to_numpy
+    monkeypatch.setattr(nt, "to_numpy", lambda t: converted.append(t) or to_numpy(t))
+    got = torch.autograd.grad(o, leaves, do)
+    assert len(converted) == 1 and converted[0] is do
+    for g, e in zip(got, expected):
+        assert g.stride() == e.stride() and torch.equal(g, e)
+    for change in ("q", "o"):
+        q_used = leaves[0] * 1.0
+        o = nt.attention(q_used, leaves[1], leaves[2], causal=True, layout="bshd")
+        (q_used if change == "q" else o).add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            o.backward(do)
+
+
 def test_a_repeated_plain_call_skips_its_checks_but_not_the_tensors_type_and_device(monkeypatch):
     """A call of plain CPU tensors without option tensors or dropout remembers its checks
     (nt._PLAIN_CALLS); another scalar option, a tensor on another device or not a tensor at all
