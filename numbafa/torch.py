@@ -386,7 +386,8 @@ class _EagerAttention(torch.autograd.Function):
     memory). Its one output is o: lse is saved, not returned (no second edge in the graph, no
     gradient of it made), and the backward reuses the forward's NumPy views of q, k, v, o and lse
     (``ctx.arrays``; the saved tensors are still read, so autograd still detects their in-place
-    changes)."""
+    changes), then lets them go: a node kept alive with o holds no memory the saved tensors
+    would not."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes, options):
@@ -401,7 +402,9 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        return _backward(ctx, do, None, ctx.perm)[:_FWD_TENSORS] + (None,)
+        grads = _backward(ctx, do, None, ctx.perm)
+        ctx.arrays = None   # (released as the saved tensors are; a retain_graph backward converts those again)
+        return grads[:_FWD_TENSORS] + (None,)
 
 
 # ---------------------------------------------------------------------------

@@ -681,8 +681,9 @@ def test_a_plain_eager_call_has_no_permutes_in_its_graph():
 
 def test_the_eager_backward_converts_only_do_and_still_sees_in_place_changes(monkeypatch):
     """The plain-eager node keeps the forward's NumPy views of q, k, v, o and lse for its backward
-    (one tensor converted there: do), gives the gradients of the dispatched path bit for bit, and
-    still lets autograd refuse a backward after q or o changed in place."""
+    (one tensor converted there: do) and then lets them go, gives the gradients of the dispatched
+    path bit for bit (a second backward of a retained graph too), and still lets autograd refuse
+    a backward after q or o changed in place."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Watching(TorchDispatchMode):
@@ -697,10 +698,12 @@ def test_the_eager_backward_converts_only_do_and_still_sees_in_place_changes(mon
     converted = []
     to_numpy = nt.to_numpy
     monkeypatch.setattr(nt, "to_numpy", lambda t: converted.append(t) or to_numpy(t))
-    got = torch.autograd.grad(o, leaves, do)
+    got = torch.autograd.grad(o, leaves, do, retain_graph=True)
     assert len(converted) == 1 and converted[0] is do
-    for g, e in zip(got, expected):
-        assert g.stride() == e.stride() and torch.equal(g, e)
+    assert o.grad_fn.arrays is None   # the views let go, as the saved tensors would be
+    again = torch.autograd.grad(o, leaves, do)   # (retain_graph: from the saved tensors)
+    for g, g2, e in zip(got, again, expected):
+        assert g.stride() == e.stride() and torch.equal(g, e) and torch.equal(g2, e)
     for change in ("q", "o"):
         q_used = leaves[0] * 1.0
         o = nt.attention(q_used, leaves[1], leaves[2], causal=True, layout="bshd")
