@@ -167,7 +167,8 @@ def _host_bwd(tensors: tuple, scalars: tuple, return_dbias: bool, perm=None, for
     layout (:class:`_EagerAttention`), and dq, dk, dv come back in the caller's layout; dsinks
     and dbias are then None when not asked for (no operator output to fill).
     ``forward_arrays``: the forward's NumPy q, k, v, o (Neuron layout) and lse, views of those
-    tensors' memory (:class:`_EagerAttention`), used instead of converting them again."""
+    tensors' memory (:class:`_EagerAttention`, whose ``perm`` is always given), used instead of
+    converting them again."""
     q, k, v, o, do, lse, *option_tensors = tensors
     option_arrays = tuple(_np(t) for t in option_tensors)
     if forward_arrays is None:
@@ -177,7 +178,7 @@ def _host_bwd(tensors: tuple, scalars: tuple, return_dbias: bool, perm=None, for
         arrays.append(to_numpy(lse))
     else:
         dy = to_numpy(do)
-        arrays = [*forward_arrays[:4], dy if perm is None else dy.transpose(perm), forward_arrays[4]]
+        arrays = [*forward_arrays[:4], dy.transpose(perm), forward_arrays[4]]
     grads = _core.remembered_bwd(arrays, option_arrays, scalars[4], _scalar_key(scalars, return_dbias))
     if grads is None:
         options, layout = _host_options(option_arrays, scalars, return_dbias)
@@ -394,7 +395,7 @@ class _EagerAttention(torch.autograd.Function):
         scalars, perm = options
         tensors = (q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes)
         (qn, kn, vn), o_n, lse_n = _fwd_arrays(tensors, scalars, perm)
-        o = from_numpy(o_n if perm is None else o_n.transpose(from_neuron_perm(scalars[3])))
+        o = from_numpy(o_n.transpose(from_neuron_perm(scalars[3])))
         _save_for_backward(ctx, (*tensors, *scalars), o, torch.from_numpy(lse_n))
         ctx.perm = perm
         ctx.arrays = (qn, kn, vn, o_n, lse_n)

@@ -56,6 +56,7 @@ __all__ = [
     "to_fp16_array",
     "from_fp16_array",
     "accumulator_dtype",
+    "UINT16",
 ]
 
 _F32_DTYPE, _F64_DTYPE = np.dtype(np.float32), np.dtype(np.float64)
@@ -69,7 +70,9 @@ def accumulator_dtype(dtype) -> np.dtype:
     return _F64_DTYPE if dtype.char == "d" else _F32_DTYPE
 
 
-_UINT16 = np.dtype(np.uint16)
+#: The dtype of bf16 and fp16 bits, made once (``np.dtype(np.uint16)`` costs a remembered call
+#: ~0.2 us each time).
+UINT16 = np.dtype(np.uint16)
 
 
 def bf16_dtype() -> np.dtype:
@@ -285,7 +288,7 @@ def to_bf16_array(x: np.ndarray, bf16=None) -> np.ndarray:
     """Round a float32 array to a new ``ml_dtypes.bfloat16`` array (RNE). ``bf16``: that dtype,
     when the caller has it at hand (:func:`bf16_dtype`)."""
     src = np.ascontiguousarray(x, dtype=np.float32)
-    bits = np.empty(src.shape, dtype=_UINT16)
+    bits = np.empty(src.shape, dtype=UINT16)
     _convert_array(src, bits)
     return bits.view(bf16_dtype() if bf16 is None else bf16)
 

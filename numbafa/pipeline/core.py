@@ -19,7 +19,7 @@ import math
 import numba
 import numpy as np
 
-from ..conventions.dtypes import ROUND_FP16, to_bf16_array, to_fp16_array
+from ..conventions.dtypes import ROUND_FP16, UINT16, to_bf16_array, to_fp16_array
 from ..kernels.backward import BwdStats
 from ..kernels.bundles import BwdInputs, BwdOutputs, FwdInputs, FwdOutputs, shared_plan
 from ..kernels.entry import (EXACT_SCORES, GRADIENTS, INPUTS, LSE_VALUES, NONFINITE, OUTPUT, OUTPUTS, SCALED_Q, SCORES,
@@ -343,12 +343,11 @@ def _kernel_arrays(arrays: tuple, recipe: _Recipe):
         return tuple(as_kernel_array(x, recipe.layout) for x in arrays)
     if recipe.perm is not None:
         arrays = tuple(x.transpose(recipe.perm) for x in arrays)
-    return [x.view(_UINT16) for x in arrays] if recipe.bits else arrays
+    return [x.view(UINT16) for x in arrays] if recipe.bits else arrays
 
 
 _RECIPES = Memo()
 _new = tuple.__new__   # a bundle from its fields in order (no keyword handling)
-_UINT16 = np.dtype(np.uint16)
 
 
 def _call_key(arrays: tuple, option_arrays: tuple, dropout_p, scalars, backward: bool, lse_layout: str):
