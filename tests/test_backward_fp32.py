@@ -44,14 +44,52 @@ def test_output_shapes(case_and_results):
 
 def test_odd_work_unit_counts_are_split_in_two_q_chunks():
     """The cases that exercise the split: an odd number (< 9) of (batch, KV head) units
-    and more than two Q tiles."""
+    and more than 64 rows."""
     from numbafa.kernels.schedule import q_chunks
-    assert q_chunks(1, 1025, False) == 2 and q_chunks(1, 257, False) == 2 and q_chunks(1, 256, False) == 1
+    assert q_chunks(1, 1025, False) == 2 and q_chunks(1, 257, False) == 2 and q_chunks(1, 256, False) == 2
+    assert q_chunks(1, 65, False) == 2 and q_chunks(1, 64, False) == 1
     assert q_chunks(3, 4096, False) == 2 and q_chunks(7, 4096, False) == 2
     assert q_chunks(2, 4096, False) == 1 and q_chunks(9, 4096, False) == 1
     assert q_chunks(1, 4096, True) == 1 and q_chunks(3, 4096, True) == 1
     split = [name for name, c in CASES if q_chunks(c.bs * c.nheads_kv, c.seqlen_q, False) == 2]
-    assert {"window64", "window128-gqa", "ragged1025", "2-sections-causal"} <= set(split)
+    assert {"window64", "window128-gqa", "ragged1025", "2-sections-causal", "mqa-causal", "2-sections"} <= set(split)
+
+
+def test_a_split_short_backward_matches_the_golden():
+    """B1 H1 S128 D64 causal (the smallest training shape): one Q tile split into four 32-row Q
+    groups, two items, each group's diagonal blocks run on the keys its rows may see."""
+    from numbafa.checks.options import AttentionOptions
+    from numbafa.checks.validation import validate_fwd_inputs
+    from numbafa.kernels.bundles import make_plan
+
+    case = Case(nheads=1, nheads_kv=1, d_head=64, seqlen_q=128, seqlen_k=128, causal=True)
+    inputs = make_inputs(case)
+    q = inputs["q_ref"]
+    tiling = make_plan(validate_fwd_inputs(q, q, q, AttentionOptions(use_causal_mask=True)), backward=True).tiling
+    assert (tiling.q_chunks, tiling.group_rows) == (2, 32)
+    for name, g, e in zip(("dq", "dk", "dv"), numbafa.attention_bwd(**inputs), golden.attention_bwd(**inputs)):
+        assert_close(g, e, FLOAT32, name)
+
+
+def test_a_short_groups_blocks_run_on_the_keys_its_rows_see():
+    """``_seen_keys``: a block's keys cut to those of the first row's ``lo`` to the last row's
+    ``hi`` (causal, then a 16-key window), relative to the section's first key."""
+    from numbafa.checks.options import AttentionOptions
+    from numbafa.checks.validation import validate_fwd_inputs
+    from numbafa.compiler.jit import callable_from_python
+    from numbafa.kernels.backward import _seen_keys
+    from numbafa.kernels.bundles import make_plan
+
+    seen = callable_from_python(_seen_keys)
+    q = np.zeros((1, 1, 16, 256), np.float32)
+    for window, rows, sec0, block, expected in ((None, (32, 63), 0, (0, 128), (0, 64)),
+                                                (None, (0, 31), 0, (0, 128), (0, 32)),
+                                                (None, (160, 191), 128, (0, 128), (0, 64)),
+                                                (16, (32, 63), 0, (0, 128), (17, 47)),
+                                                (16, (32, 63), 0, (64, 64), (64, 0))):
+        mask = make_plan(validate_fwd_inputs(q, q, q, AttentionOptions(use_causal_mask=True, sliding_window=window)),
+                         backward=True).mask
+        assert tuple(seen(mask, sec0, *rows, *block)) == expected, (window, rows, sec0, block)
 
 
 def test_two_sections_case_really_has_two_sections():
@@ -232,7 +270,10 @@ def test_bitwise_identical_across_thread_counts():
                                     # one short unit: split into 96-row Q groups (forward) and
                                     # 128-row ones (backward)
                                     ("1-short", Case(nheads=1, nheads_kv=1, causal=True, num_sinks=1, seqlen_q=384,
-                                                     seqlen_k=384))):
+                                                     seqlen_k=384)),
+                                    # one Q tile: 32-row Q groups in both passes
+                                    ("1-tile", Case(nheads=1, nheads_kv=1, causal=True, num_sinks=1, seqlen_q=128,
+                                                    seqlen_k=128))):
                     inputs = make_inputs(case, dtype)
                     fwd = numbafa.attention_fwd(inputs["q_ref"], inputs["k_ref"], inputs["v_ref"],
                                                 sinks_ref=inputs["sinks_ref"], use_causal_mask=True,

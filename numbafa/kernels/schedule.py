@@ -26,12 +26,14 @@ def q_chunks(n_units: int, seqlen_q: int, bf16_accumulators: bool) -> int:
     partials' memory is not worth it. The rule depends on the problem only,
     never on the thread count, so results stay bitwise identical across
     thread counts. bf16 accumulators (bf16 inputs, ``mixed_precision=False``)
-    are never split: their per-addition rounding fixes the order. The
-    forward has its own rule (:func:`fwd_q_chunks`).
+    are never split: their per-addition rounding fixes the order. Otherwise the
+    backward splits where the forward does (:func:`fwd_q_chunks`: units longer
+    than 64 rows), a single Q tile too: float32 accumulators' additions
+    reordered, no rounding point moved (docs/numerics.md).
     """
-    if n_units % 2 == 1 and n_units < 9 and not bf16_accumulators and seqlen_q > 2 * Q_TILE:
-        return 2
-    return 1
+    if bf16_accumulators:
+        return 1
+    return fwd_q_chunks(n_units, seqlen_q)
 
 
 def fwd_q_chunks(n_units: int, seqlen_q: int) -> int:
@@ -47,9 +49,11 @@ def q_group_rows(seqlen_q: int, chunks: int, backward: bool) -> int:
     """Rows of a Q group: Neuron's ``q_tile_group`` Q tiles (512 rows), except in a unit split
     into two items (``chunks > 1``) whose 512-row groups would be fewer than three (two groups
     are one zigzag pair, :func:`numbafa.kernels.loops.owns_group`, all the first item's): then
-    smaller groups, at least three. The backward's stay whole Q tiles (128 rows up to 512 rows,
-    256 up to 1024: a group's rows are the contraction of its dK/dV GEMMs); the forward's are a
-    multiple of 32 rows giving at least four groups (a quarter Q tile each at 128 rows).
+    smaller groups, at least three: a multiple of 32 rows giving at least four groups (a
+    quarter Q tile each at 128 rows), in the backward up to 256 rows only (two Q tiles), whose
+    blocks then run on the keys their rows may see (:func:`numbafa.kernels.backward._seen_keys`).
+    Longer units' backward groups stay whole Q tiles (128 rows up to 512 rows, 256 up to 1024:
+    a group's rows are the contraction of its dK/dV GEMMs).
     A CPU blocking choice: the K tile order sets a forward row's arithmetic, but a GEMM library
     may pick its kernel, and so a row's summation order, by the call's row count, so a split
     unit's bits (``seqlen_q`` up to 1024, an odd number of units below 9) are not those of the
@@ -57,6 +61,6 @@ def q_group_rows(seqlen_q: int, chunks: int, backward: bool) -> int:
     full = Q_TILE * Q_TILE_GROUP
     if chunks == 1 or seqlen_q > 2 * full:
         return full
-    if backward:
+    if backward and seqlen_q > 2 * Q_TILE:
         return Q_TILE * -(-seqlen_q // full)
     return max(_MIN_SPLIT_ROWS, -(-seqlen_q // (4 * _MIN_SPLIT_ROWS)) * _MIN_SPLIT_ROWS)
