@@ -672,14 +672,15 @@ def bwd_work_item(args, item):
 
 @jit()
 def _reduce_partials(out, parts, round_out):
-    """``out[d, k] = round(out[d, k] + parts[0][d, k] + parts[1][d, k] + ...)``, in that order."""
-    d_head, seqlen_k = out.shape
-    for x in range(d_head):
-        for j in range(seqlen_k):
-            acc = out[x, j]
-            for c in range(parts.shape[0]):
-                acc += parts[c, x, j]
-            out[x, j] = rounded(acc, round_out)
+    """``out[d, k] = round(out[d, k] + parts[0][d, k] + parts[1][d, k] + ...)``, in that order
+    (each row's additions a vectorised loop per part, then its rounding)."""
+    for x in range(out.shape[0]):
+        row = out[x]
+        for c in range(parts.shape[0]):
+            part = parts[c, x]
+            for j in range(row.size):
+                row[j] += part[j]
+        round_inplace(row, round_out)
 
 
 @jit()

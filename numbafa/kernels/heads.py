@@ -29,7 +29,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np import arrayobj
 
-from ..conventions.dtypes import ROUND_NONE, round_inplace, rounded, widen
+from ..conventions.dtypes import ROUND_NONE, round_inplace, widen
 from ..compiler.jit import jit
 
 __all__ = ["NEURON", "BHSD", "BSHD", "LAYOUT_CODES", "shape_dims", "dims4", "head_rows", "head_slice", "gather_head",
@@ -234,11 +234,13 @@ def store_head_rows(src, count, head, start, round_out):
 @jit()
 def reduce_partials_rows(head, parts, round_out):
     """A split unit's dK (or dV) of an s-major head: ``[k, d] = round([k, d] + parts[0][d, k] +
-    parts[1][d, k] + ...)``, in that order (the Neuron layout's sum)."""
+    parts[1][d, k] + ...)``, in that order (the Neuron layout's sum), a row's additions one
+    loop per part, then its rounding."""
     rows, col0, d = head
     for k in range(rows.shape[0]):
-        for x in range(d):
-            acc = rows[k, col0 + x]
-            for c in range(parts.shape[0]):
-                acc += parts[c, x, k]
-            rows[k, col0 + x] = rounded(acc, round_out)
+        row = rows[k, col0:col0 + d]
+        for c in range(parts.shape[0]):
+            part = parts[c]
+            for x in range(d):
+                row[x] += part[x, k]
+        round_inplace(row, round_out)
