@@ -44,15 +44,17 @@ def test_output_shapes(case_and_results):
 
 def test_odd_work_unit_counts_are_split_in_two_q_chunks():
     """The cases that exercise the split: an odd number (< 9) of (batch, KV head) units
-    and more than 64 rows."""
+    and more than 64 rows (causal), more than two Q tiles (no mask)."""
     from numbafa.kernels.schedule import q_chunks
-    assert q_chunks(1, 1025, False) == 2 and q_chunks(1, 257, False) == 2 and q_chunks(1, 256, False) == 2
-    assert q_chunks(1, 65, False) == 2 and q_chunks(1, 64, False) == 1
-    assert q_chunks(3, 4096, False) == 2 and q_chunks(7, 4096, False) == 2
-    assert q_chunks(2, 4096, False) == 1 and q_chunks(9, 4096, False) == 1
-    assert q_chunks(1, 4096, True) == 1 and q_chunks(3, 4096, True) == 1
-    split = [name for name, c in CASES if q_chunks(c.bs * c.nheads_kv, c.seqlen_q, False) == 2]
-    assert {"window64", "window128-gqa", "ragged1025", "2-sections-causal", "mqa-causal", "2-sections"} <= set(split)
+    for causal in (False, True):
+        assert q_chunks(1, 1025, False, causal) == 2 and q_chunks(1, 257, False, causal) == 2
+        assert q_chunks(3, 4096, False, causal) == 2 and q_chunks(7, 4096, False, causal) == 2
+        assert q_chunks(2, 4096, False, causal) == 1 and q_chunks(9, 4096, False, causal) == 1
+        assert q_chunks(1, 4096, True, causal) == 1 and q_chunks(3, 4096, True, causal) == 1
+    assert q_chunks(1, 256, False, True) == 2 and q_chunks(1, 65, False, True) == 2
+    assert q_chunks(1, 64, False, True) == 1 and q_chunks(1, 256, False, False) == 1
+    split = [name for name, c in CASES if q_chunks(c.bs * c.nheads_kv, c.seqlen_q, False, c.causal) == 2]
+    assert {"window64", "window128-gqa", "ragged1025", "2-sections-causal", "mqa-causal"} <= set(split)
 
 
 def test_a_split_short_backward_matches_the_golden():

@@ -123,7 +123,7 @@ def test_single_unit_split_changes_no_bit(dtype):
     # the split unit's Q groups are the unsplit one's (512 rows): equal bits.
     case = Case(nheads=2, nheads_kv=1, causal=True, num_sinks=1, seqlen_q=1300, seqlen_k=1300)
     qkv, opts = split(make_inputs(case, dtype))
-    assert q_chunks(1, case.seqlen_q, False) == 2 and q_chunks(2, case.seqlen_q, False) == 1
+    assert q_chunks(1, case.seqlen_q, False, True) == 2 and q_chunks(2, case.seqlen_q, False, True) == 1
     single = numbafa.attention_fwd(*qkv, mixed_precision=True, lse_layout="natural", **opts)
     pair = tuple(np.concatenate([x, x]) for x in qkv)
     opts2 = dict(opts, sinks_ref=np.concatenate([opts["sinks_ref"]] * 2))

@@ -122,7 +122,7 @@ def make_plan(prob, backward: bool, gemm_path: str | None = None) -> Plan:
     if prob.return_dbias:
         chunks = 1
     elif backward:
-        chunks = q_chunks(bs * nheads_kv, seqlen_q, bool(round_acc))
+        chunks = q_chunks(bs * nheads_kv, seqlen_q, bool(round_acc), bool(prob.use_causal_mask))
     else:
         chunks = fwd_q_chunks(bs * nheads_kv, seqlen_q)
     tiling = Tiling(q_tile=cfg.q_tile, k_tile=cfg.k_tile, k_sub_tile=cfg.k_sub_tile, q_tile_group=cfg.q_tile_group,

@@ -14,7 +14,7 @@ __all__ = ["q_chunks", "fwd_q_chunks", "q_group_rows"]
 _MIN_SPLIT_ROWS = 32
 
 
-def q_chunks(n_units: int, seqlen_q: int, bf16_accumulators: bool) -> int:
+def q_chunks(n_units: int, seqlen_q: int, bf16_accumulators: bool, causal: bool) -> int:
     """How many parallel items each work unit is split into (forward and backward).
 
     The Neuron kernel shards over ``bs * nheads_kv``. With an odd number of
@@ -28,10 +28,13 @@ def q_chunks(n_units: int, seqlen_q: int, bf16_accumulators: bool) -> int:
     thread counts. bf16 accumulators (bf16 inputs, ``mixed_precision=False``)
     are never split: their per-addition rounding fixes the order. Otherwise the
     backward splits where the forward does (:func:`fwd_q_chunks`: units longer
-    than 64 rows), a single Q tile too: float32 accumulators' additions
-    reordered, no rounding point moved (docs/numerics.md).
+    than 64 rows; float32 accumulators' additions reordered, no rounding point
+    moved: docs/numerics.md), a unit of at most two Q tiles only under a causal
+    mask: there its Q groups of less than a Q tile skip the keys their rows do
+    not see, while without a mask the smaller GEMMs cost more than the second
+    core gives (docs/performance.md, "Both cores for every shape").
     """
-    if bf16_accumulators:
+    if bf16_accumulators or (seqlen_q <= 2 * Q_TILE and not causal):
         return 1
     return fwd_q_chunks(n_units, seqlen_q)
 
@@ -50,8 +53,8 @@ def q_group_rows(seqlen_q: int, chunks: int, backward: bool) -> int:
     into two items (``chunks > 1``) whose 512-row groups would be fewer than three (two groups
     are one zigzag pair, :func:`numbafa.kernels.loops.owns_group`, all the first item's): then
     smaller groups, at least three: a multiple of 32 rows giving at least four groups (a
-    quarter Q tile each at 128 rows), in the backward up to 256 rows only (two Q tiles), whose
-    blocks then run on the keys their rows may see (:func:`numbafa.kernels.backward._seen_keys`).
+    quarter Q tile each at 128 rows), in the backward (causal) up to 256 rows only (two Q tiles),
+    whose blocks then run on the keys their rows may see (:func:`numbafa.kernels.backward._seen_keys`).
     Longer units' backward groups stay whole Q tiles (128 rows up to 512 rows, 256 up to 1024:
     a group's rows are the contraction of its dK/dV GEMMs).
     A CPU blocking choice: the K tile order sets a forward row's arithmetic, but a GEMM library
