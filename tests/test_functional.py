@@ -203,7 +203,7 @@ def test_inputs_changed_in_place_before_backward_are_detected(changed):
 
 @pytest.mark.parametrize("change", ["scale", "new batch", "one run"])
 def test_large_inputs_changed_in_place_are_detected(change):
-    """Past FINGERPRINT_SAMPLES elements the fingerprint samples runs of elements; the changes a
+    """Past FINGERPRINT_WHOLE elements the fingerprint samples runs of elements; the changes a
     training loop makes -- ``x *= 2``, a new batch written into the same buffer, any contiguous
     part of at least 2 n / FINGERPRINT_RUNS elements -- are seen whatever the seed."""
     rng = np.random.default_rng(5)
@@ -224,7 +224,8 @@ def test_large_inputs_changed_in_place_are_detected(change):
 
 
 def test_fingerprint_covers_every_element_of_small_arrays_and_the_values_bits():
-    x = np.zeros(functional.FINGERPRINT_SAMPLES, np.float32)
+    x = np.zeros(functional.FINGERPRINT_WHOLE, np.float32)   # a one-tile head's q: B1 H1 S128 D64
+    assert x.size == 128 * 64
     base = functional.fingerprint(x, 1)
     assert functional.fingerprint(x, 1) == base                     # deterministic
     for i in range(x.size):                                         # every element counts
