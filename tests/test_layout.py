@@ -167,10 +167,16 @@ LAYOUT_CASES = [
     (2, 4, 2, 200, 300, 16, 24, ("float32", "bfloat16"), dict(dropout_p=0.2, seed=3, softcap=5.0)),
     # one unit on two threads (its query tiles split), two KV sections (4096 keys each at d 256)
     (1, 1, 1, 640, 4608, 256, 256, ("float32",), dict(softmax_scale=0.2)),
+    # split units whose keys and head dims are not multiples of 8 (the s-major partial sums'
+    # edges): a short causal one in 64-row Q groups, and an unmasked one, whose second item's
+    # rows see the last keys too
+    (1, 3, 1, 203, 203, 20, 12, ("float32",), dict(use_causal_mask=True)),
+    (1, 2, 1, 261, 261, 20, 12, ("float32",), {}),
 ]
 
 
-@pytest.mark.parametrize("case", LAYOUT_CASES, ids=["gqa-causal", "ragged-variants", "split-sections"])
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=["gqa-causal", "ragged-variants", "split-sections",
+                                                    "split-short-causal", "split-ragged"])
 @pytest.mark.parametrize("name", ["bshd", "bhsd"])
 def test_caller_layouts_give_the_neuron_layouts_bits_without_copies(case, name):
     """numbafa.attention in bshd/bhsd runs the kernels on the caller's arrays (no layout copy): o,
