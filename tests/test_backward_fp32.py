@@ -74,15 +74,15 @@ def test_a_split_short_backward_matches_the_golden():
 
 
 def test_a_short_groups_blocks_run_on_the_keys_its_rows_see():
-    """``_seen_keys``: a block's keys cut to those of the first row's ``lo`` to the last row's
+    """``seen_keys``: a block's keys cut to those of the first row's ``lo`` to the last row's
     ``hi`` (causal, then a 16-key window), relative to the section's first key."""
     from numbafa.checks.options import AttentionOptions
     from numbafa.checks.validation import validate_fwd_inputs
     from numbafa.compiler.jit import callable_from_python
-    from numbafa.kernels.backward import _seen_keys
+    from numbafa.kernels.mask import seen_keys
     from numbafa.kernels.bundles import make_plan
 
-    seen = callable_from_python(_seen_keys)
+    seen = callable_from_python(seen_keys)
     q = np.zeros((1, 1, 16, 256), np.float32)
     for window, rows, sec0, block, expected in ((None, (32, 63), 0, (0, 128), (0, 64)),
                                                 (None, (0, 31), 0, (0, 128), (0, 32)),

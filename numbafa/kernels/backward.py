@@ -87,7 +87,7 @@ from .fastexp import exp_of
 from .heads import (NEURON, dims4, gather_head, head_rows, head_slice, reduce_partials_rows, store_head_rows,
                     store_rows)
 from .loops import (bits_of_row, columns, group_rows, n_q_groups, owns_group, row_slice, rows_operand, tile_operand)
-from .mask import cut_by_mask, queries_seeing_key, required_q_rows, static_key_range, tile_pos
+from .mask import cut_by_mask, queries_seeing_key, required_q_rows, seen_keys, tile_pos
 from .matmul import any_layout, bits_operand, gemm, row_of
 from .scores import item_units, modify_scores_t, score_gradients
 from .stored import gather_input, input_operand, input_rows_operand, load_q, stored_dims
@@ -397,7 +397,7 @@ def _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch):
     unchanged: dV/dK rows still take one addition per K tile, and dQ's fp32
     PSUM still sums the whole K tile before its one addition. A Q group of
     less than a Q tile (a split short unit, :func:`numbafa.kernels.schedule.q_group_rows`)
-    runs each such block on the keys its rows may see (:func:`_seen_keys`): the
+    runs each such block on the keys its rows may see (:func:`~numbafa.kernels.mask.seen_keys`): the
     keys left out have P = dS = 0 for all its rows, exact zeros in the sums.
     """
     tiling = plan.tiling
@@ -424,7 +424,7 @@ def _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch):
                 continue
         k0 = kb0
         if cut and tiling.group_rows < tiling.q_tile:
-            k0, n_kb = _seen_keys(mask, sec.start, qg.start + r0, qg.start + r1 - 1, kb0, n_kb)
+            k0, n_kb = seen_keys(mask, sec.start, qg.start + r0, qg.start + r1 - 1, kb0, n_kb)
             if n_kb <= 0:
                 continue
         blk = Block(k0, n_kb, r0, r1)
@@ -432,18 +432,6 @@ def _flash_attn_bwd_core(plan, sec, qg, k_tile0, scratch):
         update_gradients(plan, sec, qg, blk, p_t, ds_t, dq_psum[:, r0 - t0:r1 - t0], cut, scratch)
     if rounded_tiles:  # dQ += PSUM * scale
         accumulate(qg.dq[:, t0:t1], dq_psum, plan.softmax_scale, plan.precision.round_acc)
-
-
-@jit()
-def _seen_keys(mask, sec0, q_first, q_last, k0, n_k):
-    """``(first key, count)`` of the section-relative keys ``[k0, k0 + n_k)`` that rows
-    ``q_first..q_last`` may see under the static mask (the first row's ``lo``, the last row's
-    ``hi``): a split short unit's blocks of less than a Q tile (:func:`_flash_attn_bwd_core`)."""
-    big = np.int64(1) << 62
-    lo, _ = static_key_range(q_first, mask.causal, mask.window, big)
-    _, hi = static_key_range(q_last, mask.causal, mask.window, big)
-    first = max_(k0, lo - sec0)
-    return first, min_(k0 + n_k, hi - sec0) - first
 
 
 @jit(apart=True, refcount=False)

@@ -57,7 +57,7 @@ from .dropout import drop_tile
 from .fastexp import exp_of, log_of
 from .heads import NEURON, gather_head, head_rows, head_slice, store_rows
 from .loops import bits_of_row, columns, decode_item, group_rows, n_q_groups, owns_group, row_slice, tile_operand, width
-from .mask import cut_by_mask, required_q_rows, static_key_range, tile_pos, visible_keys
+from .mask import cut_by_mask, required_q_rows, seen_keys, tile_pos, visible_keys
 from .matmul import any_layout, bits_operand, gemm, row_sums
 from .stored import gather_bits, gather_input, input_operand, load_q, stored_dims
 from .scores import modify_scores
@@ -258,14 +258,12 @@ def fwd_k_tile(plan, head, q_op, k_op, v_op, q_grp0, k0, scratch):
     for b0 in range(r0, r1, step):
         b1 = min_(b0 + step, r1)
         kv0 = k0
-        kv1 = k0 + n_k
+        n_kv = n_k
         if cut:
-            _, last_hi = static_key_range(q_grp0 + b1 - 1, mask.causal, mask.window, seqlen_k)
-            first_lo, _ = static_key_range(q_grp0 + b0, mask.causal, mask.window, seqlen_k)
-            kv1 = min_(kv1, last_hi)
-            kv0 = max_(kv0, first_lo)
-            if kv1 <= kv0:
+            kv0, n_kv = seen_keys(mask, np.int64(0), q_grp0 + b0, q_grp0 + b1 - 1, k0, n_k)
+            if n_kv <= 0:
                 continue
+        kv1 = kv0 + n_kv
         stats = RowStats(scratch.row_max[b0:b1], scratch.row_sum[b0:b1], scratch.alpha[b0:b1],
                          scratch.o_acc[b0:b1])
         online_softmax_block(plan, head, columns(q_op, b0, b1), columns(k_op, kv0, kv1), row_slice(v_op, kv0, kv1),

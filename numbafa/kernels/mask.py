@@ -34,8 +34,8 @@ import numpy as np
 from ..compiler.jit import jit
 from ..compiler.scalars import max_, min_
 
-__all__ = ["TilePos", "tile_pos", "static_key_range", "fill_key_ranges", "visible_keys", "queries_seeing_key",
-           "required_q_rows", "cut_by_mask"]
+__all__ = ["TilePos", "tile_pos", "static_key_range", "seen_keys", "fill_key_ranges", "visible_keys",
+           "queries_seeing_key", "required_q_rows", "cut_by_mask"]
 
 #: Where a score tile (or block) sits: its batch and q-head in the arrays, its first query and
 #: first key (absolute, int64). Every step that needs them takes this one bundle, built by name,
@@ -58,6 +58,18 @@ def static_key_range(q, causal, window, seqlen_k):
         return 0, seqlen_k
     lo = q - window + 1 if window > 0 else 0
     return max_(lo, 0), min_(q + 1, seqlen_k)
+
+
+@jit()
+def seen_keys(mask, k_base, q_first, q_last, k0, n_k):
+    """``(first key, count)`` of the keys ``[k0, k0 + n_k)`` (relative to ``k_base``) that rows
+    ``q_first..q_last`` may see under the static mask: from the first row's ``lo`` to the last
+    row's ``hi`` (the keys a block cut by the causal diagonal or a window edge runs on)."""
+    big = np.int64(1) << 62
+    lo, _ = static_key_range(q_first, mask.causal, mask.window, big)
+    _, hi = static_key_range(q_last, mask.causal, mask.window, big)
+    first = max_(k0, lo - k_base)
+    return first, min_(k0 + n_k, hi - k_base) - first
 
 
 @jit()

@@ -54,7 +54,7 @@ def q_group_rows(seqlen_q: int, chunks: int, backward: bool) -> int:
     are one zigzag pair, :func:`numbafa.kernels.loops.owns_group`, all the first item's): then
     smaller groups, at least three: a multiple of 32 rows giving at least four groups (a
     quarter Q tile each at 128 rows), in the backward (causal) up to 256 rows only (two Q tiles),
-    whose blocks then run on the keys their rows may see (:func:`numbafa.kernels.backward._seen_keys`).
+    whose blocks then run on the keys their rows may see (:func:`numbafa.kernels.mask.seen_keys`).
     Longer units' backward groups stay whole Q tiles (128 rows up to 512 rows, 256 up to 1024:
     a group's rows are the contraction of its dK/dV GEMMs).
     A CPU blocking choice: the K tile order sets a forward row's arithmetic, but a GEMM library
