@@ -392,3 +392,36 @@ def test_bf16_inputs_run_the_kernels_compiled_for_float32():
     run = subprocess.run([sys.executable, "-c", _SHARED_KERNELS], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout.splitlines()[-1]) == [1] * 4
+
+
+_TWIN = """
+import ctypes, sys
+sys.path.insert(0, sys.argv[1])
+import llvmlite.binding as llvm
+import numbafa.compiler.linking as own, numbafa_twin.compiler.linking as twin
+import numbafa.platform.blas as own_blas, numbafa_twin.platform.blas as twin_blas
+own.KERNELS.define()
+twin.KERNELS.define()
+for m in (own, twin):   # each copy's compiled code reads its own table
+    assert llvm.address_of_symbol(m.TABLE_SYMBOL) == ctypes.addressof(m.KERNELS._cell), m.__name__
+pins = [own_blas._NativePin([]), twin_blas._NativePin([])]
+pins[1].pin()           # each copy's native pin counts in its own words
+pins[1].unpin()
+assert [p.words[own_blas._PINS] for p in pins] == [0, 1], [p.words[own_blas._PINS] for p in pins]
+print("ok")
+"""
+
+
+def test_a_copy_of_the_package_under_another_name_keeps_its_own_symbols(tmp_path):
+    """Two copies of the package in one process (a vendored copy, or the release before imported
+    under another name to measure against) each define their own kernel table and native BLAS pin:
+    neither copy's compiled code links to the other's (it did: both defined the kernel table under
+    one global symbol, and code linked after the second copy's definition read that copy's table)."""
+    import shutil
+    import subprocess
+    import numbafa
+
+    shutil.copytree(pathlib.Path(numbafa.__file__).parent, tmp_path / "numbafa_twin",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    run = subprocess.run([sys.executable, "-c", _TWIN, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]

@@ -54,11 +54,16 @@ from numba.core.runtime.context import NRTContext
 from numba.extending import intrinsic
 
 __all__ = ["Apart", "apart", "native_address", "call_status", "call_or_raise", "pack", "unpack", "address_of",
-           "layout_free", "cells_of", "external_symbols", "ensure_cells", "CELL_PREFIX", "KERNELS", "type_key",
-           "kernel_key", "register_kernel", "register_function", "call_key", "call_value_between", "KERNEL_TABLE_CAPACITY"]
+           "layout_free", "cells_of", "external_symbols", "ensure_cells", "PACKAGE", "CELL_PREFIX", "KERNELS",
+           "type_key", "kernel_key", "register_kernel", "register_function", "call_key", "call_value_between",
+           "KERNEL_TABLE_CAPACITY"]
 
+#: The package's name, first in the global symbols its compiled code links through (the cells, the
+#: kernel table): a copy of the package imported under another name in the same process (a vendored
+#: copy, the release before in an A/B measurement) defines its own, and never links to this one's.
+PACKAGE = __name__.partition(".")[0]
 #: Name prefix of the cells (pointer-sized globals) through which apart functions are called.
-CELL_PREFIX = "numbafa.apart$"
+CELL_PREFIX = f"{PACKAGE}.apart$"
 
 _lock = threading.RLock()
 _cells = {}        # cell name -> (ctypes.c_void_p of the callee's address, Apart, argument types, return type)
@@ -390,7 +395,7 @@ class _KernelTable:
 
 
 #: The symbol of the kernel table's base pointer.
-TABLE_SYMBOL = "numbafa.kernels$table"
+TABLE_SYMBOL = f"{PACKAGE}.kernels$table"
 #: The process's table of compiled work items.
 KERNELS = _KernelTable()
 
