@@ -87,7 +87,10 @@ def test_source_hash_changes_when_any_source_changes(tmp_path):
     second = jit_policy.source_hash(pkg)
     assert second != first
     (pkg / "a.py").rename(pkg / "c.py")                           # a rename too
-    assert jit_policy.source_hash(pkg) not in (first, second)
+    third = jit_policy.source_hash(pkg)
+    assert third not in (first, second)
+    (pkg).rename(tmp_path / "pkg_twin")                           # the same sources under another name
+    assert jit_policy.source_hash(tmp_path / "pkg_twin") not in (first, second, third)
     with pytest.raises(FileNotFoundError):                       # no sources: nothing to key by
         jit_policy.source_hash(tmp_path / "empty")
 

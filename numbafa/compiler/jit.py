@@ -20,8 +20,8 @@ Compiled code is kept in::
 
     <cache root>/<source hash>-numba<numba version>-py<python version>/
 
-``<source hash>`` is a SHA-256 of every ``.py`` file of the package (path and
-content, computed on first use, a few milliseconds). Numba stamps each cached
+``<source hash>`` is a SHA-256 of the package's name and every ``.py`` file of the package
+(path and content, computed on first use, a few milliseconds). Numba stamps each cached
 function with its own file only, so a kernel compiled against an older helper
 in another module would look fresh; keying the whole directory by the package
 sources means code compiled from different sources never shares a file, even
@@ -173,7 +173,10 @@ def _env_flag(name: str, default: bool) -> bool:
 
 
 def source_hash(package_dir=PACKAGE_DIR) -> str:
-    """SHA-256 (hex) of every ``.py`` file under ``package_dir``: relative path and content.
+    """SHA-256 (hex) of the package's name (``package_dir``'s, the name it is imported by) and
+    every ``.py`` file under ``package_dir``: relative path and content. A copy imported under
+    another name compiles functions of other names (``numbafa_twin.kernels...``): it keeps a
+    cache directory of its own rather than finding every entry bound to the other copy's names.
 
     Raises
     ------
@@ -184,7 +187,7 @@ def source_hash(package_dir=PACKAGE_DIR) -> str:
     sources = sorted(package_dir.rglob("*.py"))
     if not sources:
         raise FileNotFoundError(f"no Python sources under {package_dir}")
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(package_dir.resolve().name.encode() + b"\0")
     for path in sources:
         digest.update(str(path.relative_to(package_dir).as_posix()).encode() + b"\0")
         digest.update(path.read_bytes())
