@@ -37,6 +37,7 @@ import numba
 import numpy as np
 
 import numbafa
+from ab import loops
 from numbafa import nb
 from numbafa.platform.blas import pin, single_threaded_blas, unpin
 
@@ -54,16 +55,7 @@ def _per_call(fn) -> float:
     return elapsed / n
 
 
-@numba.njit
-def _nb_fwd_loop(n, plan, q, k, v, o, lse):
-    for _ in range(n):
-        nb.attention_fwd(plan, q, k, v, o, lse)
-
-
-@numba.njit
-def _nb_bwd_loop(n, plan, q, k, v, o, dy, lse, dq, dk, dv):
-    for _ in range(n):
-        nb.attention_bwd(plan, q, k, v, o, dy, lse, dq, dk, dv)
+_nb_fwd_loop, _nb_bwd_loop = loops(nb)   # @njit loops of n calls of nb's passes
 
 
 def _timed_loop(loop, *args) -> float:
