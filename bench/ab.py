@@ -7,14 +7,15 @@ On a shared machine a process's speed drifts by more than the changes worth meas
 2-core VM, one shape's medians moved by 30 % between processes minutes apart); the calls of two
 trees alternated in one process meet the same drift. The revision's ``numbafa/`` is taken from
 git (``git archive``) and imported as a second package, ``numbafa_<rev>``, with its own kernel
-cache (its sources hash differently) and its own kernel table (``numbafa.compiler.linking.PACKAGE``;
-revisions before it defined the table under the same symbol as this tree, so their code could
-run this tree's work items: they are refused). Both trees run ``numbafa.nb``'s passes from
+cache (its sources hash differently) and its own kernel table
+(``numbafa.compiler.linking.PACKAGE``; in a revision from before it, 2026-12-04 to -07, the
+table's and the cells' symbol names are renamed after the copy, :func:`own_symbols`: otherwise
+one copy's calls could run the other's work items). Both trees run ``numbafa.nb``'s passes from
 ``@njit`` loops on the same float32 inputs (``[B, H, D, S]``, as many KV heads as heads), the
 ``numbafa`` on ``sys.path`` as "new", the revision as "old", and the same GEMM path
 (``NUMBAFA_GEMM``). Each round times a run of calls of each tree (about ``--seconds`` each), in
-alternating order. Prints per pass the medians per call, the median over rounds of new / old with
-its range, and whether the two trees' outputs are bit-identical.
+alternating order. Prints per pass the medians per call, the median over rounds of new / old
+with its range, and whether the two trees' outputs are bit-identical.
 
 Against the tree itself (``REV`` = ``HEAD`` with no changes) the ratio shows the resolution of
 the method on the machine at hand.
@@ -49,9 +50,9 @@ def extract(rev: str, into: pathlib.Path) -> str:
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(into, filter="data")
     (into / "numbafa").rename(into / name)
-    if not has_own_table(into / name):
-        raise SystemExit(f"bench/ab.py: {rev} is older than numbafa.compiler.linking.PACKAGE: its kernel table "
-                         f"would share this tree's symbol, and its calls could run this tree's code")
+    if not (has_own_table(into / name) or own_symbols(into / name)):
+        raise SystemExit(f"bench/ab.py: {rev} is older than the kernel table (numbafa.compiler.linking, "
+                         f"2026-12-04): nothing to measure against")
     return name
 
 
@@ -60,6 +61,25 @@ def has_own_table(package_dir: pathlib.Path) -> bool:
     (``compiler/linking.py``'s ``PACKAGE``), so that a copy of it under another name keeps its own."""
     linking = package_dir / "compiler" / "linking.py"
     return linking.is_file() and "\nPACKAGE = " in linking.read_text()
+
+
+#: A revision's symbol names from before ``numbafa.compiler.linking.PACKAGE`` (2026-12-04 to -07).
+_FIXED_SYMBOLS = ('CELL_PREFIX = "numbafa.apart$"', 'TABLE_SYMBOL = "numbafa.kernels$table"')
+
+
+def own_symbols(package_dir: pathlib.Path) -> bool:
+    """Rename the two global symbols of a revision from before ``PACKAGE`` after the copy's name
+    (``package_dir``'s), as ``PACKAGE`` does since: otherwise both copies define the kernel table
+    under one symbol, and one copy's calls run the other's work items. Only those two string
+    constants change. Whether it found them (False: a revision older than the kernel table)."""
+    linking = package_dir / "compiler" / "linking.py"
+    text = linking.read_text() if linking.is_file() else ""
+    if not all(line in text for line in _FIXED_SYMBOLS):
+        return False
+    for line in _FIXED_SYMBOLS:
+        text = text.replace(line, line.replace('"numbafa.', f'"{package_dir.name}.'))
+    linking.write_text(text)
+    return True
 
 
 def loops(nb):

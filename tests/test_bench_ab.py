@@ -34,6 +34,21 @@ def test_only_a_revision_with_its_own_kernel_table_is_taken(tmp_path):
     assert ab.has_own_table(REPO / "numbafa")
 
 
+def test_a_revision_from_before_its_own_table_has_its_two_symbols_renamed(tmp_path):
+    old = tmp_path / "numbafa_abc" / "compiler"
+    old.mkdir(parents=True)
+    (old / "linking.py").write_text('CELL_PREFIX = "numbafa.apart$"\nx = "numbafa.other"\n'
+                                    'TABLE_SYMBOL = "numbafa.kernels$table"\n')
+    assert ab.own_symbols(tmp_path / "numbafa_abc")
+    assert (old / "linking.py").read_text() == ('CELL_PREFIX = "numbafa_abc.apart$"\nx = "numbafa.other"\n'
+                                                'TABLE_SYMBOL = "numbafa_abc.kernels$table"\n')
+    older = tmp_path / "numbafa_def" / "compiler"
+    older.mkdir(parents=True)
+    (older / "linking.py").write_text('CELL_PREFIX = "numbafa.apart$"\n')   # no kernel table yet
+    assert not ab.own_symbols(tmp_path / "numbafa_def")
+    assert not ab.own_symbols(tmp_path / "missing")
+
+
 def test_an_unknown_revision_says_so(tmp_path):
     if _git("rev-parse", "HEAD") is None or _git("rev-parse", "HEAD").returncode != 0:
         pytest.skip("not a git checkout")
