@@ -8,7 +8,7 @@ import numba
 import numpy as np
 import pytest
 
-from numbafa.compiler.arrays import bitcast, empty, empty_like, ones, zeros
+from numbafa.compiler.arrays import bitcast, empty, empty_like, fetch_add, ones, zeros
 
 
 @numba.njit
@@ -66,3 +66,28 @@ def test_constructors_match_numpy():
 def test_a_negative_size_is_numpys_error():
     with pytest.raises(ValueError, match="negative dimensions"):
         _made(-1, 2, np.ones(1))
+
+
+@numba.njit(parallel=True)
+def _taken(n, per):
+    """Every iteration of a ``prange`` takes ``per`` values of one shared counter."""
+    counter = zeros(1, np.int64)
+    got = np.empty(n * per, np.int64)
+    for t in numba.prange(n):
+        for j in range(per):
+            got[t * per + j] = fetch_add(counter, 1)
+    return counter[0], got
+
+
+def test_fetch_add_gives_every_thread_its_own_values():
+    """Two threads (or more) taking values of one counter at once: each value is taken once and
+    none is lost (a plain load, add and store loses some under this contention)."""
+    previous = numba.get_num_threads()
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    try:
+        for _ in range(3):
+            total, got = _taken(numba.get_num_threads() * 4, 50_000)
+            assert total == got.size
+            assert np.array_equal(np.sort(got), np.arange(got.size))
+    finally:
+        numba.set_num_threads(previous)

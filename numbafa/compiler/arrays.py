@@ -15,7 +15,10 @@ backward met 28 of them). These intrinsics emit the same code in the caller:
     NumPy scalar type or an array's ``.dtype``, never omitted); Numba's allocator, so the
     arrays are reference-counted like ``np.empty``'s;
 ``empty_like(x)``
-    ``empty(x.shape, x.dtype)``.
+    ``empty(x.shape, x.dtype)``;
+``fetch_add(counter, value)``
+    ``counter[0] += value`` as one atomic operation (``counter`` a 1-D int64 array), returning
+    the value before: a counter the threads of a parallel region share.
 
 They use Numba's array construction (``numba.np.arrayobj``: ``_empty_nd_impl``, the one
 function every Numba array constructor lowers to), so an allocation raises what ``np.empty``
@@ -30,7 +33,7 @@ from numba.extending import intrinsic
 from numba.np.arrayobj import (_empty_nd_impl, _parse_shape, make_array, populate_array, ty_parse_dtype,
                                ty_parse_shape)
 
-__all__ = ["bitcast", "empty", "zeros", "ones", "empty_like", "vector_view"]
+__all__ = ["bitcast", "empty", "zeros", "ones", "empty_like", "fetch_add", "vector_view"]
 
 
 @intrinsic
@@ -124,3 +127,19 @@ def empty_like(typingctx, x):
         return _empty_nd_impl(context, builder, retty, shapes)._getvalue()
 
     return retty(x), codegen
+
+
+@intrinsic
+def fetch_add(typingctx, counter, value):
+    """``fetch_add(counter, value)``: ``counter[0] += value`` atomically (sequentially consistent),
+    the value before returned (module docstring)."""
+    if not (isinstance(counter, types.Array) and counter.ndim == 1 and counter.dtype == types.int64
+            and isinstance(value, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        array = make_array(sig.args[0])(context, builder, value=args[0])
+        add = context.cast(builder, args[1], sig.args[1], types.int64)
+        return builder.atomic_rmw("add", array.data, add, "seq_cst")
+
+    return types.int64(counter, value), codegen

@@ -38,7 +38,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from ..compiler.arrays import empty, zeros
+from ..compiler.arrays import empty, fetch_add, zeros
 from ..compiler.jit import jit
 from numba import types
 
@@ -65,15 +65,22 @@ _thread_safe_layer = None    # None: not known yet
 def run_items(address, args, items, status):
     """The launcher: ``status[i] = 0`` if the work item at ``address`` ran ``items[i]`` with the
     packed bundles ``args`` (an opaque word), 1 if it raised, on ``numba.get_num_threads()``
-    threads. Items write disjoint outputs, and every cross-item sum is a later, fixed-order
-    pass, so the bits never depend on the thread count or the schedule. One item runs on the
-    calling thread: a parallel region would only wake the threading layer's workers (~30 us
+    threads. Each thread takes the next item not yet taken (an atomic counter), so a thread that
+    starts late (the threading layer's workers wake after the caller) or runs slow (a shared
+    machine) takes fewer items, where the ``prange``'s own equal shares made the others wait for
+    it. Items write disjoint outputs, and every cross-item sum is a later, fixed-order pass, so
+    the bits never depend on the thread count or on which thread ran an item. One item runs on
+    the calling thread: a parallel region would only wake the threading layer's workers (~30 us
     under omp after Python work; ~0.8 ms under workqueue) for nothing to share."""
     if items.size == 1:
         status[0] = call_status(address, (args, items[0]))
     else:
-        for i in prange(items.size):
-            status[i] = call_status(address, (args, items[i]))
+        taken = zeros(1, np.int64)
+        for _ in prange(items.size):   # (the first iteration a thread runs takes items until none is left)
+            i = fetch_add(taken, 1)
+            while i < items.size:
+                status[i] = call_status(address, (args, items[i]))
+                i = fetch_add(taken, 1)
 
 
 @jit()
