@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -56,15 +57,41 @@ def test_an_unknown_revision_says_so(tmp_path):
         ab.extract("no-such-revision-0123", tmp_path)
 
 
-def test_the_tree_against_its_own_commit_gives_the_same_bits(capsys):
-    head = _git("rev-parse", "HEAD")
+def test_a_revision_is_unpacked_under_a_name_of_its_own(tmp_path):
+    head = _git("rev-parse", "--short=10", "HEAD")
     if head is None or head.returncode != 0:
         pytest.skip("not a git checkout")
-    if _git("diff", "--quiet", "HEAD", "--", "numbafa").returncode != 0:
-        pytest.skip("the package has changes not committed: HEAD's copy is other code")
+    name = ab.extract("HEAD", tmp_path)
+    assert name == "numbafa_" + head.stdout.strip()
+    assert ab.has_own_table(tmp_path / name) and (tmp_path / name / "nb.py").is_file()
+    assert not (tmp_path / "numbafa").exists()
+
+
+def _trees(scale_old=1.0):
+    import numbafa
+    rng = np.random.default_rng(0)
+    q, k, v, dy = (rng.standard_normal((1, 1, 16, 128), dtype=np.float32) for _ in range(4))
+    o, lse = numbafa.attention_fwd(q, k, v, use_causal_mask=True)
+    new = ab.Tree(numbafa, q, k, v, o, dy, lse, True)
+    old = ab.Tree(numbafa, q * np.float32(scale_old), k, v, o, dy, lse, True)
+    return new, old
+
+
+def test_two_trees_are_timed_in_alternated_rounds_and_their_bits_compared():
+    """(Both "trees" the package at hand: a revision's copy would compile every kernel again.)"""
+    new, old = _trees()
+    r = ab.measure(new, old, "forward", rounds=3, seconds=0.002)
+    assert r["identical"] and r["calls"] >= 1 and r["new"] > 0 and r["old"] > 0
+    assert r["low"] <= r["ratio"] <= r["high"]
+    new, old = _trees(scale_old=2.0)     # other inputs: other bits, and the comparison says so
+    assert not ab.measure(new, old, "forward", rounds=1, seconds=0.002)["identical"]
+
+
+def test_the_report_names_both_trees_and_each_pass(monkeypatch, capsys):
+    monkeypatch.setattr(ab, "extract", lambda rev, into: "numbafa")   # the package at hand as "old"
     rows = ab.main(["HEAD", "--shape", "1", "1", "128", "16", "--passes", "forward", "--rounds", "2",
-                    "--seconds", "0.005"])
-    out = capsys.readouterr().out
-    assert [r["pass_"] for r in rows] == ["forward"]
-    assert rows[0]["identical"] and rows[0]["new"] > 0 and rows[0]["old"] > 0 and rows[0]["calls"] >= 1
-    assert "bit-identical: yes" in out and "new/old" in out
+                    "--seconds", "0.002"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("B1 H1 S128 D16 causal float32: new = ") and "old = HEAD (numbafa)" in out[0]
+    assert [r["pass_"] for r in rows] == ["forward"] and rows[0]["identical"]
+    assert out[1].split()[0] == "forward" and "new/old" in out[1] and out[1].endswith("bit-identical: yes")
