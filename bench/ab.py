@@ -1,7 +1,7 @@
 """This tree's kernels against another revision's, alternated in one process.
 
-    python bench/ab.py REV [--shape B H S D] [--full] [--passes forward backward] [--rounds 15]
-        [--seconds 0.2]
+    python bench/ab.py REV [--shape B H S D] [--kv-heads HKV] [--full] [--passes forward backward]
+        [--rounds 15] [--seconds 0.2]
 
 On a shared machine a process's speed drifts by more than the changes worth measuring (on a
 2-core VM, one shape's medians moved by 30 % between processes minutes apart); the calls of two
@@ -11,7 +11,7 @@ cache (its sources hash differently) and its own kernel table
 (``numbafa.compiler.linking.PACKAGE``; in a revision from before it, 2026-12-04 to -07, the
 table's and the cells' symbol names are renamed after the copy, :func:`own_symbols`: otherwise
 one copy's calls could run the other's work items). Both trees run ``numbafa.nb``'s passes from
-``@njit`` loops on the same float32 inputs (``[B, H, D, S]``, as many KV heads as heads), the
+``@njit`` loops on the same float32 inputs (q ``[B, H, D, S]``, k and v ``[B, HKV, D, S]``), the
 ``numbafa`` on ``sys.path`` as "new", the revision as "old", and the same GEMM path
 (``NUMBAFA_GEMM``). Each round times a run of calls of each tree (about ``--seconds`` each), in
 alternating order. Prints per pass the medians per call, the median over rounds of new / old
@@ -140,6 +140,8 @@ def main(argv=None) -> list:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("rev", help="the revision to measure against (a git commit, tag or branch)")
     p.add_argument("--shape", nargs=4, type=int, default=[1, 1, 128, 64], metavar=("B", "H", "S", "D"))
+    p.add_argument("--kv-heads", type=int, default=None, metavar="HKV",
+                   help="KV heads (GQA, MQA), a divisor of H; default H")
     p.add_argument("--full", action="store_true", help="no causal mask")
     p.add_argument("--passes", nargs="+", default=["forward", "backward"], choices=["forward", "backward"])
     p.add_argument("--rounds", type=int, default=15)
@@ -148,9 +150,13 @@ def main(argv=None) -> list:
 
     import numbafa
     b, h, s, d = args.shape
+    hkv = h if args.kv_heads is None else args.kv_heads
+    if hkv < 1 or h % hkv:
+        p.error(f"--kv-heads must divide H = {h}, got {hkv}")
     causal = not args.full
     rng = np.random.default_rng(0)
-    q, k, v, dy = (rng.standard_normal((b, h, d, s), dtype=np.float32) for _ in range(4))
+    q, dy = (rng.standard_normal((b, h, d, s), dtype=np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((b, hkv, d, s), dtype=np.float32) for _ in range(2))
     o, lse = numbafa.attention_fwd(q, k, v, use_causal_mask=causal)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -159,7 +165,8 @@ def main(argv=None) -> list:
         try:
             old_package = importlib.import_module(name)
             new, old = (Tree(pkg, q, k, v, o, dy, lse, causal) for pkg in (numbafa, old_package))
-            print(f"B{b} H{h} S{s} D{d} {'causal' if causal else 'full'} float32: new = {numbafa.__file__}, "
+            heads = f"H{h}" if hkv == h else f"H{h}/{hkv}"
+            print(f"B{b} {heads} S{s} D{d} {'causal' if causal else 'full'} float32: new = {numbafa.__file__}, "
                   f"old = {args.rev} ({name}); {args.rounds} alternated rounds, medians")
             for pass_ in args.passes:
                 r = measure(new, old, pass_, args.rounds, args.seconds)

@@ -95,3 +95,13 @@ def test_the_report_names_both_trees_and_each_pass(monkeypatch, capsys):
     assert out[0].startswith("B1 H1 S128 D16 causal float32: new = ") and "old = HEAD (numbafa)" in out[0]
     assert [r["pass_"] for r in rows] == ["forward"] and rows[0]["identical"]
     assert out[1].split()[0] == "forward" and "new/old" in out[1] and out[1].endswith("bit-identical: yes")
+
+
+def test_kv_heads_make_a_gqa_problem_and_must_divide_the_heads(monkeypatch, capsys):
+    monkeypatch.setattr(ab, "extract", lambda rev, into: "numbafa")
+    rows = ab.main(["HEAD", "--shape", "1", "4", "128", "16", "--kv-heads", "2", "--passes", "forward", "--rounds", "1",
+                    "--seconds", "0.002"])
+    assert capsys.readouterr().out.startswith("B1 H4/2 S128 D16 causal float32") and rows[0]["identical"]
+    with pytest.raises(SystemExit):
+        ab.main(["HEAD", "--shape", "1", "4", "128", "16", "--kv-heads", "3"])
+    assert "--kv-heads must divide H = 4, got 3" in capsys.readouterr().err
