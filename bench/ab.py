@@ -35,6 +35,7 @@ import time
 
 import numba
 import numpy as np
+from layouts import paired
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -123,14 +124,7 @@ def measure(new: Tree, old: Tree, pass_: str, rounds: int, seconds: float) -> di
     start = time.perf_counter()
     new.calls(pass_, 1)
     n = max(1, int(seconds / max(time.perf_counter() - start, 1e-7)))
-    times = {"new": [], "old": []}
-    for r in range(rounds):
-        for name in (("new", "old") if r % 2 == 0 else ("old", "new")):
-            tree = new if name == "new" else old
-            start = time.perf_counter()
-            tree.calls(pass_, n)
-            times[name].append((time.perf_counter() - start) / n)
-    t_new, t_old = np.array(times["new"]), np.array(times["old"])
+    t_new, t_old = (t / n for t in paired(lambda: new.calls(pass_, n), lambda: old.calls(pass_, n), 0.0, rounds))
     ratio = t_new / t_old
     return dict(new=float(np.median(t_new)), old=float(np.median(t_old)), ratio=float(np.median(ratio)),
                 low=float(ratio.min()), high=float(ratio.max()), calls=n, identical=identical)

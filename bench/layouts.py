@@ -30,14 +30,14 @@ import numbafa
 from numbafa.layout import to_neuron
 
 
-def paired(neuron, other, seconds: float) -> tuple:
+def paired(neuron, other, seconds: float, pairs: int = 10) -> tuple:
     """Per-call times (s) of ``neuron`` and ``other``, called alternately (order swapped every
-    other pair) for about ``seconds``, after one call of each."""
+    other pair) for about ``seconds`` and at least ``pairs`` pairs, after one call of each."""
     neuron()
     other()
     t_n, t_o = [], []
     end = time.perf_counter() + seconds
-    while time.perf_counter() < end or len(t_n) < 10:
+    while time.perf_counter() < end or len(t_n) < pairs:
         order = ((neuron, t_n), (other, t_o)) if len(t_n) % 2 == 0 else ((other, t_o), (neuron, t_n))
         for call, out in order:
             t0 = time.perf_counter()
