@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
+from numba import types
 
 from numbafa.compiler.jit import jit
 from numbafa.kernels.fastexp import expf
@@ -44,3 +47,24 @@ def test_subnormal_results():
     ref = np.exp(x.astype(np.float64)).astype(np.float32)
     assert (got > 0).all() and (got < np.finfo(np.float32).tiny).any()
     np.testing.assert_array_max_ulp(got, ref, maxulp=1)
+
+
+def _fresh_asm(py_func, sig) -> str:
+    """The machine code of ``py_func`` compiled now with the package's flags (off the disk cache:
+    a function loaded from it keeps no assembly)."""
+    dispatcher = jit(disk_cache=False)(py_func)
+    dispatcher.compile(sig)
+    return "".join(cres.library.get_asm_str() for cres in dispatcher.overloads.values())
+
+
+def test_loops_calling_it_are_vectorised_with_it_inlined():
+    """expf is a function of its own (compiled once, not copied into each caller's Numba IR):
+    LLVM must still inline it into its callers' loops and vectorise them, or every score's exp
+    would be a scalar call."""
+    from numbafa.kernels import forward
+
+    row = types.float32[::1]
+    for asm in (_fresh_asm(_apply.py_func, (row, row)),
+                _fresh_asm(forward._exp_shifted.py_func, (row, types.float32))):
+        assert "mulps" in asm                       # packed single-precision arithmetic
+        assert not re.search(r"call\w*\s+\S*expf", asm)

@@ -737,10 +737,13 @@ def jit(*, parallel: bool = False, inline: bool = False, contract: bool = True, 
     parallel : bool
         For the launchers, whose ``prange`` loop runs the work items (:mod:`numbafa.kernels.launch`).
     inline : bool
-        Inline at the Numba IR level (``inline="always"``): for tiny scalar
-        functions called in vectorised inner loops, and for ``numbafa.nb``'s
-        one-line public passes (a user's function then compiles one level
-        of nb's code less).
+        Inline at the Numba IR level (``inline="always"``): for helpers that return
+        views into refcount-free steps (see ``refcount``), for tiny scalar functions that
+        must not count references, and for ``numbafa.nb``'s one-line public passes (a
+        user's function then compiles one level of nb's code less). Each call site pays
+        a copy of the helper's IR and its untyped passes; a pure helper called at many
+        sites (``fastexp.expf``, ``stored.stored_dims``) is cheaper as a plain function,
+        compiled once, which LLVM inlines into its callers.
     contract : bool
         ``False`` turns ``fastmath`` off entirely, so ``a * b + c`` is two
         roundings, never one fused multiply-add: for functions that emulate a

@@ -46,7 +46,7 @@ _P0, _P1, _P2 = _F(1.9875691500e-4), _F(1.3981999507e-3), _F(8.3334519073e-3)
 _P3, _P4, _P5 = _F(4.1665795894e-2), _F(1.6666665459e-1), _F(5.0000001201e-1)
 
 
-@jit(inline=True)
+@jit()
 def expf(x):
     """exp of one float32, vectorisable; see the module docstring."""
     underflow = x < _LO
@@ -70,7 +70,7 @@ _T0, _T1, _T2 = _F(-5.70498872745e-3), _F(2.06390887954e-2), _F(-5.37397155531e-
 _T3, _T4 = _F(1.33314422036e-1), _F(-3.33332819422e-1)
 
 
-@jit(inline=True)
+@jit()
 def tanhf(x):
     """tanh of one float32, vectorisable; see the module docstring."""
     a = abs(x)
@@ -98,8 +98,12 @@ def log_of(x):  # pragma: no cover - replaced by the overload inside njit code
     raise NotImplementedError("log_of is only callable from @njit code")
 
 
-# inline="always": the body goes into the caller's IR, compiled with the caller's flags, so a
-# float32 caller gets exactly the code of a direct expf call (and its loops still vectorise).
+# inline="always": the one-line body goes into the caller's IR, so a float32 caller gets exactly
+# the code of a direct expf call. expf and tanhf themselves are functions of their own, compiled
+# once with the package's flags (contraction on, as in every caller: a contract=False step
+# takes its exp through a helper, backward._sink_probability): LLVM inlines them into the
+# callers' loops, which still vectorise (tests/test_fastexp.py). Copied into each caller's
+# Numba IR instead (inline=True), they cost ~70 ms of compile at each of their 12 call sites.
 @overload(exp_of, inline="always")
 def _exp_of_overload(x):
     if x == types.float32:

@@ -106,7 +106,7 @@ def _transpose8(typingctx, src, r0, c0, dst, o0, i0):
     return types.void(src, r0, c0, dst, o0, i0), codegen
 
 
-@jit(inline=True)
+@jit()
 def shape_dims(s, layout):
     """``(batch, heads, head_dim, seq)`` of a 4-D kernel array's shape ``s`` in ``layout``."""
     if layout == BSHD:

@@ -73,7 +73,7 @@ def tile_operand(t, bits_buf, no_values, no_bits, bits):
     return bits_operand(out, no_values)
 
 
-@jit(inline=True)
+@jit()
 def bits_of_row(src, dst):
     """``dst[j]`` = the bf16 bits of ``src[j]``, a float32 holding a bf16 value (exact)."""
     for j in range(src.size):

@@ -121,7 +121,7 @@ def _stored_bwd_overload(ins, acc):
                                       o=stored(ins.o, acc), dy=stored(ins.dy, acc), lse=ins.lse, sinks=ins.sinks)
 
 
-@jit(inline=True)
+@jit()
 def stored_dims(x, layout):
     """``(batch, heads, head_dim, seq)`` of a :data:`Stored` input in ``layout``
     (:func:`numbafa.kernels.heads.dims4`)."""
