@@ -13,9 +13,10 @@ enters: :mod:`numbafa.compiler.jit`), :func:`lean_meminfos` skips the members wh
 no meminfo anywhere -- decided by the same data-model traversal, once per type -- so the
 meminfos it returns, and their order, are Numba's: the same reference-count operations, from
 less code (``tests/test_jit.py`` compares the two walks). Any other lowering, a user's Numba
-functions included, gets Numba's own walk. :func:`install` puts the switch in place; the
-compiler calls it before the first package function is lowered (importing this module does
-nothing).
+functions included, gets Numba's own walk, and so does the ``prange`` launcher
+(``launch.run_items``: Numba's parallel lowering is a pass of its own). :func:`install` puts
+the switch in place; the compiler calls it before the first package function is lowered
+(importing this module does nothing).
 """
 
 from __future__ import annotations
