@@ -179,6 +179,37 @@ def _record_fields(trees) -> dict:
     return records
 
 
+def _jit_keywords(func: ast.FunctionDef) -> dict:
+    """The keywords of ``func``'s ``@jit(...)`` decorator ({} without one)."""
+    for d in func.decorator_list:
+        if isinstance(d, ast.Call) and _call_name(d) == "jit":
+            return {k.arg: ast.unparse(k.value) for k in d.keywords}
+    return {}
+
+
+def test_no_step_compiled_without_contraction_takes_the_kernels_exp():
+    """``fastexp.expf`` and ``tanhf`` are functions of their own, compiled with the package's flags
+    (contraction on) and inlined by LLVM: a ``contract=False`` step calling them, directly or
+    through a helper inlined into it, would get contracted polynomials where the helper inlined
+    at Numba's IR level used to take the step's flags. Such a step takes its exp through a
+    helper of its own (``backward._sink_probability``)."""
+    kernel_math = {"expf", "tanhf", "exp_of", "tanh_of"}
+    funcs = {}
+    for path in (PACKAGE / "kernels").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                funcs[node.name] = (path.name, node)
+
+    def calls(node):
+        return {_call_name(c) for c in ast.walk(node) if isinstance(c, ast.Call)}
+
+    inlined_math = {name for name, (_, node) in funcs.items()
+                    if _jit_keywords(node).get("inline") == "True" and calls(node) & kernel_math}
+    assert "_softmax_backward_row" in inlined_math                        # the scan sees them
+    offenders = [f"{file}: {name}" for name, (file, node) in funcs.items()
+                 if _jit_keywords(node).get("contract") == "False" and calls(node) & (kernel_math | inlined_math)]
+    assert not offenders, offenders
+
 def test_records_are_built_by_name():
     """No record of five or more fields is built positionally (``Record(a, b, ...)``,
     ``Record(*values)``, ``Record._make(values)``) anywhere in the package, kernels included:
