@@ -56,7 +56,8 @@ _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "f
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A NumPy view of a CPU tensor (same memory, same strides); bfloat16 as ``ml_dtypes.bfloat16``."""
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
@@ -67,10 +68,6 @@ def from_numpy(a: np.ndarray) -> torch.Tensor:
     if a.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
-
-
-def _np(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
-    return None if t is None else to_numpy(t)
 
 
 # ---------------------------------------------------------------------------
@@ -104,7 +101,7 @@ def _host_fwd(tensors: tuple, scalars: tuple, perm=None):
 def _fwd_arrays(tensors: tuple, scalars: tuple, perm=None):
     """:func:`_host_fwd` in NumPy: ``((q, k, v), o, lse)``, q, k, v the kernels' Neuron-layout views
     of the tensors' memory, o the Neuron-layout output (a NumPy array each)."""
-    arrays = [_np(t) for t in tensors]
+    arrays = [None if t is None else to_numpy(t) for t in tensors]
     if perm is not None:
         arrays[:3] = [x.transpose(perm) for x in arrays[:3]]
     done = _core.remembered_fwd(arrays[:3], arrays[3:], scalars[4], _scalar_key(scalars), "natural")
@@ -170,7 +167,7 @@ def _host_bwd(tensors: tuple, scalars: tuple, return_dbias: bool, perm=None, for
     tensors' memory (:class:`_EagerAttention`, whose ``perm`` is always given), used instead of
     converting them again."""
     q, k, v, o, do, lse, *option_tensors = tensors
-    option_arrays = tuple(_np(t) for t in option_tensors)
+    option_arrays = tuple([None if t is None else to_numpy(t) for t in option_tensors])
     if forward_arrays is None:
         arrays = [to_numpy(x) for x in (q, k, v, o, do)]
         if perm is not None:
@@ -552,8 +549,9 @@ def attention(q, k, v, *, causal=False, window=None, sinks=None, bound_min=None,
     if direct and not (torch.is_grad_enabled()
                        and any(t is not None and t.requires_grad for t in (q, k, v, sinks, bias))):
         # nothing to differentiate: the operator's body, without the dispatcher (~0.1 ms), the
-        # layout changed in NumPy (torch's permutes cost a few us each)
-        return _host_fwd((q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes), scalars, perm)[0]
+        # layout changed in NumPy (torch's permutes cost a few us each); no tensor made of lse
+        _, o, _ = _fwd_arrays((q, k, v, sinks, bound_min, bound_max, bias, alibi_slopes), scalars, perm)
+        return from_numpy(o.transpose(from_neuron_perm(scalars[3])))
     if sinks is not None and sinks.dim() == 1:
         # [heads] -> [batch, heads], a view; float32 (float64 for float64 inputs), so that the
         # gradient is summed over the batch in that dtype and rounded once to the sinks' dtype.

@@ -248,6 +248,17 @@ def test_sinks_parameter_trains():
     torch.testing.assert_close(model.sinks.detach(), before - 0.1 * model.sinks.grad, rtol=0, atol=0)
 
 
+def test_to_numpy_views_tensors_that_require_grad_or_not():
+    """A tensor that requires grad (a leaf, or a result of one) and one that does not both come
+    out as views of their memory; only the first is detached on the way (NumPy refuses it)."""
+    leaf = torch.arange(6, dtype=torch.float32).reshape(2, 3).requires_grad_()
+    for t in (leaf, leaf * 2, leaf.detach(), torch.ones(3, 2, dtype=torch.float64).t()):
+        a = nt.to_numpy(t)
+        assert a.ctypes.data == t.data_ptr() and a.strides == tuple(s * t.element_size() for s in t.stride())
+        np.testing.assert_array_equal(a, t.detach().numpy())
+    assert leaf.requires_grad and leaf.grad_fn is None    # the caller's tensor is left as it was
+
+
 # ---------------------------------------------------------------------------
 # bfloat16
 # ---------------------------------------------------------------------------
