@@ -26,6 +26,9 @@ backward in the same process: ``numbafa.nb.plan`` (with sinks), then the first c
 with the disk cache, in two processes sharing an empty one: the first compiles nb's checks for
 these argument types, the next loads them (the user's function is compiled in both).
 
+``--llvm-calls`` splits each cold compile's LLVM time by llvmlite's C function (CPU seconds and
+calls: the module passes, machine-code emission, parsing, ...; :func:`time_llvm_calls`).
+
 ``--no-variants`` skips the per-variant processes above. ``--ahead`` adds a script's cold first float32 forward and backward (``B1 H4 S512 D64``, causal;
 empty ``NUMBAFA_CACHE_DIR``) in wall seconds, without and with ``numbafa.compile_ahead("float32")``
 (the backward compiled in a second process while the forward compiles), alternated; the CPU
@@ -44,6 +47,11 @@ import tempfile
 _CHILD = r"""
 import json, sys, time
 t_start = time.process_time()
+args = json.loads(sys.argv[1])
+if args.get("llvm_calls"):
+    sys.path.insert(0, args["bench"])
+    from cold_compile import time_llvm_calls
+    llvm_calls = time_llvm_calls()
 from numba.core import event
 llvm = [0.0]
 compiles = [0]
@@ -60,7 +68,6 @@ listener = Listener()
 event.register("numba:llvm_lock", listener)
 event.register("numba:compile", listener)
 import numpy as np, numbafa
-args = json.loads(sys.argv[1])
 dtype = {"float32": np.float32, "float16": np.float16, "float64": np.float64}.get(args["dtype"])
 if args["dtype"] == "bf16":
     import ml_dtypes
@@ -76,7 +83,7 @@ t1 = time.process_time()
 numbafa.attention_bwd(q, k, v, o, dy, lse, **kw)
 t2 = time.process_time()
 print(json.dumps(dict(fwd=t1 - t0, bwd=t2 - t1, total=t2 - t0, llvm=llvm[0], compiles=compiles[0],
-                      process=t2 - t_start)))
+                      process=t2 - t_start, llvm_calls=llvm_calls if args.get("llvm_calls") else None)))
 """
 
 VARIANTS = [("float32", False), ("bf16", False), ("float32", True)]
@@ -166,9 +173,38 @@ def _ahead_child(how: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _child(variant, env):
+def time_llvm_calls() -> dict:
+    """From now on, the CPU seconds and the number of calls of each of llvmlite's C functions
+    (``{name: [seconds, calls]}``, filled in as they run): where LLVM's share of a compile goes
+    (its module passes, ``LLVMPY_RunNewModulePassManager``; machine-code emission,
+    ``LLVMPY_FinalizeObject``; IR parsing, ...). Wraps llvmlite's private ``ffi._lib_fn_wrapper``
+    for the rest of the process; ``RuntimeError`` if this llvmlite has none."""
+    import time
+
+    from llvmlite.binding import ffi
+    wrapper = getattr(ffi, "_lib_fn_wrapper", None)
+    if wrapper is None or not hasattr(wrapper, "__call__"):
+        raise RuntimeError("this llvmlite has no ffi._lib_fn_wrapper: --llvm-calls cannot time its C calls")
+    calls = {}
+    call = wrapper.__call__
+
+    def timed(self, *args, **kwargs):
+        t0 = time.process_time()
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            entry = calls.setdefault(self._cfn.__name__, [0.0, 0])
+            entry[0] += time.process_time() - t0
+            entry[1] += 1
+
+    wrapper.__call__ = timed
+    return calls
+
+
+def _child(variant, env, llvm_calls=False):
     dtype, dropout = variant
-    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(dict(dtype=dtype, dropout=dropout))],
+    spec = dict(dtype=dtype, dropout=dropout, llvm_calls=llvm_calls, bench=os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)],
                          env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
@@ -192,6 +228,8 @@ def main(argv=None):
                    help="also one cold process: float32, then what each variant adds in it")
     p.add_argument("--nb", action="store_true", help="also numbafa.nb's plan and a user's first njit call, cold")
     p.add_argument("--no-variants", action="store_true", help="skip the per-variant cold and cached processes")
+    p.add_argument("--llvm-calls", action="store_true",
+                   help="also split each cold compile's LLVM time by llvmlite's C functions")
     p.add_argument("--ahead", action="store_true",
                    help="also a script's cold first forward + backward without and with numbafa.compile_ahead")
     args = p.parse_args(argv)
@@ -202,7 +240,7 @@ def main(argv=None):
         for variant in [] if args.no_variants else VARIANTS + [(dtype, False) for dtype in args.dtypes]:
             name = variant[0] + (" + dropout" if variant[1] else "")
             with tempfile.TemporaryDirectory() as tmp:
-                cold = _child(variant, dict(os.environ, NUMBAFA_CACHE="0", NUMBA_CACHE_DIR=tmp))
+                cold = _child(variant, dict(os.environ, NUMBAFA_CACHE="0", NUMBA_CACHE_DIR=tmp), args.llvm_calls)
             with tempfile.TemporaryDirectory() as tmp:
                 env = dict(os.environ, NUMBAFA_CACHE_DIR=tmp, NUMBA_CACHE_DIR=tmp)
                 _child(variant, env)
@@ -210,6 +248,10 @@ def main(argv=None):
             print(f"round {round_ + 1}, {name:18s} cold: fwd {cold['fwd']:5.2f} s + bwd {cold['bwd']:5.2f} s "
                   f"= {cold['total']:5.2f} s CPU (LLVM {cold['llvm']:5.2f} s, {cold['compiles']} compiles); "
                   f"cached: {cached['total']:.2f} s (whole process {cached['process']:.2f} s)", flush=True)
+            if cold["llvm_calls"]:
+                top = sorted(cold["llvm_calls"].items(), key=lambda kv: -kv[1][0])
+                print(f"    in llvmlite's C calls {sum(t for t, _ in cold['llvm_calls'].values()):.2f} s: "
+                      + ", ".join(f"{name} {t:.2f} s ({n})" for name, (t, n) in top[:4]), flush=True)
         if args.after_float32:
             with tempfile.TemporaryDirectory() as tmp:
                 out = subprocess.run([sys.executable, "-c", _AFTER_CHILD], capture_output=True, text=True,
