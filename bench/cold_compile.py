@@ -48,6 +48,7 @@ _CHILD = r"""
 import json, sys, time
 t_start = time.process_time()
 args = json.loads(sys.argv[1])
+llvm_calls = None
 if args.get("llvm_calls"):
     sys.path.insert(0, args["bench"])
     from cold_compile import time_llvm_calls
@@ -83,7 +84,7 @@ t1 = time.process_time()
 numbafa.attention_bwd(q, k, v, o, dy, lse, **kw)
 t2 = time.process_time()
 print(json.dumps(dict(fwd=t1 - t0, bwd=t2 - t1, total=t2 - t0, llvm=llvm[0], compiles=compiles[0],
-                      process=t2 - t_start, llvm_calls=llvm_calls if args.get("llvm_calls") else None)))
+                      process=t2 - t_start, llvm_calls=llvm_calls)))
 """
 
 VARIANTS = [("float32", False), ("bf16", False), ("float32", True)]
@@ -183,7 +184,7 @@ def time_llvm_calls() -> dict:
 
     from llvmlite.binding import ffi
     wrapper = getattr(ffi, "_lib_fn_wrapper", None)
-    if wrapper is None or not hasattr(wrapper, "__call__"):
+    if wrapper is None:
         raise RuntimeError("this llvmlite has no ffi._lib_fn_wrapper: --llvm-calls cannot time its C calls")
     calls = {}
     call = wrapper.__call__
