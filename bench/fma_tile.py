@@ -49,19 +49,22 @@ MC = 96      # row block (a multiple of MR for both widths): an A block (MC x KC
 UNROLL = 4   # depth steps per loop iteration (k must be a multiple)
 
 
-def widths(lanes: int) -> tuple[int, int]:
-    """``(MR, NR)`` of the micro-kernel on vectors of ``lanes`` float32 lanes."""
-    return (6 if lanes == 8 else 12), 2 * lanes
+def widths(lanes: int, mr: int | None = None) -> tuple[int, int]:
+    """``(MR, NR)`` of the micro-kernel on vectors of ``lanes`` float32 lanes (``mr``: another
+    row count, e.g. 4 or 8, which divide the kernels' 32-row blocks; ``MC`` must be a multiple)."""
+    if mr is not None and (mr < 1 or MC % mr):
+        raise ValueError(f"mr must be a positive divisor of MC = {MC}, got {mr}")
+    return mr or (6 if lanes == 8 else 12), 2 * lanes
 
 
-def _module_ir(lanes: int) -> str:
+def _module_ir(lanes: int, mr: int | None = None) -> str:
     """IR of ``void gemm(i64 m, i64 n, i64 k, float* ap, float* bp, float* c, i64 ldc)``:
     ``C[m, n] += A[m, k] @ B[k, n]``, ``C`` row-major (``ldc`` elements), ``ap`` A packed by
     :func:`pack_a`, ``bp`` B by :func:`pack_b`; ``m`` a multiple of ``MR``, ``n`` of ``NR``,
     ``k`` of ``UNROLL``."""
     from llvmlite import ir
 
-    mr, nr = widths(lanes)
+    mr, nr = widths(lanes, mr)
     f32, i64 = ir.FloatType(), ir.IntType(64)
     vec = ir.VectorType(f32, lanes)
     fptr, vptr = f32.as_pointer(), vec.as_pointer()
@@ -159,7 +162,7 @@ def lanes() -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def micro_kernel(width: int | None = None):
+def micro_kernel(width: int | None = None, mr: int | None = None):
     """The compiled ``gemm`` of :func:`_module_ir` for ``width`` lanes (default :func:`lanes`;
     ctypes, releases the GIL)."""
     import llvmlite.binding as llvm
@@ -168,7 +171,7 @@ def micro_kernel(width: int | None = None):
     # A target machine of its own: the engine takes ownership of the one it is given.
     target = llvm.Target.from_default_triple().create_target_machine(
         cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=2)
-    module = llvm.parse_assembly(_module_ir(width or lanes()))
+    module = llvm.parse_assembly(_module_ir(width or lanes(), mr))
     module.verify()
     engine = llvm.create_mcjit_compiler(module, target)
     engine.finalize_object()
@@ -209,13 +212,13 @@ def pack_b(b, nr):
     return out
 
 
-def own_product(a, b, width=None):
+def own_product(a, b, width=None, mr=None):
     """``A @ B`` (float32 ``[m, k]`` and ``[k, n]``) by the micro-kernel for ``width`` lanes."""
-    mr, nr = widths(width or lanes())
+    mr, nr = widths(width or lanes(), mr)
     m, n = a.shape[0], b.shape[1]
     ap, bp = pack_a(a, mr), pack_b(b, nr)
     c = np.zeros((ap.shape[0] * mr, bp.shape[0] * nr), np.float32)
-    micro_kernel(width)(c.shape[0], c.shape[1], ap.shape[1], ap.ctypes.data, bp.ctypes.data, c.ctypes.data,
+    micro_kernel(width, mr)(c.shape[0], c.shape[1], ap.shape[1], ap.ctypes.data, bp.ctypes.data, c.ctypes.data,
                         c.shape[1])
     return c[:m, :n]
 
@@ -235,15 +238,15 @@ def _seconds(fn, repeats):
     return float(np.median(batches))
 
 
-def measure(name, a, b, trans_a, trans_b, m, n, k, repeats, peak_gflops, with_onednn):
+def measure(name, a, b, trans_a, trans_b, m, n, k, repeats, peak_gflops, with_onednn, mr=None):
     """The figures of one GEMM (the module docstring), as a dict."""
     op_a = np.ascontiguousarray(a.T if trans_a else a)
     op_b = np.ascontiguousarray(b.T if trans_b else b)
-    mr, nr = widths(lanes())
+    mr, nr = widths(lanes(), mr)
     ap, bp = pack_a(op_a, mr), pack_b(op_b, nr)
     c_own = np.zeros((ap.shape[0] * mr, bp.shape[0] * nr), np.float32)
-    kernel = micro_kernel()
-    ours = own_product(op_a, op_b)
+    kernel = micro_kernel(None, mr)
+    ours = own_product(op_a, op_b, None, mr)
     theirs = np.empty((m, n), np.float32)
     _timed_gemm(_operand(a), _operand(b), theirs, trans_a, trans_b, PATHS["blas"], 1, 0.0)
     wide_a, wide_b = op_a.astype(np.float64), op_b.astype(np.float64)
@@ -273,15 +276,19 @@ def main(argv=None):
     p.add_argument("--d-head", type=int, nargs="+", default=[128, 64])
     p.add_argument("--rows", type=int, default=512, help="query rows of the block (default 512)")
     p.add_argument("--keys", type=int, default=512, help="keys of the block (default 512)")
+    p.add_argument("--mr", type=int, default=None,
+                   help=f"rows of C per micro-kernel call (a divisor of MC = {MC}; default 6 with 8 lanes, 12 with 16)")
     args = p.parse_args(argv)
     from numbafa import backend_info
     from numbafa.platform import onednn
-
     from numbafa.platform.blas import single_threaded_blas
 
     with_onednn = onednn.load_library() is not None
     peak_gflops = peak.peak_gflops("fma", threads=1)
-    mr, nr = widths(lanes())
+    try:
+        mr, nr = widths(lanes(), args.mr)
+    except ValueError as error:
+        p.error(str(error))
     print(json.dumps({"cpu": backend_info()["cpu_model"], "lanes": lanes(), "mr": mr, "nr": nr, "kc": KC, "mc": MC,
                       "peak_gflops_one_thread": round(peak_gflops, 1), "onednn": with_onednn}))
     rng = np.random.default_rng(0)
@@ -291,7 +298,7 @@ def main(argv=None):
                 if name.startswith("dQ^T"):
                     continue   # (an orientation the kernel does not call)
                 print(json.dumps({"d_head": d_head, **measure(name, a, b, trans_a, trans_b, m, n, k, args.repeats,
-                                                              peak_gflops, with_onednn)}), flush=True)
+                                                              peak_gflops, with_onednn, mr)}), flush=True)
     return 0
 
 
