@@ -65,18 +65,7 @@ def _module_ir() -> str:
         return ir.Constant(i8, t)
 
     def loop(hi, step, name, body):
-        before = b.block
-        head, inside, after = (fn.append_basic_block(f"{name}_{x}") for x in ("head", "body", "end"))
-        b.branch(head)
-        b.position_at_end(head)
-        iv = b.phi(i64)
-        iv.add_incoming(const(0), before)
-        b.cbranch(b.icmp_signed("<", iv, hi), inside, after)
-        b.position_at_end(inside)
-        body(iv)
-        iv.add_incoming(b.add(iv, const(step)), b.block)
-        b.branch(head)
-        b.position_at_end(after)
+        peak.counted_loop(b, fn, 0, hi, step, name, body)
 
     def block(r0, c0):
         for t in range(4):

@@ -79,19 +79,7 @@ def _module_ir(lanes: int, mr: int | None = None) -> str:
         return ir.Constant(i64, value)
 
     def loop(lo, hi, step, name, body):
-        """``for iv in range(lo, hi, step): body(iv)`` at the builder's position."""
-        before = b.block
-        head, inside, after = (fn.append_basic_block(f"{name}_{x}") for x in ("head", "body", "end"))
-        b.branch(head)
-        b.position_at_end(head)
-        iv = b.phi(i64)
-        iv.add_incoming(lo, before)
-        b.cbranch(b.icmp_signed("<", iv, hi), inside, after)
-        b.position_at_end(inside)
-        body(iv)
-        iv.add_incoming(b.add(iv, step if isinstance(step, ir.Value) else const(step)), b.block)
-        b.branch(head)
-        b.position_at_end(after)
+        peak.counted_loop(b, fn, lo, hi, step, name, body)
 
     def smin(x, y):
         return b.select(b.icmp_signed("<", x, y), x, y)

@@ -88,6 +88,26 @@ def _loop_module(kind: str, lanes: int) -> str:
     return str(module)
 
 
+def counted_loop(b, fn, lo, hi, step, name, body):
+    """``for iv in range(lo, hi, step): body(iv)`` in LLVM IR at the builder ``b``'s position in
+    the function ``fn`` (``lo``, ``hi``, ``step``: i64 values or ints; blocks ``name_head``,
+    ``name_body``, ``name_end``). The micro-kernels' loops (bench/amx_tile.py, bench/fma_tile.py)."""
+    i64 = ir.IntType(64)
+    lo, hi, step = (x if isinstance(x, ir.Value) else ir.Constant(i64, x) for x in (lo, hi, step))
+    before = b.block
+    head, inside, after = (fn.append_basic_block(f"{name}_{x}") for x in ("head", "body", "end"))
+    b.branch(head)
+    b.position_at_end(head)
+    iv = b.phi(i64)
+    iv.add_incoming(lo, before)
+    b.cbranch(b.icmp_signed("<", iv, hi), inside, after)
+    b.position_at_end(inside)
+    body(iv)
+    iv.add_incoming(b.add(iv, step), b.block)
+    b.branch(head)
+    b.position_at_end(after)
+
+
 def amx_declarations(module):
     """``(intrinsics, config)`` in ``module``: AMX's LLVM intrinsics by name (``ldtilecfg``,
     ``tilerelease``, ``tilezero``, ``tileloadd64``, ``tilestored64``, ``tdpbf16ps``) and the

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import sys
@@ -10,12 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-_BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
-if str(_BENCH) not in sys.path:  # its siblings bench/peak.py and gemm_paths.py, as when run as a script
-    sys.path.insert(0, str(_BENCH))
-_spec = importlib.util.spec_from_file_location("fma_tile", _BENCH / "fma_tile.py")
-fma_tile = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fma_tile)
+_BENCH = str(pathlib.Path(__file__).resolve().parents[1] / "bench")
+if _BENCH not in sys.path:   # the script and its siblings (peak.py, gemm_paths.py), as when run as a script
+    sys.path.insert(0, _BENCH)
+import fma_tile  # noqa: E402
 
 
 def test_packing_lays_out_panels_with_zero_padding():
