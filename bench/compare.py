@@ -360,6 +360,14 @@ def _print_row(r):
 _print_row.first = True
 
 
+def footer(cpu: str, peaks: dict | None) -> str:
+    """The line under the table: the CPU and the peaks its "of peak" columns divide by."""
+    if not peaks:
+        return f"CPU: {cpu}; no row measured"
+    bf16 = f"{peaks['bf16']:.0f} GFLOP/s ({peaks['bf16_unit']})" if peaks.get("bf16") else "no bf16 unit"
+    return f"CPU: {cpu}; peak measured in this run: float32 FMA {peaks['float32']:.0f} GFLOP/s, bf16 {bf16}"
+
+
 def plot(rows, path, torch_version):
     try:
         import matplotlib
@@ -419,6 +427,7 @@ def main(argv=None):
         return serve(args.serve)
     rows, peaks = run(args)
     import numbafa
+    print(footer(numbafa.backend_info()["cpu_model"], peaks))
     meta = dict(numbafa=numbafa.__version__, torch=_torch_version(), machine=platform.machine(),
                 processor=platform.processor(), python=platform.python_version(), cpu_count=os.cpu_count(),
                 backend=numbafa.backend_info(), peak_gflops=peaks,

@@ -87,3 +87,12 @@ def test_every_side_times_every_pass(impl):
     side = compare.IMPLS[impl](*make_inputs(1, 2, 1, 128, 32, np.float32, {"use_causal_mask": True}))
     for pass_ in ("forward", "backward", "step"):
         assert 0 < getattr(side, pass_)() < 10, pass_
+
+
+def test_the_footer_names_the_cpu_and_the_peaks_the_table_divides_by():
+    cpu = "AMD EPYC (AuthenticAMD, family 25, model 1)"
+    assert compare.footer(cpu, {"float32": 203.4, "bf16": None, "bf16_unit": "vdpbf16ps"}) == (
+        f"CPU: {cpu}; peak measured in this run: float32 FMA 203 GFLOP/s, bf16 no bf16 unit")
+    assert compare.footer(cpu, {"float32": 422.0, "bf16": 6100.0, "bf16_unit": "amx"}).endswith(
+        "float32 FMA 422 GFLOP/s, bf16 6100 GFLOP/s (amx)")
+    assert compare.footer(cpu, None) == f"CPU: {cpu}; no row measured"
