@@ -1,7 +1,7 @@
 """One tile's float32 GEMMs on the FMA units: the GEMM libraries' calls against a micro-kernel on
 operands packed once.
 
-    python bench/fma_tile.py [--repeats 9] [--d-head 128 64] [--rows 512] [--keys 512]
+    python bench/fma_tile.py [--repeats 9] [--d-head 128 64] [--rows 512] [--keys 512] [--mr 4]
 
 The float32 backward calls its five tile GEMMs through the kernels' matmul seam, and both
 libraries behind it (OpenBLAS's ``sgemm``, oneDNN's ``dnnl_sgemm``) copy ("pack") both operands
@@ -17,7 +17,7 @@ backward's GEMMs in the orientations the kernel calls them (:func:`gemm_paths.ge
   kernels call them (packing included);
 * ``own``: a float32 micro-kernel built with llvmlite (BLIS's scheme: ``MR`` rows x ``NR``
   = two vectors of columns of C held in ``2 MR`` vector registers, ``MR`` = 6 with 8-lane
-  vectors, 12 with AVX-512's 16; per depth step two vector loads of B, ``MR`` broadcasts of A,
+  vectors, 12 with AVX-512's 16, or ``--mr``; per depth step two vector loads of B, ``MR`` broadcasts of A,
   ``2 MR`` FMAs; the depth blocked by ``KC`` and the rows by ``MC`` for the caches) on op(A)
   and op(B) already packed into its panels (:func:`pack_a`, :func:`pack_b`), the packing not
   included;
@@ -46,7 +46,7 @@ from gemm_paths import PATHS, _operand, _timed_gemm, gemms   # bench/gemm_paths.
 
 KC = 256     # depth block: a B micro-panel (KC x NR floats) stays in L1
 MC = 96      # row block (a multiple of MR for both widths): an A block (MC x KC) stays in L2
-UNROLL = 4   # depth steps per loop iteration (k must be a multiple)
+UNROLL = 4   # depth steps per loop iteration (the packing pads the depth to a multiple)
 
 
 def widths(lanes: int, mr: int | None = None) -> tuple[int, int]:
