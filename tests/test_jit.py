@@ -210,6 +210,7 @@ def test_no_step_compiled_without_contraction_takes_the_kernels_exp():
                  if _jit_keywords(node).get("contract") == "False" and calls(node) & (kernel_math | inlined_math)]
     assert not offenders, offenders
 
+
 def test_records_are_built_by_name():
     """No record of five or more fields is built positionally (``Record(a, b, ...)``,
     ``Record(*values)``, ``Record._make(values)``) anywhere in the package, kernels included:
