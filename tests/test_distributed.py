@@ -82,6 +82,12 @@ def client():
     cluster.close()
 
 
+#: Seconds to wait for the nannies' replacements of killed workers: a fresh process importing numba,
+#: dask and numbafa and loading the kernels from the cache, which took more than 60 s on a 2-core
+#: machine busy with a compile (a timeout only ends a wait that would otherwise hang).
+_RESTART_WAIT = 600
+
+
 def _dask_inputs(inputs, n_rep, head_chunk):
     """The arrays of ``inputs`` as Dask arrays, one batch and ``head_chunk`` q-heads per chunk."""
     out = dict(inputs)
@@ -171,7 +177,7 @@ def test_a_worker_killed_mid_run_still_gives_the_complete_result(client, tmp_pat
         client.run(_restore)
     assert os.path.exists(marker), "no worker was killed"
     assert_bitwise(got, expected)
-    client.wait_for_workers(2, timeout=60)
+    client.wait_for_workers(2, timeout=_RESTART_WAIT)
 
 
 def _exit_at_call(directory, handler, n):
@@ -213,7 +219,7 @@ def test_a_worker_killed_during_the_scatter_still_gives_the_single_process_bits(
     case = Case(bs=2, nheads=4, nheads_kv=2, d_head=32, seqlen_q=1024, seqlen_k=1024, causal=True)
     inputs = make_inputs(case)
     qkv = [inputs[key] for key in ("q_ref", "k_ref", "v_ref")]
-    client.wait_for_workers(2, timeout=60)
+    client.wait_for_workers(2, timeout=_RESTART_WAIT)
     client.run(_exit_at_call(str(tmp_path), "update_data", n))
     try:
         if kernel == "forward":
@@ -224,7 +230,7 @@ def test_a_worker_killed_during_the_scatter_still_gives_the_single_process_bits(
         client.run(_restore_handler("update_data"))
     assert os.path.exists(tmp_path / f"call-{n}"), "no worker was killed"
     assert_bitwise(got, expected)
-    client.wait_for_workers(2, timeout=60)
+    client.wait_for_workers(2, timeout=_RESTART_WAIT)
 
 
 @pytest.fixture(scope="module")
@@ -659,7 +665,7 @@ def test_a_share_that_kills_its_worker_every_time_says_what_happened(client):
                         time.sleep(0.5)
                     except (ValueError, KeyError):   # an earlier attempt removed it
                         break
-            own.wait_for_workers(1, timeout=120)
+            own.wait_for_workers(1, timeout=_RESTART_WAIT)
             # the workers left (or started since) compute the single-process bits again
             assert_bitwise(nd.attention_bwd(own, **inputs), numbafa.attention_bwd(**inputs))
     finally:
