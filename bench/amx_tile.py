@@ -29,7 +29,6 @@ import ctypes
 import functools
 import json
 import sys
-import time
 
 import numpy as np
 
@@ -153,17 +152,7 @@ def onednn_product(a_bits, b_bits, out):
 
 def _seconds(fn, repeats):
     """Best over ``repeats`` batches of the mean time of one call (batches of ~20 ms)."""
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    calls = max(1, int(0.02 / max(time.perf_counter() - t0, 1e-7)))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best
+    return min(peak.batch_times(fn, repeats))
 
 
 def measure(m, n, k, repeats=7, seed=0):

@@ -37,7 +37,6 @@ import ctypes
 import functools
 import json
 import sys
-import time
 
 import numpy as np
 
@@ -200,30 +199,29 @@ def pack_b(b, nr):
     return out
 
 
-def own_product(a, b, width=None, mr=None):
-    """``A @ B`` (float32 ``[m, k]`` and ``[k, n]``) by the micro-kernel for ``width`` lanes."""
+def _own_call(a, b, width=None, mr=None):
+    """``(call, c)``: the micro-kernel for ``width`` lanes on ``A [m, k]`` and ``B [k, n]`` (float32)
+    packed once, adding ``A @ B`` to ``c`` (zeroed; padded to whole panels) at each call."""
     mr, nr = widths(width or lanes(), mr)
-    m, n = a.shape[0], b.shape[1]
     ap, bp = pack_a(a, mr), pack_b(b, nr)
     c = np.zeros((ap.shape[0] * mr, bp.shape[0] * nr), np.float32)
-    micro_kernel(width, mr)(c.shape[0], c.shape[1], ap.shape[1], ap.ctypes.data, bp.ctypes.data, c.ctypes.data,
-                        c.shape[1])
-    return c[:m, :n]
+    kernel = micro_kernel(width, mr)
+
+    def call():
+        kernel(c.shape[0], c.shape[1], ap.shape[1], ap.ctypes.data, bp.ctypes.data, c.ctypes.data, c.shape[1])
+    return call, c
+
+
+def own_product(a, b, width=None, mr=None):
+    """``A @ B`` (float32 ``[m, k]`` and ``[k, n]``) by the micro-kernel for ``width`` lanes."""
+    call, c = _own_call(a, b, width, mr)
+    call()
+    return c[:a.shape[0], :b.shape[1]]
 
 
 def _seconds(fn, repeats):
     """Median over ``repeats`` batches (of ~20 ms) of the mean time of one call."""
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    calls = max(1, int(0.02 / max(time.perf_counter() - t0, 1e-7)))
-    batches = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        batches.append((time.perf_counter() - t0) / calls)
-    return float(np.median(batches))
+    return float(np.median(peak.batch_times(fn, repeats)))
 
 
 def measure(name, a, b, trans_a, trans_b, m, n, k, repeats, peak_gflops, with_onednn, mr=None):
@@ -231,13 +229,7 @@ def measure(name, a, b, trans_a, trans_b, m, n, k, repeats, peak_gflops, with_on
     op_a = np.ascontiguousarray(a.T if trans_a else a)
     op_b = np.ascontiguousarray(b.T if trans_b else b)
     mr, nr = widths(lanes(), mr)
-    ap, bp = pack_a(op_a, mr), pack_b(op_b, nr)
-    c_own = np.zeros((ap.shape[0] * mr, bp.shape[0] * nr), np.float32)
-    kernel = micro_kernel(None, mr)
-
-    def own_call():
-        kernel(c_own.shape[0], c_own.shape[1], ap.shape[1], ap.ctypes.data, bp.ctypes.data, c_own.ctypes.data,
-               c_own.shape[1])
+    own_call, c_own = _own_call(op_a, op_b, None, mr)
     own_call()   # C += A B on a zeroed C: the product, before the timing accumulates more
     ours = c_own[:m, :n].copy()
     theirs = np.empty((m, n), np.float32)

@@ -88,6 +88,23 @@ def _loop_module(kind: str, lanes: int) -> str:
     return str(module)
 
 
+def batch_times(fn, repeats: int) -> list:
+    """The mean time of one call of ``fn`` in each of ``repeats`` batches of ~20 ms (after two
+    calls, the second sizing the batches): the micro-kernel benches' timer, each taking its own
+    statistic (bench/amx_tile.py the best, bench/fma_tile.py the median)."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    calls = max(1, int(0.02 / max(time.perf_counter() - t0, 1e-7)))
+    means = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        means.append((time.perf_counter() - t0) / calls)
+    return means
+
+
 def counted_loop(b, fn, lo, hi, step, name, body):
     """``for iv in range(lo, hi, step): body(iv)`` in LLVM IR at the builder ``b``'s position in
     the function ``fn`` (``lo``, ``hi``, ``step``: i64 values or ints; blocks ``name_head``,
